@@ -1,0 +1,68 @@
+"""The token source of a turn: mlx-lm's ``generate_step`` over a session's cache."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step, generation_stream, wired_limit
+
+from .cache.state import CacheOptions
+from .params import LogitsProcessor, Sampler
+
+Token = tuple[int, mx.array, bool]  # (token id, log-probabilities, proposed by a draft model)
+
+
+def with_context(processors: Sequence[LogitsProcessor], context: Sequence[int]) -> list[LogitsProcessor]:
+    """Processors that see ``context`` (the cached tokens) before the tokens of this call.
+
+    generate_step shows processors only the tokens it was fed; over a reused cache that would hide
+    the earlier conversation from e.g. a repetition penalty, unlike a fresh prefill of the same prompt.
+    """
+    if not processors or not context:
+        return list(processors)
+    prefix = mx.array(list(context), dtype=mx.uint32)
+
+    def wrap(processor: LogitsProcessor) -> LogitsProcessor:
+        return lambda tokens, logits: processor(mx.concatenate([prefix, tokens.astype(mx.uint32)]), logits)
+
+    return [wrap(p) for p in processors]
+
+
+def generate_tokens(
+    model: Any,
+    layers: list[Any],
+    suffix: Sequence[int],
+    *,
+    max_tokens: int,
+    sampler: Sampler,
+    logits_processors: Sequence[LogitsProcessor],
+    options: CacheOptions,
+    progress: Callable[[int, int], None] | None = None,
+) -> Iterator[Token]:
+    """Feed ``suffix`` into ``layers`` (updated in place) and yield generated tokens.
+
+    When the consumer stops, the cache holds everything fed plus every token yielded.
+    """
+    steps = generate_step(
+        mx.array(list(suffix), dtype=mx.uint32),
+        model,
+        prompt_cache=layers,
+        max_tokens=max_tokens,
+        sampler=sampler,
+        logits_processors=list(logits_processors) or None,
+        prefill_step_size=options.prefill_step_size,
+        kv_bits=options.kv_bits,
+        kv_group_size=options.kv_group_size,
+        quantized_kv_start=options.quantized_kv_start,
+        prompt_progress_callback=progress,
+    )
+    with wired_limit(model, [generation_stream]):
+        try:
+            for token, logprobs in steps:
+                yield token, logprobs, False
+        finally:
+            steps.close()
+
+
+__all__ = ["Token", "generate_tokens", "with_context"]

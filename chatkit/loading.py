@@ -1,0 +1,70 @@
+"""Loading a model and its tokenizer through mlx-lm, from a Hugging Face repo id or a local folder."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import mlx.nn as nn
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .errors import ModelLoadError
+
+# Config keys that name a model's context window, most specific first.
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A model with its tokenizer and config, as returned by :func:`load`.
+
+    Sessions over the same ``LoadedModel`` share its weights; nothing here is per conversation.
+    """
+
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    config: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context window in tokens, when its config states one."""
+        for key in _CONTEXT_KEYS:
+            value = self.config.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+        text_config = self.config.get("text_config")
+        if isinstance(text_config, Mapping):
+            return LoadedModel(self.model, self.tokenizer, text_config).context_length
+        return None
+
+
+def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> LoadedModel:
+    """Load a model and tokenizer with ``mlx_lm.load``.
+
+    ``path_or_repo`` is a local folder (``config.json``, ``*.safetensors`` and tokenizer files) or a
+    Hugging Face repo id, downloaded on first use (set ``HF_HUB_OFFLINE=1`` to forbid downloads).
+    Extra keyword arguments go to the tokenizer's config (e.g. ``eos_token``).
+    """
+    from mlx_lm import load as mlx_load  # imported here: mlx_lm costs about a second to import
+
+    source = os.fspath(path_or_repo)
+    if not source:
+        raise ModelLoadError("load() needs a Hugging Face repo id or a local model folder, got ''.")
+    try:
+        model, tokenizer, config = mlx_load(
+            source, tokenizer_config=tokenizer_config or None, return_config=True
+        )
+    except Exception as exc:  # mlx-lm raises many kinds: missing files, hub errors, bad configs
+        hint = (
+            "check the folder holds config.json, weights and tokenizer files"
+            if Path(source).exists()
+            else "check the repo id, or pass a local folder (offline? set HF_HUB_OFFLINE=1 and use a path)"
+        )
+        raise ModelLoadError(f"Could not load model {source!r}: {exc} ({hint}).") from exc
+    return LoadedModel(model=model, tokenizer=tokenizer, config=dict(config), source=source)
+
+
+__all__ = ["LoadedModel", "load"]

@@ -1,0 +1,116 @@
+"""``GenerateParams``: how to sample a reply, mapped onto mlx-lm's samplers and logits processors."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+from .errors import InvalidParamsError
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+Sampler = Callable[[mx.array], mx.array]
+
+
+@dataclass
+class GenerateParams:
+    """Sampling and length settings for a turn. Mutable: changes apply from the next turn.
+
+    ``temperature=0`` is greedy decoding. ``top_p`` (1.0 = off), ``top_k`` (0 = off) and ``min_p``
+    (0 = off) filter before sampling. ``repetition_penalty`` looks at the last
+    ``repetition_context_size`` tokens. ``seed`` reseeds MLX's random generator at the start of each
+    turn. ``stop`` strings end the reply (they are cut from it). ``logit_bias`` adds to the logits of
+    token ids. ``template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``).
+    ``logits_processors`` are extra mlx-lm-style callables ``(tokens, logits) -> logits``.
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    repetition_context_size: int = 20
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    logit_bias: Mapping[int, float] | None = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    logits_processors: Sequence[LogitsProcessor] = ()
+
+    def copy(self, **changes: Any) -> "GenerateParams":
+        """A copy with ``changes`` applied (containers are copied, not shared)."""
+        base = replace(
+            self,
+            stop=tuple(self.stop),
+            logit_bias=dict(self.logit_bias) if self.logit_bias is not None else None,
+            template_kwargs=dict(self.template_kwargs),
+            logits_processors=tuple(self.logits_processors),
+        )
+        return replace(base, **changes)
+
+    def validate(self) -> None:
+        """Raise ``InvalidParamsError`` naming the first setting out of range."""
+
+        def bad(name: str, rule: str) -> InvalidParamsError:
+            return InvalidParamsError(f"GenerateParams.{name}={getattr(self, name)!r}: {rule}.")
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an int >= 1")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a number >= 0 (0 is greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1] (1 turns it off)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "must be an int >= 0 (0 turns it off)")
+        if not _is_number(self.min_p) or not 0 <= self.min_p < 1:
+            raise bad("min_p", "must be in [0, 1) (0 turns it off)")
+        if self.repetition_penalty is not None and (
+            not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0
+        ):
+            raise bad("repetition_penalty", "must be a number > 0 or None")
+        if not _is_int(self.repetition_context_size) or self.repetition_context_size < 1:
+            raise bad("repetition_context_size", "must be an int >= 1")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an int or None")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must be a list of non-empty strings")
+        if self.logit_bias is not None and not all(
+            _is_int(k) and k >= 0 and _is_number(v) for k, v in dict(self.logit_bias).items()
+        ):
+            raise bad("logit_bias", "must map token ids (int >= 0) to numbers")
+        if not isinstance(self.template_kwargs, Mapping):
+            raise bad("template_kwargs", "must be a dict")
+        if not all(callable(p) for p in self.logits_processors):
+            raise bad("logits_processors", "must be a list of callables (tokens, logits) -> logits")
+
+    def make_sampler(self) -> Sampler:
+        """mlx-lm's sampler for these settings."""
+        return make_sampler(
+            temp=float(self.temperature),
+            top_p=float(self.top_p) if self.top_p < 1 else 0.0,
+            min_p=float(self.min_p),
+            top_k=int(self.top_k),
+        )
+
+    def make_logits_processors(self) -> list[LogitsProcessor]:
+        """mlx-lm's logits processors for these settings, then the extra ones."""
+        processors = make_logits_processors(
+            logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            repetition_penalty=self.repetition_penalty,
+            repetition_context_size=self.repetition_context_size,
+        )
+        return processors + list(self.logits_processors)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+__all__ = ["GenerateParams", "LogitsProcessor", "Sampler"]

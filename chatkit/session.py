@@ -1,0 +1,367 @@
+"""``ChatSession``: a conversation with a model that reuses its KV cache from turn to turn.
+
+A turn is a pipeline: render (template) -> plan and prefill (cache) -> stream (generation, stream)
+-> commit (here). The session owns the history and the cache state and sequences the steps.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .cache.state import CacheOptions, CacheState
+from .errors import (
+    ContextWindowExceededError,
+    InvalidMessageError,
+    InvalidParamsError,
+    SessionBusyError,
+)
+from .generation import generate_tokens, with_context
+from .loading import LoadedModel
+from .messages import ChatMessage, MessageLike, Role, as_message, as_messages
+from .params import GenerateParams
+from .stream import ResponseStream, TurnResult, TurnStats
+from .template import ChatTemplate, read_template
+
+ProgressCallback = Callable[[int, int], None]
+
+
+class ChatSession:
+    """A stateful conversation with one model. Build it with :meth:`ChatSession.builder`.
+
+    One turn at a time: while a stream is open, starting another turn, ``clear()`` or editing the
+    conversation raises ``SessionBusyError`` and changes nothing.
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        *,
+        instructions: str | None = None,
+        history: Sequence[ChatMessage] = (),
+        generate_params: GenerateParams | None = None,
+        chat_template: str | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        cache_options: CacheOptions = CacheOptions(),
+        prefill_progress: ProgressCallback | None = None,
+    ) -> None:
+        self._lm = lm
+        self._template = ChatTemplate(lm.tokenizer, chat_template)
+        self._instructions = _check_instructions(instructions)
+        self._history = list(history)
+        self._params = generate_params if generate_params is not None else GenerateParams()
+        self._tools = _check_tools(tools)
+        cache_options.validate()
+        self._cache = CacheState(lm.model, cache_options)
+        self._progress = prefill_progress
+        self._turn = threading.Lock()  # held from the start of a turn until it commits or aborts
+        self._last_stats: TurnStats | None = None
+
+    @staticmethod
+    def builder(model: LoadedModel | Any, tokenizer: Any = None) -> "ChatSessionBuilder":
+        """Start building a session over a loaded model (``chatkit.load``) or a model and tokenizer."""
+        return ChatSessionBuilder(model, tokenizer)
+
+    # -- conversation state -------------------------------------------------------------------
+    @property
+    def model(self) -> LoadedModel:
+        return self._lm
+
+    @property
+    def history(self) -> list[ChatMessage]:
+        """The conversation so far (without the instructions), as a copy."""
+        return list(self._history)
+
+    @property
+    def instructions(self) -> str | None:
+        """The system prompt, rendered at the start of every turn's prompt; ``None`` for none."""
+        return self._instructions
+
+    @instructions.setter
+    def instructions(self, value: str | None) -> None:
+        with self._idle("change the instructions"):
+            self._instructions = _check_instructions(value)
+
+    @property
+    def generate_params(self) -> GenerateParams:
+        """The sampling settings; mutate them or assign new ones, they apply from the next turn."""
+        return self._params
+
+    @generate_params.setter
+    def generate_params(self, value: GenerateParams) -> None:
+        if not isinstance(value, GenerateParams):
+            raise InvalidParamsError(f"generate_params must be a GenerateParams, got {type(value).__name__}.")
+        self._params = value
+
+    @property
+    def tools(self) -> list[dict[str, Any]] | None:
+        """Tool JSON schemas passed to the chat template every turn."""
+        return None if self._tools is None else [dict(t) for t in self._tools]
+
+    @tools.setter
+    def tools(self, value: Sequence[Mapping[str, Any]] | None) -> None:
+        with self._idle("change the tools"):
+            self._tools = _check_tools(value)
+
+    @property
+    def last_stats(self) -> TurnStats | None:
+        """``TurnStats`` of the last committed turn."""
+        return self._last_stats
+
+    @property
+    def busy(self) -> bool:
+        """Whether a turn is in progress (a stream is open)."""
+        return self._turn.locked()
+
+    def clear(self) -> None:
+        """Forget the history and the cache (the instructions stay)."""
+        with self._idle("clear the session"):
+            self._history = []
+            self._cache.reset()
+
+    # -- turns --------------------------------------------------------------------------------
+    def respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> str:
+        """Send ``prompt`` and return the whole reply."""
+        with self.stream_respond(prompt, role=role) as stream:
+            for _ in stream:
+                pass
+        return stream.text
+
+    def stream_respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> ResponseStream:
+        """Send ``prompt`` and return the reply as a :class:`ResponseStream` of text chunks.
+
+        ``prompt`` is the text of a message from ``role`` (user by default; tool results with
+        ``Role.TOOL``), or a ``ChatMessage``/dict. Nothing runs until the stream is iterated.
+        """
+        message = _prompt_message(prompt, role)
+        params = self._params
+        params.validate()
+        if not self._turn.acquire(blocking=False):
+            raise SessionBusyError(
+                "This session already has a turn in progress: finish or close its stream first."
+            )
+        try:
+            return self._start_turn(message, params.copy())
+        except BaseException:
+            self._turn.release()
+            raise
+
+    def _start_turn(self, message: ChatMessage, params: GenerateParams) -> ResponseStream:
+        prompt = self._render([*self._history, message], params)
+        context = self._lm.context_length
+        if context is not None and len(prompt) >= context:
+            raise ContextWindowExceededError(
+                f"The prompt is {len(prompt)} tokens but the model's context window is {context}: "
+                "shorten the conversation (e.g. clear() or start a new session with less history).",
+                prompt_tokens=len(prompt),
+                context_length=context,
+            )
+        max_tokens = params.max_tokens if context is None else min(params.max_tokens, context - len(prompt))
+        cache = self._cache
+        fed: list[int] = []
+
+        def start():
+            if params.seed is not None:
+                mx.random.seed(params.seed)
+            plan = cache.prepare(prompt)
+            fed.extend(plan.suffix)
+            processors = with_context(params.make_logits_processors(), cache.ledger.tokens)
+            return len(plan.suffix), generate_tokens(
+                self._lm.model,
+                cache.layers,
+                plan.suffix,
+                max_tokens=max_tokens,
+                sampler=params.make_sampler(),
+                logits_processors=processors,
+                options=cache.options,
+                progress=self._progress,
+            )
+
+        def commit(result: TurnResult) -> None:
+            try:
+                cache.record([*fed, *result.tokens])
+                self._history += [message, ChatMessage.assistant(result.text)]
+                self._last_stats = result.stats
+            finally:
+                self._turn.release()
+
+        def abort(exc: BaseException | None) -> None:
+            try:
+                if fed:  # the cache was touched: keep what it provably holds, or drop it
+                    cache.record(fed)
+            finally:
+                self._turn.release()
+
+        tokenizer = self._lm.tokenizer
+        return ResponseStream(
+            start,
+            detokenizer=tokenizer.detokenizer,
+            eos_token_ids=sorted(tokenizer.eos_token_ids),
+            max_tokens=max_tokens,
+            stop=params.stop,
+            prompt_tokens=len(prompt),
+            on_commit=commit,
+            on_abort=abort,
+        )
+
+    def _render(self, messages: Sequence[ChatMessage], params: GenerateParams) -> list[int]:
+        full = ([ChatMessage.system(self._instructions)] if self._instructions is not None else []) + list(
+            messages
+        )
+        text = self._template.render(
+            full, tools=self._tools, add_generation_prompt=True, template_kwargs=params.template_kwargs
+        )
+        return self._template.encode(text)
+
+    def _idle(self, action: str) -> "_Idle":
+        return _Idle(self._turn, action)
+
+
+class _Idle:
+    """Holds the turn lock for a short edit; ``SessionBusyError`` while a stream is open."""
+
+    def __init__(self, lock: threading.Lock, action: str) -> None:
+        self._lock, self._action = lock, action
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            raise SessionBusyError(f"Cannot {self._action} while a reply is streaming: close the stream first.")
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._lock.release()
+
+
+def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:
+    if isinstance(prompt, str):
+        message = ChatMessage(Role.parse(role), prompt)
+    elif isinstance(prompt, (ChatMessage, Mapping)):
+        message = as_message(prompt)
+    else:
+        raise InvalidMessageError(f"A prompt is a str or a message, got {type(prompt).__name__}.")
+    if not message.content.strip():
+        raise InvalidMessageError("The prompt is empty: send some text.")
+    if message.role is Role.ASSISTANT:
+        raise InvalidMessageError("A prompt cannot come from the assistant: use role user, tool or system.")
+    return message
+
+
+def _check_instructions(value: str | None) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidMessageError(f"Instructions must be a str or None, got {type(value).__name__}.")
+    return value
+
+
+def _check_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if isinstance(tools, Mapping) or not all(isinstance(t, Mapping) for t in tools):
+        raise InvalidParamsError("tools must be a list of JSON-schema dicts.")
+    return [dict(t) for t in tools]
+
+
+def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        if tokenizer is not None:
+            raise InvalidParamsError("Pass a LoadedModel alone, or a model and its tokenizer, not both.")
+        return model
+    if isinstance(model, tuple) and len(model) == 2 and tokenizer is None:
+        model, tokenizer = model  # what mlx_lm.load returns
+    if tokenizer is None or not callable(model):
+        raise InvalidParamsError(
+            "builder() takes chatkit.load(...)'s result, or an mlx-lm model and its tokenizer."
+        )
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    args = getattr(model, "args", None)
+    config = dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {}
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, source="")
+
+
+class ChatSessionBuilder:
+    """Collects a session's settings; :meth:`build` checks them and returns the ``ChatSession``."""
+
+    def __init__(self, model: LoadedModel | Any, tokenizer: Any = None) -> None:
+        self._lm = _as_loaded(model, tokenizer)
+        self._instructions: str | None = None
+        self._history: list[ChatMessage] = []
+        self._params: GenerateParams | None = None
+        self._template: str | None = None
+        self._tools: Sequence[Mapping[str, Any]] | None = None
+        self._cache_options: dict[str, Any] = {}
+        self._progress: ProgressCallback | None = None
+
+    def instructions(self, text: str | None) -> "ChatSessionBuilder":
+        """The system prompt."""
+        self._instructions = _check_instructions(text)
+        return self
+
+    def history(self, messages: Iterable[MessageLike]) -> "ChatSessionBuilder":
+        """Earlier messages to continue from. A leading system message becomes the instructions."""
+        self._history = as_messages(messages)
+        return self
+
+    def generate_params(self, params: GenerateParams) -> "ChatSessionBuilder":
+        if not isinstance(params, GenerateParams):
+            raise InvalidParamsError(f"generate_params takes a GenerateParams, got {type(params).__name__}.")
+        self._params = params
+        return self
+
+    def chat_template(self, template: str | os.PathLike[str]) -> "ChatSessionBuilder":
+        """Use this jinja template (its text or a file path) instead of the tokenizer's own."""
+        self._template = read_template(template)
+        return self
+
+    def tools(self, tools: Sequence[Mapping[str, Any]] | None) -> "ChatSessionBuilder":
+        """Tool JSON schemas, passed to the chat template as ``tools``."""
+        self._tools = _check_tools(tools)
+        return self
+
+    def max_kv_size(self, tokens: int | None) -> "ChatSessionBuilder":
+        """Keep at most this many tokens in a rotating KV cache."""
+        self._cache_options["max_kv_size"] = tokens
+        return self
+
+    def kv_bits(self, bits: int | None, *, group_size: int = 64, start: int = 0) -> "ChatSessionBuilder":
+        """Quantize the KV cache to ``bits`` once it holds ``start`` tokens."""
+        self._cache_options.update(kv_bits=bits, kv_group_size=group_size, quantized_kv_start=start)
+        return self
+
+    def prefill_step_size(self, tokens: int) -> "ChatSessionBuilder":
+        """Process prompts in chunks of this many tokens."""
+        self._cache_options["prefill_step_size"] = tokens
+        return self
+
+    def prefill_progress(self, callback: ProgressCallback | None) -> "ChatSessionBuilder":
+        """Called as ``callback(done, total)`` while a prompt is prefilled."""
+        self._progress = callback
+        return self
+
+    def build(self) -> ChatSession:
+        instructions, history = self._instructions, list(self._history)
+        if history and history[0].role is Role.SYSTEM:
+            if instructions is not None:
+                raise InvalidMessageError(
+                    "Both instructions() and a leading system message in history(): give the system prompt once."
+                )
+            instructions, history = history[0].content, history[1:]
+        options = CacheOptions(**self._cache_options)
+        options.validate()
+        if self._params is not None:
+            self._params.validate()
+        return ChatSession(
+            self._lm,
+            instructions=instructions,
+            history=history,
+            generate_params=self._params.copy() if self._params is not None else None,
+            chat_template=self._template,
+            tools=self._tools,
+            cache_options=options,
+            prefill_progress=self._progress,
+        )
+
+
+__all__ = ["ChatSession", "ChatSessionBuilder"]

@@ -1,0 +1,248 @@
+"""``ResponseStream``: a reply as an iterator of text chunks that commits its turn exactly once."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import mlx.core as mx
+
+from .generation import Token
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """One generated token and the text it completed (possibly ``""`` while a character is partial).
+
+    ``finish_reason`` is set on the last chunk: ``"stop"`` (end of turn or a stop string) or
+    ``"length"`` (``max_tokens`` or the context window reached).
+    """
+
+    text: str
+    token: int
+    finish_reason: str | None = None
+    from_draft: bool = False
+    logprobs: mx.array | None = None
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """What a turn cost. ``reused_tokens + prefilled_tokens == prompt_tokens``.
+
+    ``finish_reason`` is ``"stop"``, ``"length"`` or ``"cancelled"`` (closed before the end).
+    ``peak_memory_bytes`` is MLX's process-wide peak during the turn.
+    """
+
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    generation_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    peak_memory_bytes: int
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """What a stream hands back to its session when it closes."""
+
+    text: str
+    tokens: tuple[int, ...]  # every token the model produced, end-of-turn token included
+    stats: TurnStats
+
+
+class ResponseStream:
+    """The reply of one turn, streamed. Iterate it for ``StreamChunk`` s; use it as a context manager.
+
+    The turn commits exactly once: at the end of the reply, on ``close()``, on leaving the ``with``
+    block, or when the stream is garbage-collected. What was produced so far (stop strings cut off)
+    becomes the assistant's reply in the session's history. Closing before the first chunk leaves
+    the session unchanged.
+    """
+
+    def __init__(
+        self,
+        start: Callable[[], tuple[int, Iterator[Token]]],
+        *,
+        detokenizer: Any,
+        eos_token_ids: Sequence[int],
+        max_tokens: int,
+        stop: Sequence[str],
+        prompt_tokens: int,
+        on_commit: Callable[[TurnResult], None],
+        on_abort: Callable[[BaseException | None], None],
+    ) -> None:
+        self._start = start
+        self._detok = detokenizer
+        self._eos = frozenset(eos_token_ids)
+        self._max_tokens = max_tokens
+        self._stop = tuple(stop)
+        self._prompt_tokens = prompt_tokens
+        self._prefilled = 0
+        self._on_commit = on_commit
+        self._on_abort = on_abort
+        self._tokens: Iterator[Token] | None = None
+        self._generated: list[int] = []
+        self._text = ""  # text handed out so far
+        self._finish: str | None = None
+        self._stats: TurnStats | None = None
+        self._done = False
+        self._lock = threading.Lock()  # close() may come from the garbage collector or another thread
+        self._t_start = self._t_first = 0.0
+
+    # -- public surface -----------------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        """The reply so far; after the end, the whole reply as committed."""
+        return self._text
+
+    @property
+    def tokens(self) -> list[int]:
+        """Token ids generated so far (end-of-turn token included)."""
+        return list(self._generated)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._finish
+
+    @property
+    def stats(self) -> TurnStats | None:
+        """The turn's ``TurnStats`` once the stream is closed; ``None`` before."""
+        return self._stats
+
+    @property
+    def closed(self) -> bool:
+        return self._done
+
+    def __iter__(self) -> "ResponseStream":
+        return self
+
+    def __next__(self) -> StreamChunk:
+        with self._lock:
+            if self._done:
+                raise StopIteration
+            try:
+                return self._next_chunk()
+            except StopIteration:
+                raise
+            except BaseException as exc:
+                self._abort(exc)
+                raise
+
+    def close(self) -> None:
+        """Stop generating and commit what was produced. Safe to call more than once."""
+        with self._lock:
+            if self._done:
+                return
+            if self._tokens is None:
+                self._abort(None)  # nothing was generated: the session stays as it was
+            else:
+                self._finish = self._finish or "cancelled"
+                self._commit()
+
+    def __enter__(self) -> "ResponseStream":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass  # never raise from the garbage collector
+
+    # -- internals ----------------------------------------------------------------------------
+    def _next_chunk(self) -> StreamChunk:
+        if self._tokens is None:
+            mx.reset_peak_memory()
+            self._t_start = time.perf_counter()
+            self._prefilled, self._tokens = self._start()
+        token, logprobs, from_draft = next(self._tokens)
+        if not self._generated:
+            self._t_first = time.perf_counter()
+        self._generated.append(token)
+        finish = None
+        if token in self._eos:
+            finish = "stop"
+        else:
+            self._detok.add_token(token)
+            if len(self._generated) >= self._max_tokens:
+                finish = "length"
+        text, hit_stop = self._take_text(final=finish is not None)
+        if hit_stop:
+            finish = "stop"
+        chunk = StreamChunk(text, token, finish, from_draft, logprobs)
+        if finish is not None:
+            self._finish = finish
+            self._commit()
+        return chunk
+
+    def _take_text(self, final: bool) -> tuple[str, bool]:
+        """The next piece of text to hand out, holding back what may start a stop string."""
+        if final:
+            self._detok.finalize()
+        full = self._detok.text
+        emitted = len(self._text)
+        end, hit = len(full), False
+        if self._stop:
+            found = [i for i in (full.find(s, emitted) for s in self._stop) if i >= 0]
+            if found:
+                end, hit = min(found), True
+            elif not final:
+                end -= _partial_stop_length(full, self._stop)
+        piece = full[emitted:end]
+        self._text += piece
+        return piece, hit
+
+    def _stats_now(self) -> TurnStats:
+        now = time.perf_counter()
+        n = len(self._generated)
+        prefill_time = (self._t_first - self._t_start) if n else 0.0
+        decode_time = now - self._t_first if n else 0.0
+        return TurnStats(
+            prompt_tokens=self._prompt_tokens,
+            reused_tokens=self._prompt_tokens - self._prefilled,
+            prefilled_tokens=self._prefilled,
+            generation_tokens=n,
+            prompt_tps=self._prefilled / prefill_time if prefill_time > 0 else 0.0,
+            generation_tps=(n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0,
+            peak_memory_bytes=int(mx.get_peak_memory()),
+            finish_reason=self._finish,
+        )
+
+    def _close_source(self) -> None:
+        if self._tokens is not None:
+            close = getattr(self._tokens, "close", None)
+            if close is not None:
+                close()
+
+    def _commit(self) -> None:
+        self._done = True
+        self._close_source()
+        self._stats = self._stats_now()
+        self._on_commit(TurnResult(self._text, tuple(self._generated), self._stats))
+
+    def _abort(self, exc: BaseException | None) -> None:
+        self._done = True
+        try:
+            self._close_source()
+        finally:
+            self._on_abort(exc)
+
+
+def _partial_stop_length(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is the start of a stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+__all__ = ["ResponseStream", "StreamChunk", "TurnResult", "TurnStats"]
