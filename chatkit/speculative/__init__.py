@@ -1,0 +1,1 @@
+"""Draft-model speculative decoding (SpeculativeConfig, draft compatibility): arrives with its own issue."""
