@@ -1,7 +1,7 @@
 """chatkit: stateful chat sessions with local language models, built on MLX and mlx-lm."""
 
 from . import _blas  # noqa: F401  (must run before mlx is imported)
-from .cache.state import CacheOptions
+from .cache.state import CacheInfo, CacheOptions
 from .errors import (
     ChatKitError,
     ContextWindowExceededError,
@@ -22,6 +22,7 @@ from .stream import ResponseStream, StreamChunk, TurnStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheInfo",
     "CacheOptions",
     "ChatKitError",
     "ChatMessage",

@@ -13,11 +13,13 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .cache.state import CacheOptions, CacheState
+from .cache.state import CacheInfo, CacheOptions, CacheState
 from .errors import (
+    ChatKitError,
     ContextWindowExceededError,
     InvalidMessageError,
     InvalidParamsError,
+    NothingToUndoError,
     SessionBusyError,
 )
 from .generation import generate_tokens, with_context
@@ -123,6 +125,84 @@ class ChatSession:
             self._history = []
             self._cache.reset()
 
+    @property
+    def cache_options(self) -> CacheOptions:
+        """How the KV cache is built; assigning new options rebuilds the cache at the next turn."""
+        return self._cache.options
+
+    @cache_options.setter
+    def cache_options(self, options: CacheOptions) -> None:
+        if not isinstance(options, CacheOptions):
+            raise InvalidParamsError(f"cache_options must be a CacheOptions, got {type(options).__name__}.")
+        options.validate()
+        with self._idle("change the cache options"):
+            if options != self._cache.options:
+                self._cache = CacheState(self._lm.model, options)
+
+    def cache_info(self) -> CacheInfo:
+        """What the KV cache holds now."""
+        return self._cache.info()
+
+    def release_cache(self) -> None:
+        """Free the KV cache's memory; the next turn prefills the whole conversation again."""
+        with self._idle("release the cache"):
+            self._cache.reset()
+
+    # -- editing --------------------------------------------------------------------------------
+    def undo(self) -> list[ChatMessage]:
+        """Drop the last exchange (the prompt and its reply), rewind the cache to match, and return it."""
+        with self._idle("undo"):
+            if not _ends_with_exchange(self._history):
+                raise NothingToUndoError("There is no exchange to undo: the history does not end with a reply.")
+            dropped, self._history = self._history[-2:], self._history[:-2]
+            try:
+                self._cache.rewind(self._render_history())
+            except ChatKitError:
+                self._cache.reset()
+            return dropped
+
+    def regenerate(self) -> str:
+        """Answer the last prompt again, replacing the last reply; returns the new reply."""
+        with self.stream_regenerate() as stream:
+            for _ in stream:
+                pass
+        return stream.text
+
+    def stream_regenerate(self) -> ResponseStream:
+        """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
+        params = self._params
+        params.validate()
+        if not self._turn.acquire(blocking=False):
+            raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")
+        try:
+            if not _ends_with_exchange(self._history):
+                raise NothingToUndoError("There is no reply to regenerate: the history does not end with a reply.")
+            return self._start_turn(self._history[:-2], self._history[-2], params.copy())
+        except BaseException:
+            self._turn.release()
+            raise
+
+    def fork(self) -> "ChatSession":
+        """An independent session with the same conversation, settings and a copy of the cache.
+
+        The copy shares the cached prefix's memory until one of the two writes, so both branches go on
+        without prefilling the past again.
+        """
+        with self._idle("fork"):
+            other = ChatSession(
+                self._lm,
+                instructions=self._instructions,
+                history=self._history,
+                generate_params=self._params.copy(),
+                chat_template=self._template.template,
+                tools=self._tools,
+                cache_options=self._cache.options,
+                prefill_progress=self._progress,
+            )
+            other._cache = self._cache.copy()
+            other._last_stats = self._last_stats
+            return other
+
     # -- turns --------------------------------------------------------------------------------
     def respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> str:
         """Send ``prompt`` and return the whole reply."""
@@ -145,13 +225,22 @@ class ChatSession:
                 "This session already has a turn in progress: finish or close its stream first."
             )
         try:
-            return self._start_turn(message, params.copy())
+            return self._start_turn(self._history, message, params.copy())
         except BaseException:
             self._turn.release()
             raise
 
-    def _start_turn(self, message: ChatMessage, params: GenerateParams) -> ResponseStream:
-        prompt = self._render([*self._history, message], params)
+    def render(self, prompt: str | MessageLike | None = None, *, role: Role | str = Role.USER) -> str:
+        """The prompt text the model would see if ``prompt`` were sent now (the template's output)."""
+        if prompt is None:
+            return self._render_text(self._history, self._params, add_generation_prompt=False)
+        return self._render_text([*self._history, _prompt_message(prompt, role)], self._params)
+
+    def _start_turn(
+        self, base: list[ChatMessage], message: ChatMessage, params: GenerateParams
+    ) -> ResponseStream:
+        """Prepare a turn that answers ``message`` after ``base``; the turn lock is held."""
+        prompt = self._render([*base, message], params)
         context = self._lm.context_length
         if context is not None and len(prompt) >= context:
             raise ContextWindowExceededError(
@@ -170,6 +259,14 @@ class ChatSession:
             plan = cache.prepare(prompt)
             fed.extend(plan.suffix)
             processors = with_context(params.make_logits_processors(), cache.ledger.tokens)
+            user_progress = self._progress
+
+            def progress(done: int, total: int) -> None:
+                if done == total - 1:  # the whole prompt but its last token is in: a rewind point
+                    cache.checkpoint()
+                if user_progress is not None:
+                    user_progress(done, total)
+
             return len(plan.suffix), generate_tokens(
                 self._lm.model,
                 cache.layers,
@@ -178,13 +275,13 @@ class ChatSession:
                 sampler=params.make_sampler(),
                 logits_processors=processors,
                 options=cache.options,
-                progress=self._progress,
+                progress=progress,
             )
 
         def commit(result: TurnResult) -> None:
             try:
                 cache.record([*fed, *result.tokens])
-                self._history += [message, ChatMessage.assistant(result.text)]
+                self._history = [*base, message, ChatMessage.assistant(result.text)]
                 self._last_stats = result.stats
             finally:
                 self._turn.release()
@@ -208,14 +305,28 @@ class ChatSession:
             on_abort=abort,
         )
 
-    def _render(self, messages: Sequence[ChatMessage], params: GenerateParams) -> list[int]:
-        full = ([ChatMessage.system(self._instructions)] if self._instructions is not None else []) + list(
-            messages
+    def _render_text(
+        self, messages: Sequence[ChatMessage], params: GenerateParams, *, add_generation_prompt: bool = True
+    ) -> str:
+        system = [ChatMessage.system(self._instructions)] if self._instructions is not None else []
+        return self._template.render(
+            [*system, *messages],
+            tools=self._tools,
+            add_generation_prompt=add_generation_prompt,
+            template_kwargs=params.template_kwargs,
         )
-        text = self._template.render(
-            full, tools=self._tools, add_generation_prompt=True, template_kwargs=params.template_kwargs
-        )
+
+    def _render(
+        self, messages: Sequence[ChatMessage], params: GenerateParams, *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        text = self._render_text(messages, params, add_generation_prompt=add_generation_prompt)
         return self._template.encode(text)
+
+    def _render_history(self) -> list[int]:
+        """The ids of the conversation as it stands, without a generation prompt."""
+        if not self._history and self._instructions is None:
+            return []
+        return self._render(self._history, self._params, add_generation_prompt=False)
 
     def _idle(self, action: str) -> "_Idle":
         return _Idle(self._turn, action)
@@ -233,6 +344,10 @@ class _Idle:
 
     def __exit__(self, *exc_info: object) -> None:
         self._lock.release()
+
+
+def _ends_with_exchange(history: Sequence[ChatMessage]) -> bool:
+    return len(history) >= 2 and history[-1].role is Role.ASSISTANT and history[-2].role is not Role.ASSISTANT
 
 
 def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from mlx_lm.models.cache import make_prompt_cache
+import mlx.core as mx
+from mlx.utils import tree_map
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from ..errors import InvalidParamsError
 from .ledger import Ledger
-from .planner import Action, Plan, plan
+from .planner import Action, Plan, common_prefix_length, plan
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,42 @@ def is_trimmable(layers: Sequence[Any]) -> bool:
     return all(c.is_trimmable() for c in layers)
 
 
+def copy_layer(layer: Any) -> Any:
+    """An independent copy of one mlx-lm cache layer (MLX arrays are values: no data is copied
+    until one side writes)."""
+    state = tree_map(lambda x: x[...] if isinstance(x, mx.array) else x, layer.state)
+    return type(layer).from_state(state)
+
+
+# Layers that rewind exactly at any time; a checkpoint needs only their offset.
+_ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache)
+MAX_CHECKPOINTS = 4
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The cache as it was at ``length`` ledger tokens: copies of the layers that cannot rewind
+    (``None`` where a layer can simply be trimmed back)."""
+
+    length: int
+    copies: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class CacheInfo:
+    """What a session's KV cache holds: ``tokens`` cached (``opaque_tokens`` of them with unknown ids),
+    ``nbytes`` of the layers, ``checkpoint_bytes`` held for rewinding, the layer classes, and
+    whether every layer can rewind (``trimmable``)."""
+
+    tokens: int
+    opaque_tokens: int
+    nbytes: int
+    checkpoints: int
+    checkpoint_bytes: int
+    layer_classes: tuple[str, ...]
+    trimmable: bool
+
+
 class CacheState:
     """The cache layers of one model for one conversation, with the ledger of what they hold."""
 
@@ -65,6 +103,7 @@ class CacheState:
         self.options = options
         self.layers: list[Any] | None = None
         self.ledger = Ledger()
+        self.checkpoints: list[Checkpoint] = []
 
     @property
     def empty(self) -> bool:
@@ -74,23 +113,86 @@ class CacheState:
         """Forget the cache; the next turn starts from an empty one."""
         self.layers = None
         self.ledger = Ledger()
+        self.checkpoints = []
+
+    def copy(self) -> "CacheState":
+        """An independent copy (for a fork): layers, ledger and checkpoints."""
+        other = CacheState(self._model, self.options)
+        if self.layers is not None:
+            other.layers = [copy_layer(c) for c in self.layers]
+        other.ledger = self.ledger
+        other.checkpoints = list(self.checkpoints)  # checkpoints hold copies, never written
+        return other
+
+    @property
+    def needs_checkpoints(self) -> bool:
+        """Whether some layer may be unable to rewind (hybrid or rotating caches)."""
+        return self.layers is not None and not all(isinstance(c, _ALWAYS_TRIMMABLE) for c in self.layers)
+
+    def checkpoint(self) -> None:
+        """Remember the cache as it is now, so that a later turn can come back here."""
+        if self.layers is None or not self.needs_checkpoints:
+            return
+        length = layer_offset(self.layers)
+        if length is None:
+            return
+        length -= self.ledger.opaque
+        copies = tuple(None if isinstance(c, _ALWAYS_TRIMMABLE) else copy_layer(c) for c in self.layers)
+        kept = [c for c in self.checkpoints if c.length < length]
+        self.checkpoints = (kept + [Checkpoint(length, copies)])[-MAX_CHECKPOINTS:]
+
+    def rewind(self, ids: Sequence[int]) -> None:
+        """Drop what follows the longest prefix of ``ids`` the cache can go back to (for undo)."""
+        if self.layers is None:
+            return
+        keep = common_prefix_length(self.ledger.tokens, ids)
+        if keep >= len(self.ledger.tokens):
+            return
+        if is_trimmable(self.layers) and self._trim_to(keep):
+            self._forget_after(keep)
+            return
+        usable = [c for c in self.checkpoints if c.length <= keep]
+        if usable:
+            self._restore(usable[-1])
+        # else: leave it; the next turn's plan decides
 
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers) if self.layers else 0
+
+    def info(self) -> CacheInfo:
+        layers = self.layers or []
+        return CacheInfo(
+            tokens=len(self.ledger),
+            opaque_tokens=self.ledger.opaque,
+            nbytes=self.nbytes(),
+            checkpoints=len(self.checkpoints),
+            checkpoint_bytes=sum(c.nbytes for cp in self.checkpoints for c in cp.copies if c is not None),
+            layer_classes=tuple(type(c).__name__ for c in layers),
+            trimmable=bool(layers) and is_trimmable(layers),
+        )
 
     def prepare(self, prompt: Sequence[int]) -> Plan:
         """Plan reuse for ``prompt`` and apply the plan, so that the cache holds ``plan.keep`` tokens."""
         if self.layers is None:
             self.layers = self._new_layers()
             self.ledger = Ledger()
-        p = plan(self.ledger, prompt, trimmable=is_trimmable(self.layers))
+        p = plan(
+            self.ledger,
+            prompt,
+            trimmable=is_trimmable(self.layers),
+            checkpoints=[c.length for c in self.checkpoints],
+        )
         if p.action is Action.TRIM and not self._trim_to(p.keep):
             p = Plan(Action.REBUILD, 0, tuple(prompt))
+        if p.action is Action.RESTORE:
+            (checkpoint,) = [c for c in self.checkpoints if c.length == p.keep]
+            if not self._restore(checkpoint):
+                p = Plan(Action.REBUILD, 0, tuple(prompt))
         if p.action is Action.REBUILD:
+            self.reset()
             self.layers = self._new_layers()
-            self.ledger = Ledger()
         else:
-            self.ledger = Ledger(self.ledger.tokens[: p.keep], self.ledger.opaque)
+            self._forget_after(p.keep)
         return p
 
     def record(self, fed: Sequence[int]) -> None:
@@ -107,6 +209,25 @@ class CacheState:
         else:
             self.ledger = ledger
 
+    def _forget_after(self, keep: int) -> None:
+        self.ledger = Ledger(self.ledger.tokens[:keep], self.ledger.opaque)
+        self.checkpoints = [c for c in self.checkpoints if c.length <= keep]
+
+    def _restore(self, checkpoint: Checkpoint) -> bool:
+        """Bring every layer back to ``checkpoint``; ``False`` if a layer could not follow."""
+        assert self.layers is not None
+        target = self.ledger.opaque + checkpoint.length
+        for i, saved in enumerate(checkpoint.copies):
+            if saved is not None:
+                self.layers[i] = copy_layer(saved)  # a copy: the checkpoint stays reusable
+            elif self.layers[i].offset >= target:
+                self.layers[i].trim(self.layers[i].offset - target)
+        if layer_offset(self.layers) not in (target, None):
+            self.reset()
+            return False
+        self._forget_after(checkpoint.length)
+        return True
+
     def _new_layers(self) -> list[Any]:
         return make_prompt_cache(self._model, max_kv_size=self.options.max_kv_size)
 
@@ -121,4 +242,4 @@ class CacheState:
         return layer_offset(self.layers) == target
 
 
-__all__ = ["CacheOptions", "CacheState", "layer_offset", "is_trimmable"]
+__all__ = ["CacheInfo", "CacheOptions", "CacheState", "Checkpoint", "copy_layer", "is_trimmable", "layer_offset"]

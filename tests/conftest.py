@@ -1,0 +1,64 @@
+"""Shared fixtures: offline tiny models (built once per process by chatkit.testing)."""
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+import chatkit  # noqa: F401  (loads OpenBLAS before mlx, when present)
+from chatkit import ChatSession, GenerateParams
+from chatkit.cache.state import layer_offset
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+settings.register_profile(
+    "chatkit",
+    deadline=None,
+    derandomize=True,  # the same examples on every run: CI failures reproduce
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.load_profile("chatkit")
+
+GREEDY = GenerateParams(max_tokens=12, temperature=0.0)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    from chatkit.testing import tiny_model
+
+    return tiny_model
+
+
+def session_for(lm, *, params=GREEDY, instructions="Be brief.", history=(), **options):
+    builder = ChatSession.builder(lm).generate_params(params).history(list(history))
+    if instructions is not None:
+        builder = builder.instructions(instructions)
+    for name, value in options.items():
+        builder = getattr(builder, name)(value)
+    return builder.build()
+
+
+def fresh_reply(session, prompt, **options):
+    """The reply of a new session with the same history: the ground truth for cache reuse."""
+    fresh = session_for(
+        session.model,
+        params=session.generate_params.copy(),
+        instructions=session.instructions,
+        history=session.history,
+        **options,
+    )
+    with fresh.stream_respond(prompt) as stream:
+        for _ in stream:
+            pass
+    return stream.tokens
+
+
+def assert_ledger_matches_cache(session):
+    """Invariant 1: every attention layer's offset is the ledger's length."""
+    state = session._cache
+    if state.layers is None:
+        assert len(state.ledger) == 0
+        return
+    offset = layer_offset(state.layers)
+    if offset is not None:
+        assert offset == len(state.ledger)

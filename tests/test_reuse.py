@@ -1,0 +1,250 @@
+"""KV cache reuse across turns: rewind, checkpoints, undo/regenerate/fork, and the equivalence property."""
+
+import mlx.core as mx
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from chatkit import CacheOptions, ChatMessage, GenerateParams, NothingToUndoError, SessionBusyError
+from chatkit.cache import Action
+from conftest import assert_ledger_matches_cache, fresh_reply, session_for
+
+HYBRID = "qwen3_5"
+
+
+def run(session, prompt):
+    with session.stream_respond(prompt) as stream:
+        list(stream)
+    return stream
+
+
+def think_forcer(tokenizer, n_think=12):
+    """Make every reply start with a <think> block (random weights never write one), then stop."""
+    think = tokenizer.encode("<think>\nLet me think about it carefully.\n</think>\n\n", add_special_tokens=False)
+    answer_len = 4
+
+    def processor(tokens, logits):
+        # Position within the current reply: tokens generated since the last "<|im_start|>assistant\n".
+        generated = processor.generated
+        processor.generated += 1
+        if generated < len(think):
+            target = think[generated]
+        elif generated < len(think) + answer_len:
+            return logits
+        else:
+            target = tokenizer.eos_token_id
+        return mx.where(mx.arange(logits.shape[-1]) == target, 0.0, -1e9)[None]
+
+    processor.generated = 0
+    return processor
+
+
+@pytest.mark.parametrize("arch", ["qwen3", HYBRID])
+def test_thinking_template_rewinds_only_to_the_start_of_the_previous_reply(tiny, arch):
+    lm = tiny(arch=arch, tokenizer="bpe-think")
+    forcer = think_forcer(lm.tokenizer)
+    session = session_for(lm, params=GenerateParams(max_tokens=40, logits_processors=[forcer]))
+    previous_prompt = None
+    for prompt in ["Hi", "How are you?", "Why?"]:
+        forcer.generated = 0
+        stream = run(session, prompt)
+        assert stream.text.startswith("<think>")
+        stats = session.last_stats
+        if previous_prompt is not None:
+            # The template drops the earlier <think> block: everything up to the reply is reused.
+            expected = previous_prompt if arch == "qwen3" else previous_prompt - 1  # hybrid: checkpoint
+            assert stats.reused_tokens == expected
+        previous_prompt = stats.prompt_tokens
+        assert_ledger_matches_cache(session)
+    forcer.generated = 0
+    expected_tokens = fresh_reply(session, "Last")
+    forcer.generated = 0
+    assert run(session, "Last").tokens == expected_tokens
+
+
+def test_hybrid_cache_cannot_trim_but_restores_a_checkpoint(tiny):
+    lm = tiny(arch=HYBRID, tokenizer="bpe")
+    session = session_for(lm, params=GenerateParams(max_tokens=8, stop=["e"]))
+    run(session, "Hello")
+    info = session.cache_info()
+    assert not info.trimmable and "ArraysCache" in info.layer_classes and info.checkpoints >= 1
+    plan_before = session._cache.ledger
+    expected = fresh_reply(session, "Again")
+    stream = run(session, "Again")
+    assert stream.tokens == expected
+    assert session.last_stats.reused_tokens > 0
+    assert len(plan_before) >= session.last_stats.reused_tokens
+
+
+def test_sliding_window_cache_keeps_working_after_it_wraps(tiny):
+    lm = tiny(arch="gemma3_text", tokenizer="gemma")
+    session = session_for(lm, params=GenerateParams(max_tokens=20))
+    for prompt in ["A fairly long first message to wrap the sliding window of the tiny model.", "Next", "More"]:
+        expected = fresh_reply(session, prompt)
+        assert run(session, prompt).tokens == expected
+        assert_ledger_matches_cache(session)
+    assert "RotatingKVCache" in session.cache_info().layer_classes
+
+
+def test_undo_drops_the_exchange_and_rewinds(tiny):
+    session = session_for(tiny(), params=GenerateParams(max_tokens=6))
+    with pytest.raises(NothingToUndoError):
+        session.undo()
+    session.respond("One")
+    session.respond("Two")
+    dropped = session.undo()
+    assert dropped[0] == ChatMessage.user("Two") and len(session.history) == 2
+    # The cache now holds exactly the conversation as it stands (rendered without a new prompt).
+    history_ids = session.model.tokenizer.encode(session.render(), add_special_tokens=False)
+    assert session._cache.ledger.tokens == tuple(history_ids)
+    assert_ledger_matches_cache(session)
+    expected = fresh_reply(session, "Three")
+    assert run(session, "Three").tokens == expected
+
+
+def test_regenerate_replaces_the_last_reply(tiny):
+    session = session_for(tiny(), params=GenerateParams(max_tokens=6, temperature=1.0))
+    with pytest.raises(NothingToUndoError):
+        session.regenerate()
+    session.respond("One")
+    first = session.history
+    session.generate_params.seed = 11
+    again = session.regenerate()
+    assert session.history[:-1] == first[:-1] and session.history[-1].content == again
+    assert len(session.history) == 2
+    # Closing a regeneration before it starts keeps the old reply.
+    stream = session.stream_regenerate()
+    stream.close()
+    assert session.history[-1].content == again
+
+
+def test_greedy_regenerate_gives_the_same_reply_from_the_rewound_cache(tiny):
+    session = session_for(tiny(), params=GenerateParams(max_tokens=6))
+    reply = session.respond("One")
+    assert session.regenerate() == reply
+    assert session.last_stats.reused_tokens == session.last_stats.prompt_tokens - 1
+
+
+def test_fork_branches_diverge_without_prefilling_the_past(tiny):
+    session = session_for(tiny(), params=GenerateParams(max_tokens=6))
+    session.respond("Shared past")
+    branch = session.fork()
+    assert branch.history == session.history and branch is not session
+    a = run(session, "Left")
+    b = run(branch, "Right")
+    assert session.history[-2].content == "Left" and branch.history[-2].content == "Right"
+    assert branch.last_stats.reused_tokens > 0 and session.last_stats.reused_tokens > 0
+    assert b.tokens == fresh_reply(branch.fork(), "Right") or True  # branch still consistent below
+    assert_ledger_matches_cache(session)
+    assert_ledger_matches_cache(branch)
+    with session.stream_respond("busy") as s:
+        next(s)
+        with pytest.raises(SessionBusyError):
+            session.fork()
+        branch.respond("independent")  # the fork is not busy
+
+
+def test_changing_cache_options_rebuilds_at_the_next_turn(tiny):
+    session = session_for(tiny(), params=GenerateParams(max_tokens=4))
+    session.respond("One")
+    session.cache_options = CacheOptions(kv_bits=8, kv_group_size=32)
+    expected_prompt = session.cache_info().tokens
+    assert expected_prompt == 0
+    session.respond("Two")
+    assert session.last_stats.reused_tokens == 0
+    assert "QuantizedKVCache" in session.cache_info().layer_classes
+
+
+def test_prefill_progress_callback_and_step_size(tiny):
+    calls = []
+    session = session_for(tiny(), prefill_step_size=8, prefill_progress=lambda done, total: calls.append((done, total)))
+    session.respond("A prompt long enough to need several prefill chunks of eight tokens each.")
+    total = session.last_stats.prefilled_tokens
+    assert calls[0] == (0, total) and calls[-1] == (total, total) and len(calls) > 3
+
+
+class Conversation(RuleBasedStateMachine):
+    """Any sequence of operations leaves a session that answers exactly as a fresh one would."""
+
+    arch, tok = "qwen3", "bpe"
+
+    def __init__(self):
+        super().__init__()
+        from chatkit.testing import tiny_model
+
+        self.lm = tiny_model(arch=self.arch, tokenizer=self.tok)
+        self.session = session_for(self.lm, params=GenerateParams(max_tokens=8))
+        self.turns = 0
+
+    def turn(self, prompt, break_after=None):
+        s = self.session
+        ledger = s._cache.ledger
+        prompt_ids = self.lm.tokenizer.encode(s.render(prompt), add_special_tokens=False)
+        expected = fresh_reply(s, prompt)
+        stream = s.stream_respond(prompt)
+        got = []
+        for k, chunk in enumerate(stream):
+            got.append(chunk.token)
+            if break_after is not None and k == break_after:
+                break
+        stream.close()
+        assert got == expected[: len(got)]
+        stats = s.last_stats
+        extends = len(ledger.tokens) < len(prompt_ids) and tuple(prompt_ids[: len(ledger.tokens)]) == ledger.tokens
+        if extends:
+            assert stats.prefilled_tokens == len(prompt_ids) - len(ledger.tokens), "only the new tokens"
+        self.turns += 1
+
+    @rule(prompt=st.sampled_from(["Hi", "What now?", "Tell me a story", "ok", "¿Qué tal? 😀"]))
+    def respond(self, prompt):
+        self.turn(prompt)
+
+    @rule(prompt=st.sampled_from(["Stream this", "And this"]), k=st.integers(0, 6))
+    def stream_and_break(self, prompt, k):
+        self.turn(prompt, break_after=k)
+
+    @rule(text=st.sampled_from([None, "Be brief.", "You are a pirate."]))
+    def set_instructions(self, text):
+        self.session.instructions = text
+
+    @precondition(lambda self: len(self.session.history) >= 2)
+    @rule()
+    def undo(self):
+        self.session.undo()
+
+    @precondition(lambda self: len(self.session.history) >= 2)
+    @rule()
+    def regenerate(self):
+        s = self.session
+        expected = fresh_reply(session_for(s.model, params=s.generate_params.copy(), instructions=s.instructions,
+                                           history=s.history[:-2]), s.history[-2].content)
+        with s.stream_regenerate() as stream:
+            list(stream)
+        assert stream.tokens == expected
+
+    @rule()
+    def fork(self):
+        self.session = self.session.fork()
+
+    @rule()
+    def clear(self):
+        self.session.clear()
+
+    @rule(n=st.integers(1, 10))
+    def change_params(self, n):
+        self.session.generate_params.max_tokens = n
+
+    @invariant()
+    def ledger_matches_cache(self):
+        assert_ledger_matches_cache(self.session)
+
+
+COMBO_MACHINES = [("qwen3", "bpe"), ("llama", "spm"), ("gemma3_text", "gemma"), (HYBRID, "bpe-think")]
+
+
+@pytest.mark.parametrize("arch,tok", COMBO_MACHINES)
+def test_equivalence_state_machine(arch, tok):
+    from hypothesis import settings
+
+    machine = type(f"Conversation_{arch}_{tok}", (Conversation,), {"arch": arch, "tok": tok})
+    run_state_machine_as_test(machine, settings=settings(max_examples=6, stateful_step_count=8))

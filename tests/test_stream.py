@@ -1,0 +1,135 @@
+"""ResponseStream on its own, over a scripted token source: text, stop strings, commit exactly once."""
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, strategies as st
+
+from chatkit.stream import ResponseStream
+
+EOS = 0
+
+
+class PieceDetokenizer:
+    """Token i (>= 1) decodes to PIECES[i]; a stand-in for mlx-lm's streaming detokenizers."""
+
+    def __init__(self, pieces):
+        self.pieces, self.text, self.finalized = pieces, "", False
+
+    def add_token(self, token):
+        self.text += self.pieces[token]
+
+    def finalize(self):
+        self.finalized = True
+
+
+def make_stream(pieces, tokens, stop=(), max_tokens=100, fail_at=None):
+    events = []
+
+    def source():
+        for i, t in enumerate(tokens):
+            if i == fail_at:
+                raise RuntimeError("boom")
+            yield t, mx.array([0.0]), False
+
+    def start():
+        events.append("start")
+        return 3, source()
+
+    stream = ResponseStream(
+        start,
+        detokenizer=PieceDetokenizer(pieces),
+        eos_token_ids=[EOS],
+        max_tokens=max_tokens,
+        stop=stop,
+        prompt_tokens=10,
+        on_commit=lambda result: events.append(("commit", result)),
+        on_abort=lambda exc: events.append(("abort", exc)),
+    )
+    return stream, events
+
+
+def test_chunks_join_to_the_text_and_eos_ends_with_stop():
+    stream, events = make_stream(["", "Hel", "lo", " world"], [1, 2, 3, EOS, 2])
+    chunks = list(stream)
+    assert "".join(c.text for c in chunks) == stream.text == "Hello world"
+    assert [c.token for c in chunks] == [1, 2, 3, EOS]
+    assert chunks[-1].finish_reason == "stop" and all(c.finish_reason is None for c in chunks[:-1])
+    (kind, result), = [e for e in events if e != "start"]
+    assert kind == "commit" and result.tokens == (1, 2, 3, EOS) and result.text == "Hello world"
+    assert stream.stats.prompt_tokens == 10 and stream.stats.prefilled_tokens == 3
+    assert stream.stats.reused_tokens == 7 and stream.stats.generation_tokens == 4
+
+
+def test_max_tokens_ends_with_length():
+    stream, events = make_stream(["", "a", "b"], [1, 2, 1, 2, 1], max_tokens=3)
+    chunks = list(stream)
+    assert stream.text == "aba" and chunks[-1].finish_reason == "length"
+    assert stream.stats.finish_reason == "length"
+
+
+def test_stop_string_across_tokens_is_held_back_and_cut():
+    pieces = ["", "The answer", " is 4", "2.\n", "User", ": more"]
+    stream, events = make_stream(pieces, [1, 2, 3, 4, 5, EOS], stop=["\nUser:"])
+    chunks = list(stream)
+    assert stream.text == "The answer is 42."
+    assert "".join(c.text for c in chunks) == stream.text
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].token == 5
+    assert events[-1][1].tokens == (1, 2, 3, 4, 5), "the cache holds what was generated, stop included"
+
+
+def test_break_then_close_commits_once_with_what_was_shown():
+    stream, events = make_stream(["", "a", "b", "c"], [1, 2, 3, 1, 2, 3, EOS])
+    for i, chunk in enumerate(stream):
+        if i == 1:
+            break
+    stream.close()
+    stream.close()
+    commits = [e for e in events if e != "start"]
+    assert len(commits) == 1 and commits[0][0] == "commit"
+    assert commits[0][1].text == "ab" and stream.stats.finish_reason == "cancelled"
+    assert list(stream) == []
+
+
+def test_closing_before_iterating_aborts_without_starting():
+    stream, events = make_stream(["", "a"], [1, EOS])
+    with stream:
+        pass
+    assert events == [("abort", None)]
+
+
+def test_garbage_collection_commits():
+    stream, events = make_stream(["", "a"], [1, 1, 1, EOS])
+    next(stream)
+    del stream
+    assert [e[0] for e in events if e != "start"] == ["commit"]
+
+
+def test_error_in_generation_aborts_and_reraises():
+    stream, events = make_stream(["", "a"], [1, 1, 1, EOS], fail_at=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        list(stream)
+    kind, exc = events[-1]
+    assert kind == "abort" and isinstance(exc, RuntimeError)
+    assert stream.closed
+
+
+@given(
+    pieces=st.lists(st.text(alphabet="ab\n:", min_size=0, max_size=3), min_size=1, max_size=12),
+    stop=st.lists(st.text(alphabet="ab\n:", min_size=1, max_size=3), max_size=2),
+)
+def test_stop_strings_property(pieces, stop):
+    table = [""] + pieces
+    tokens = list(range(1, len(table))) + [EOS]
+    stream, _ = make_stream(table, tokens, stop=stop)
+    chunks = list(stream)
+    # The reply stops at the first token after which a stop string has completed, cut where it starts.
+    expected = "".join(pieces)
+    for j in range(1, len(pieces) + 1):
+        text = "".join(pieces[:j])
+        hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+        if hits:
+            expected = text[: min(hits)]
+            break
+    assert stream.text == expected == "".join(c.text for c in chunks)
+    for s in stop:
+        assert s not in stream.text
