@@ -3,8 +3,10 @@
 from . import _blas  # noqa: F401  (must run before mlx is imported)
 from .cache.state import CacheInfo, CacheOptions
 from .errors import (
+    CacheFileError,
     ChatKitError,
     ContextWindowExceededError,
+    IncompatibleCacheError,
     InvalidMessageError,
     InvalidParamsError,
     ModelLoadError,
@@ -16,12 +18,17 @@ from .errors import (
 from .loading import LoadedModel, load
 from .messages import ChatMessage, Role
 from .params import GenerateParams
-from .session import ChatSession, ChatSessionBuilder
+from .builder import ChatSessionBuilder
+from .cache.store import CacheFileInfo
+from .cache.store import inspect as inspect_cache
+from .session import ChatSession
 from .stream import ResponseStream, StreamChunk, TurnStats
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheFileError",
+    "CacheFileInfo",
     "CacheInfo",
     "CacheOptions",
     "ChatKitError",
@@ -30,6 +37,7 @@ __all__ = [
     "ChatSessionBuilder",
     "ContextWindowExceededError",
     "GenerateParams",
+    "IncompatibleCacheError",
     "InvalidMessageError",
     "InvalidParamsError",
     "LoadedModel",
@@ -42,5 +50,6 @@ __all__ = [
     "StreamChunk",
     "TemplateError",
     "TurnStats",
+    "inspect_cache",
     "load",
 ]

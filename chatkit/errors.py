@@ -44,6 +44,16 @@ class NoCacheAvailableError(ChatKitError):
     """There is no KV cache yet (no turn has run, or it was cleared or released)."""
 
 
+
+
+class CacheFileError(ChatKitError):
+    """A saved cache file is missing, unreadable, corrupt or of an unknown format."""
+
+
+class IncompatibleCacheError(ChatKitError):
+    """A saved cache belongs to another model or tokenizer than the one it is restored into."""
+
+
 __all__ = [
     "ChatKitError",
     "ModelLoadError",
@@ -54,4 +64,6 @@ __all__ = [
     "ContextWindowExceededError",
     "NothingToUndoError",
     "NoCacheAvailableError",
+    "CacheFileError",
+    "IncompatibleCacheError",
 ]

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Mapping
 
+import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .errors import ModelLoadError
@@ -40,6 +45,38 @@ class LoadedModel:
             return LoadedModel(self.model, self.tokenizer, text_config).context_length
         return None
 
+    @cached_property
+    def fingerprint(self) -> dict[str, str]:
+        """What identifies this model for saved caches: see :func:`fingerprint`."""
+        return fingerprint(self.model, self.tokenizer)
+
+
+def _digest(value: Any) -> str:
+    data = json.dumps(value, sort_keys=True, default=str, ensure_ascii=False).encode("utf-8")
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
+    """Short hashes that tell whether a saved KV cache belongs to this model and tokenizer.
+
+    ``architecture``: the model class and its args; ``parameters``: every parameter's name, shape and
+    dtype; ``weights``: a sample of the first values of each parameter (tells apart two models of the
+    same shapes); ``vocabulary`` and ``chat_template``: the tokenizer's.
+    """
+    args = getattr(model, "args", None)
+    arch_args = vars(args) if args is not None and hasattr(args, "__dict__") else {}
+    params = tree_flatten(model.parameters())
+    samples = [p.reshape(-1)[:8].astype(mx.float32) for _, p in params]
+    mx.eval(samples)
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    return {
+        "architecture": _digest([type(model).__module__, type(model).__name__, arch_args]),
+        "parameters": _digest([(name, list(p.shape), str(p.dtype)) for name, p in params]),
+        "weights": _digest([[round(v, 5) for v in s.tolist()] for s in samples]),
+        "vocabulary": _digest(sorted(hf.get_vocab().items(), key=lambda kv: kv[1])),
+        "chat_template": _digest(getattr(hf, "chat_template", None) or ""),
+    }
+
 
 def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> LoadedModel:
     """Load a model and tokenizer with ``mlx_lm.load``.
@@ -67,4 +104,4 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
     return LoadedModel(model=model, tokenizer=tokenizer, config=dict(config), source=source)
 
 
-__all__ = ["LoadedModel", "load"]
+__all__ = ["LoadedModel", "fingerprint", "load"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
@@ -50,6 +51,34 @@ class GenerateParams:
             logits_processors=tuple(self.logits_processors),
         )
         return replace(base, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The settings as JSON-ready data (``logits_processors`` are code and are left out)."""
+        return {
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+            "repetition_context_size": self.repetition_context_size,
+            "seed": self.seed,
+            "stop": list(self.stop),
+            "logit_bias": {str(k): v for k, v in (self.logit_bias or {}).items()} or None,
+            "template_kwargs": json.loads(json.dumps(dict(self.template_kwargs), default=str)),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "GenerateParams":
+        """Settings from :meth:`to_dict` output; unknown keys are ignored (newer files)."""
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "logits_processors"}
+        if known.get("logit_bias"):
+            known["logit_bias"] = {int(k): float(v) for k, v in known["logit_bias"].items()}
+        if "stop" in known:
+            known["stop"] = tuple(known["stop"] or ())
+        params = cls(**known)
+        params.validate()
+        return params
 
     def validate(self) -> None:
         """Raise ``InvalidParamsError`` naming the first setting out of range."""

@@ -8,26 +8,31 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import mlx.core as mx
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .cache import store
 from .cache.state import CacheInfo, CacheOptions, CacheState
 from .errors import (
     ChatKitError,
     ContextWindowExceededError,
     InvalidMessageError,
     InvalidParamsError,
+    NoCacheAvailableError,
     NothingToUndoError,
     SessionBusyError,
 )
 from .generation import generate_tokens, with_context
 from .loading import LoadedModel
-from .messages import ChatMessage, MessageLike, Role, as_message, as_messages
+from .messages import ChatMessage, MessageLike, Role, as_message
 from .params import GenerateParams
 from .stream import ResponseStream, TurnResult, TurnStats
-from .template import ChatTemplate, read_template
+from .template import ChatTemplate
+
+if TYPE_CHECKING:
+    from .builder import ChatSessionBuilder
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -50,6 +55,7 @@ class ChatSession:
         tools: Sequence[Mapping[str, Any]] | None = None,
         cache_options: CacheOptions = CacheOptions(),
         prefill_progress: ProgressCallback | None = None,
+        cache: CacheState | None = None,
     ) -> None:
         self._lm = lm
         self._template = ChatTemplate(lm.tokenizer, chat_template)
@@ -58,7 +64,7 @@ class ChatSession:
         self._params = generate_params if generate_params is not None else GenerateParams()
         self._tools = _check_tools(tools)
         cache_options.validate()
-        self._cache = CacheState(lm.model, cache_options)
+        self._cache = cache if cache is not None else CacheState(lm.model, cache_options)
         self._progress = prefill_progress
         self._turn = threading.Lock()  # held from the start of a turn until it commits or aborts
         self._last_stats: TurnStats | None = None
@@ -66,6 +72,8 @@ class ChatSession:
     @staticmethod
     def builder(model: LoadedModel | Any, tokenizer: Any = None) -> "ChatSessionBuilder":
         """Start building a session over a loaded model (``chatkit.load``) or a model and tokenizer."""
+        from .builder import ChatSessionBuilder
+
         return ChatSessionBuilder(model, tokenizer)
 
     # -- conversation state -------------------------------------------------------------------
@@ -147,6 +155,28 @@ class ChatSession:
         """Free the KV cache's memory; the next turn prefills the whole conversation again."""
         with self._idle("release the cache"):
             self._cache.reset()
+
+    def save_cache(self, path: str | os.PathLike[str]) -> int:
+        """Save the KV cache with the conversation to ``path`` (a ``.safetensors`` file), atomically.
+
+        Restore it with ``ChatSession.builder(lm).cache(path).build()``. Returns the file's size in
+        bytes. ``NoCacheAvailableError`` before the first turn (or after ``clear``/``release_cache``).
+        """
+        with self._idle("save the cache"):
+            cache = self._cache
+            if cache.empty:
+                raise NoCacheAvailableError("There is no KV cache to save yet: run a turn first.")
+            return store.save(
+                path,
+                cache.layers,
+                cache.ledger,
+                fingerprint=self._lm.fingerprint,
+                instructions=self._instructions,
+                messages=[m.to_dict() for m in self._history],
+                generate_params=self._params.to_dict(),
+                cache_options=asdict(cache.options),
+                checkpoints=cache.checkpoints,
+            )
 
     # -- editing --------------------------------------------------------------------------------
     def undo(self) -> list[ChatMessage]:
@@ -242,14 +272,15 @@ class ChatSession:
         """Prepare a turn that answers ``message`` after ``base``; the turn lock is held."""
         prompt = self._render([*base, message], params)
         context = self._lm.context_length
-        if context is not None and len(prompt) >= context:
+        needed = self._cache.ledger.opaque + len(prompt)  # a restored raw cache stays in front
+        if context is not None and needed >= context:
             raise ContextWindowExceededError(
-                f"The prompt is {len(prompt)} tokens but the model's context window is {context}: "
+                f"The prompt is {needed} tokens but the model's context window is {context}: "
                 "shorten the conversation (e.g. clear() or start a new session with less history).",
-                prompt_tokens=len(prompt),
+                prompt_tokens=needed,
                 context_length=context,
             )
-        max_tokens = params.max_tokens if context is None else min(params.max_tokens, context - len(prompt))
+        max_tokens = params.max_tokens if context is None else min(params.max_tokens, context - needed)
         cache = self._cache
         fed: list[int] = []
 
@@ -300,7 +331,7 @@ class ChatSession:
             eos_token_ids=sorted(tokenizer.eos_token_ids),
             max_tokens=max_tokens,
             stop=params.stop,
-            prompt_tokens=len(prompt),
+            prompt_tokens=needed,
             on_commit=commit,
             on_abort=abort,
         )
@@ -378,105 +409,4 @@ def _check_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, An
     return [dict(t) for t in tools]
 
 
-def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
-    if isinstance(model, LoadedModel):
-        if tokenizer is not None:
-            raise InvalidParamsError("Pass a LoadedModel alone, or a model and its tokenizer, not both.")
-        return model
-    if isinstance(model, tuple) and len(model) == 2 and tokenizer is None:
-        model, tokenizer = model  # what mlx_lm.load returns
-    if tokenizer is None or not callable(model):
-        raise InvalidParamsError(
-            "builder() takes chatkit.load(...)'s result, or an mlx-lm model and its tokenizer."
-        )
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
-    args = getattr(model, "args", None)
-    config = dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {}
-    return LoadedModel(model=model, tokenizer=tokenizer, config=config, source="")
-
-
-class ChatSessionBuilder:
-    """Collects a session's settings; :meth:`build` checks them and returns the ``ChatSession``."""
-
-    def __init__(self, model: LoadedModel | Any, tokenizer: Any = None) -> None:
-        self._lm = _as_loaded(model, tokenizer)
-        self._instructions: str | None = None
-        self._history: list[ChatMessage] = []
-        self._params: GenerateParams | None = None
-        self._template: str | None = None
-        self._tools: Sequence[Mapping[str, Any]] | None = None
-        self._cache_options: dict[str, Any] = {}
-        self._progress: ProgressCallback | None = None
-
-    def instructions(self, text: str | None) -> "ChatSessionBuilder":
-        """The system prompt."""
-        self._instructions = _check_instructions(text)
-        return self
-
-    def history(self, messages: Iterable[MessageLike]) -> "ChatSessionBuilder":
-        """Earlier messages to continue from. A leading system message becomes the instructions."""
-        self._history = as_messages(messages)
-        return self
-
-    def generate_params(self, params: GenerateParams) -> "ChatSessionBuilder":
-        if not isinstance(params, GenerateParams):
-            raise InvalidParamsError(f"generate_params takes a GenerateParams, got {type(params).__name__}.")
-        self._params = params
-        return self
-
-    def chat_template(self, template: str | os.PathLike[str]) -> "ChatSessionBuilder":
-        """Use this jinja template (its text or a file path) instead of the tokenizer's own."""
-        self._template = read_template(template)
-        return self
-
-    def tools(self, tools: Sequence[Mapping[str, Any]] | None) -> "ChatSessionBuilder":
-        """Tool JSON schemas, passed to the chat template as ``tools``."""
-        self._tools = _check_tools(tools)
-        return self
-
-    def max_kv_size(self, tokens: int | None) -> "ChatSessionBuilder":
-        """Keep at most this many tokens in a rotating KV cache."""
-        self._cache_options["max_kv_size"] = tokens
-        return self
-
-    def kv_bits(self, bits: int | None, *, group_size: int = 64, start: int = 0) -> "ChatSessionBuilder":
-        """Quantize the KV cache to ``bits`` once it holds ``start`` tokens."""
-        self._cache_options.update(kv_bits=bits, kv_group_size=group_size, quantized_kv_start=start)
-        return self
-
-    def prefill_step_size(self, tokens: int) -> "ChatSessionBuilder":
-        """Process prompts in chunks of this many tokens."""
-        self._cache_options["prefill_step_size"] = tokens
-        return self
-
-    def prefill_progress(self, callback: ProgressCallback | None) -> "ChatSessionBuilder":
-        """Called as ``callback(done, total)`` while a prompt is prefilled."""
-        self._progress = callback
-        return self
-
-    def build(self) -> ChatSession:
-        instructions, history = self._instructions, list(self._history)
-        if history and history[0].role is Role.SYSTEM:
-            if instructions is not None:
-                raise InvalidMessageError(
-                    "Both instructions() and a leading system message in history(): give the system prompt once."
-                )
-            instructions, history = history[0].content, history[1:]
-        options = CacheOptions(**self._cache_options)
-        options.validate()
-        if self._params is not None:
-            self._params.validate()
-        return ChatSession(
-            self._lm,
-            instructions=instructions,
-            history=history,
-            generate_params=self._params.copy() if self._params is not None else None,
-            chat_template=self._template,
-            tools=self._tools,
-            cache_options=options,
-            prefill_progress=self._progress,
-        )
-
-
-__all__ = ["ChatSession", "ChatSessionBuilder"]
+__all__ = ["ChatSession"]

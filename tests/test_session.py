@@ -16,7 +16,7 @@ from chatkit import (
     TemplateError,
 )
 from chatkit.errors import InvalidMessageError, InvalidParamsError
-from conftest import GREEDY, assert_ledger_matches_cache, fresh_reply, session_for
+from conftest import assert_ledger_matches_cache, fresh_reply, session_for
 
 COMBOS = [
     ("qwen3", "bpe"),

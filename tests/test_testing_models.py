@@ -108,6 +108,41 @@ def test_tiny_model_is_memoized_and_matches_path():
     assert tiny_model(seed=1) is not lm
 
 
+def test_config_overrides_build_another_model_memoized_by_them():
+    small = dict(hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=2)
+    lm = tiny_model("qwen3", "bpe", **small)
+    assert lm is tiny_model("qwen3", "bpe", 0, **dict(reversed(list(small.items()))))
+    assert lm is not tiny_model("qwen3", "bpe")
+    assert tiny_model("qwen3", "bpe", hidden_size=128) is tiny_model("qwen3", "bpe")  # the default
+    path = tiny_model_path("qwen3", "bpe", **small)
+    assert path != tiny_model_path("qwen3", "bpe") and lm.source == str(path)
+    config = json.loads((path / "config.json").read_text())
+    assert {k: config[k] for k in small} == small
+    assert config["num_key_value_heads"] == 2 and config["vocab_size"] == len(lm.tokenizer)
+    assert len(lm.model.layers) == 3
+    params = dict(tree_flatten(lm.model.parameters()))
+    assert params["model.layers.2.mlp.gate_proj.weight"].shape == (96, 64)
+    ids = lm.tokenizer.encode("Hello there, how are you?")
+    logits = lm.model(mx.array(ids)[None])
+    assert logits.shape == (1, len(ids), len(lm.tokenizer))
+    assert 2.0 < float(logits[0, -1].std()) < 6.0  # as peaked as the default model's
+    out = greedy(lm, CONVERSATION, 20)
+    assert len(set(out)) >= 8
+
+
+def test_config_overrides_are_validated():
+    with pytest.raises(InvalidParamsError, match="override"):
+        tiny_model("qwen3", "bpe", hidden_sise=64)
+    with pytest.raises(InvalidParamsError, match="override"):
+        tiny_model_path("qwen3", "bpe", vocab_size=100)  # set by the tokenizer
+    with pytest.raises(InvalidParamsError, match="override"):
+        tiny_model_path("qwen3", "bpe", sliding_window=16)  # gemma3_text's, not qwen3's
+    for bad in (64.0, "64", True, 0, -8):
+        with pytest.raises(InvalidParamsError, match="positive int"):
+            tiny_model_path("qwen3", "bpe", hidden_size=bad)
+    assert tiny_model_path("gemma3_text", "bpe", sliding_window=16).name.endswith("sliding_window16")
+
+
 def test_same_seed_same_weights_other_seed_other_weights():
     a = dict(tree_flatten(tiny_model("qwen3_5", "bpe", 0).model.parameters()))
     b = dict(tree_flatten(load(tiny_model_path("qwen3_5", "bpe", 0)).model.parameters()))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_map
@@ -64,6 +64,24 @@ def copy_layer(layer: Any) -> Any:
     until one side writes)."""
     state = tree_map(lambda x: x[...] if isinstance(x, mx.array) else x, layer.state)
     return type(layer).from_state(state)
+
+
+def layers_fit(model: Any, layers: Sequence[Any]) -> str | None:
+    """Why ``layers`` cannot be this model's cache (count, classes, KV heads and widths); ``None`` if they fit."""
+    fresh = make_prompt_cache(model)
+    if len(layers) != len(fresh):
+        return f"it has {len(layers)} layers, the model {len(fresh)}"
+    for i, (got, want) in enumerate(zip(layers, fresh)):
+        same = type(got) is type(want) or (isinstance(want, KVCache) and isinstance(got, QuantizedKVCache))
+        if not same:
+            return f"layer {i} is a {type(got).__name__}, the model uses {type(want).__name__}"
+    model(mx.array([[0]]), cache=fresh)  # one token shows the shapes the model writes
+    for i, (got, want) in enumerate(zip(layers, fresh)):
+        keys, ref = getattr(got, "keys", None), getattr(want, "keys", None)
+        if isinstance(keys, mx.array) and isinstance(ref, mx.array):
+            if keys.shape[1] != ref.shape[1] or keys.shape[-1] != ref.shape[-1]:
+                return f"layer {i} holds keys of shape {tuple(keys.shape)}, the model writes {tuple(ref.shape)}"
+    return None
 
 
 # Layers that rewind exactly at any time; a checkpoint needs only their offset.
@@ -128,6 +146,22 @@ class CacheState:
     def needs_checkpoints(self) -> bool:
         """Whether some layer may be unable to rewind (hybrid or rotating caches)."""
         return self.layers is not None and not all(isinstance(c, _ALWAYS_TRIMMABLE) for c in self.layers)
+
+    @classmethod
+    def restored(
+        cls,
+        model: Any,
+        options: CacheOptions,
+        layers: list[Any],
+        ledger: Ledger,
+        checkpoints: Sequence[Checkpoint] = (),
+    ) -> "CacheState":
+        """A cache state around restored layers (and the checkpoints saved with them)."""
+        state = cls(model, options)
+        state.layers, state.ledger = layers, ledger
+        state.checkpoints = [c for c in checkpoints if c.length <= len(ledger.tokens)]
+        state.checkpoint()  # so that a restored raw cache can come back to its own end
+        return state
 
     def checkpoint(self) -> None:
         """Remember the cache as it is now, so that a later turn can come back here."""
@@ -242,4 +276,13 @@ class CacheState:
         return layer_offset(self.layers) == target
 
 
-__all__ = ["CacheInfo", "CacheOptions", "CacheState", "Checkpoint", "copy_layer", "is_trimmable", "layer_offset"]
+__all__ = [
+    "CacheInfo",
+    "CacheOptions",
+    "CacheState",
+    "Checkpoint",
+    "copy_layer",
+    "is_trimmable",
+    "layer_offset",
+    "layers_fit",
+]

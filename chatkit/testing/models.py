@@ -1,7 +1,9 @@
 """Tiny random-weight models of real mlx-lm architectures, written to folders ``mlx_lm.load`` reads.
 
 Weights are float32 and drawn from NumPy generators seeded by ``(seed, parameter name)``, so a
-given ``(arch, tokenizer, seed)`` gives the same bytes in every process. The init is scaled so
+given ``(arch, tokenizer, seed, **config_overrides)`` gives the same bytes in every process.
+Keyword overrides of the integer config entries (``hidden_size=512, num_hidden_layers=8`` ...)
+give bigger (or smaller) models of the same architecture, e.g. for benchmarks. The init is scaled so
 greedy decoding wanders through the vocabulary instead of repeating one token, and the final
 norm is scaled so next-token distributions are peaked (top token ~25% on average) like a real
 model's.
@@ -90,6 +92,7 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
 _EMBED_STD = 0.02  # tied embeddings: input embeddings stay small next to the layers' outputs
 _GAIN = 3.0  # other matrices: N(0, (_GAIN / sqrt(fan_in))^2), so the layers dominate the residual
 _FINAL_NORM_SCALE = 16.0  # final norm weight: logits get a standard deviation of about 3.6
+_BASE_HIDDEN = 128  # the hidden size _FINAL_NORM_SCALE is tuned for (scaled by sqrt(128 / hidden))
 
 
 def _check(arch: str, tokenizer: str, seed: int) -> None:
@@ -103,10 +106,45 @@ def _check(arch: str, tokenizer: str, seed: int) -> None:
         raise InvalidParamsError(f"seed must be a non-negative int, got {seed!r}.")
 
 
-def model_config(arch: str, tok: TokenizerFiles) -> dict[str, Any]:
-    """The ``config.json`` of a tiny ``arch`` model over the tokenizer ``tok``."""
+# Set from the tokenizer: not overridable.
+_TOKENIZER_KEYS = frozenset({"vocab_size", "bos_token_id", "eos_token_id", "pad_token_id"})
+
+
+def overridable_keys(arch: str) -> tuple[str, ...]:
+    """The config entries of ``arch`` that ``tiny_model(..., **config_overrides)`` may set: its ints."""
+    if arch not in ARCHS:
+        raise InvalidParamsError(f"Unknown test arch {arch!r}; choose one of {', '.join(ARCHS)}.")
+    config = {**_COMMON, **_ARCH_CONFIGS[arch]}
+    return tuple(
+        sorted(
+            k
+            for k, v in config.items()
+            if isinstance(v, int) and not isinstance(v, bool) and k not in _TOKENIZER_KEYS
+        )
+    )
+
+
+def _check_overrides(arch: str, overrides: dict[str, Any]) -> tuple[tuple[str, int], ...]:
+    """Validated ``config_overrides`` as a sorted tuple (a memo key)."""
+    known = overridable_keys(arch)
+    for key, value in overrides.items():
+        if key not in known:
+            raise InvalidParamsError(
+                f"Unknown config override {key!r} for {arch!r}; overridable: {', '.join(known)}."
+            )
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise InvalidParamsError(f"Config override {key}={value!r} must be a positive int.")
+    base = {**_COMMON, **_ARCH_CONFIGS[arch]}
+    # Values equal to the defaults are dropped: the same model gets the same memo key and folder.
+    return tuple(sorted((k, int(v)) for k, v in overrides.items() if int(v) != base[k]))
+
+
+def model_config(arch: str, tok: TokenizerFiles, overrides: Any = ()) -> dict[str, Any]:
+    """The ``config.json`` of a tiny ``arch`` model over the tokenizer ``tok``, with ``overrides``
+    (a mapping or pairs of integer config entries, see :func:`overridable_keys`) applied."""
     eos = list(tok.eos_token_ids)
     config = {**_COMMON, **json.loads(json.dumps(_ARCH_CONFIGS[arch]))}
+    config.update(_check_overrides(arch, dict(overrides)))
     config.update(
         vocab_size=tok.vocab_size,
         bos_token_id=tok.bos_token_id,
@@ -134,7 +172,9 @@ def _init_weights(model, arch: str, seed: int) -> None:
         elif name.endswith("dt_bias"):
             value = np.ones(shape)
         elif name.endswith("model.norm.weight"):
-            value = np.full(shape, _FINAL_NORM_SCALE - norm_offset)
+            # Logits' spread grows as sqrt(hidden_size) (tied embeddings): keep it as at 128.
+            scale = _FINAL_NORM_SCALE * np.sqrt(_BASE_HIDDEN / shape[-1])
+            value = np.full(shape, scale - norm_offset)
         elif "norm" in name:
             value = np.full(shape, norm_scale - norm_offset)
         elif len(shape) == 1:  # biases
@@ -149,11 +189,11 @@ def _init_weights(model, arch: str, seed: int) -> None:
     mx.eval(model.parameters())
 
 
-def _build(folder: Path, arch: str, tokenizer: str, seed: int) -> None:
+def _build(folder: Path, arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...]) -> None:
     from mlx_lm.utils import _get_classes, save_config, save_model
 
     tok = tokenizer_files(tokenizer)
-    config = model_config(arch, tok)
+    config = model_config(arch, tok, overrides)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))  # its random init is replaced below
     if arch == "gemma3_text":
@@ -203,42 +243,48 @@ def _root_dir() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _model_path(arch: str, tokenizer: str, seed: int) -> Path:
+def _model_path(arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...] = ()) -> Path:
     with _lock:
-        folder = _root_dir() / f"{arch}-{tokenizer}-seed{seed}"
+        name = f"{arch}-{tokenizer}-seed{seed}" + "".join(f"-{k}{v}" for k, v in overrides)
+        folder = _root_dir() / name
         with _keep_mlx_random_state():
-            _build(folder, arch, tokenizer, seed)
+            _build(folder, arch, tokenizer, seed, overrides)
         return folder
 
 
 @functools.lru_cache(maxsize=None)
-def _model(arch: str, tokenizer: str, seed: int) -> LoadedModel:
+def _model(arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...] = ()) -> LoadedModel:
     from ..loading import load
 
-    path = _model_path(arch, tokenizer, seed)
+    path = _model_path(arch, tokenizer, seed, overrides)
     with _lock, _keep_mlx_random_state():
         return load(path)
 
 
-def tiny_model_path(arch: str = "qwen3", tokenizer: str = "bpe", seed: int = 0) -> Path:
+def tiny_model_path(arch: str = "qwen3", tokenizer: str = "bpe", seed: int = 0, **config_overrides: int) -> Path:
     """The folder of a tiny random ``arch`` model with the test tokenizer ``tokenizer``.
 
-    Built once per process into a temporary directory (removed at exit); ``mlx_lm.load`` and
-    ``chatkit.loading.load`` read it. The same arguments give identical files in any process.
+    ``config_overrides`` set integer entries of the model's config (see :func:`overridable_keys`),
+    e.g. ``hidden_size=512, num_hidden_layers=8, intermediate_size=1536`` for a ~30M model.
+    Built once per process (per arguments) into a temporary directory (removed at exit);
+    ``mlx_lm.load`` and ``chatkit.loading.load`` read it. The same arguments give identical files
+    in any process.
     """
     _check(arch, tokenizer, seed)
+    overrides = _check_overrides(arch, config_overrides)
     with _lock:
-        return _model_path(arch, tokenizer, int(seed))
+        return _model_path(arch, tokenizer, int(seed), overrides)
 
 
-def tiny_model(arch: str = "qwen3", tokenizer: str = "bpe", seed: int = 0) -> LoadedModel:
+def tiny_model(arch: str = "qwen3", tokenizer: str = "bpe", seed: int = 0, **config_overrides: int) -> LoadedModel:
     """The :class:`chatkit.loading.LoadedModel` of :func:`tiny_model_path`, loaded once per process.
 
     The instance is shared between callers: sessions may share it, but don't modify its weights.
     """
     _check(arch, tokenizer, seed)
+    overrides = _check_overrides(arch, config_overrides)
     with _lock:
-        return _model(arch, tokenizer, int(seed))
+        return _model(arch, tokenizer, int(seed), overrides)
 
 
-__all__ = ["ARCHS", "model_config", "tiny_model", "tiny_model_path"]
+__all__ = ["ARCHS", "model_config", "overridable_keys", "tiny_model", "tiny_model_path"]

@@ -1,0 +1,194 @@
+"""``ChatSessionBuilder``: a session's settings, checked at ``build()``, including a cache to restore."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .cache import store
+from .cache.state import CacheOptions, CacheState, copy_layer, layer_offset, layers_fit
+from .cache.ledger import Ledger
+from .errors import IncompatibleCacheError, InvalidMessageError, InvalidParamsError
+from .loading import LoadedModel
+from .messages import ChatMessage, MessageLike, Role, as_messages
+from .params import GenerateParams
+from .session import ChatSession, ProgressCallback, _check_instructions, _check_tools
+from .template import read_template
+
+CacheSource = "str | os.PathLike[str] | Sequence[Any]"
+
+
+def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        if tokenizer is not None:
+            raise InvalidParamsError("Pass a LoadedModel alone, or a model and its tokenizer, not both.")
+        return model
+    if isinstance(model, tuple) and len(model) == 2 and tokenizer is None:
+        model, tokenizer = model  # what mlx_lm.load returns
+    if tokenizer is None or not callable(model):
+        raise InvalidParamsError(
+            "builder() takes chatkit.load(...)'s result, or an mlx-lm model and its tokenizer."
+        )
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    args = getattr(model, "args", None)
+    config = dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {}
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, source="")
+
+
+class ChatSessionBuilder:
+    """Collects a session's settings; :meth:`build` checks them and returns the ``ChatSession``."""
+
+    def __init__(self, model: LoadedModel | Any, tokenizer: Any = None) -> None:
+        self._lm = _as_loaded(model, tokenizer)
+        self._instructions: str | None = None
+        self._history: list[ChatMessage] = []
+        self._params: GenerateParams | None = None
+        self._template: str | None = None
+        self._tools: Sequence[Mapping[str, Any]] | None = None
+        self._cache_options: dict[str, Any] = {}
+        self._progress: ProgressCallback | None = None
+        self._restore: tuple[Any, bool] | None = None
+
+    def instructions(self, text: str | None) -> "ChatSessionBuilder":
+        """The system prompt."""
+        self._instructions = _check_instructions(text)
+        return self
+
+    def history(self, messages: Iterable[MessageLike]) -> "ChatSessionBuilder":
+        """Earlier messages to continue from. A leading system message becomes the instructions."""
+        self._history = as_messages(messages)
+        return self
+
+    def generate_params(self, params: GenerateParams) -> "ChatSessionBuilder":
+        if not isinstance(params, GenerateParams):
+            raise InvalidParamsError(f"generate_params takes a GenerateParams, got {type(params).__name__}.")
+        self._params = params
+        return self
+
+    def chat_template(self, template: str | os.PathLike[str]) -> "ChatSessionBuilder":
+        """Use this jinja template (its text or a file path) instead of the tokenizer's own."""
+        self._template = read_template(template)
+        return self
+
+    def tools(self, tools: Sequence[Mapping[str, Any]] | None) -> "ChatSessionBuilder":
+        """Tool JSON schemas, passed to the chat template as ``tools``."""
+        self._tools = _check_tools(tools)
+        return self
+
+    def max_kv_size(self, tokens: int | None) -> "ChatSessionBuilder":
+        """Keep at most this many tokens in a rotating KV cache."""
+        self._cache_options["max_kv_size"] = tokens
+        return self
+
+    def kv_bits(self, bits: int | None, *, group_size: int = 64, start: int = 0) -> "ChatSessionBuilder":
+        """Quantize the KV cache to ``bits`` once it holds ``start`` tokens."""
+        self._cache_options.update(kv_bits=bits, kv_group_size=group_size, quantized_kv_start=start)
+        return self
+
+    def prefill_step_size(self, tokens: int) -> "ChatSessionBuilder":
+        """Process prompts in chunks of this many tokens."""
+        self._cache_options["prefill_step_size"] = tokens
+        return self
+
+    def prefill_progress(self, callback: ProgressCallback | None) -> "ChatSessionBuilder":
+        """Called as ``callback(done, total)`` while a prompt is prefilled."""
+        self._progress = callback
+        return self
+
+    def cache(self, source: str | os.PathLike[str] | Sequence[Any], *, verify: bool = True) -> "ChatSessionBuilder":
+        """Restore a saved cache: a file from ``save_cache`` (conversation and cache) or a raw mlx-lm
+        prompt cache (a file from ``save_prompt_cache`` or a list of cache layers).
+
+        A raw cache becomes an opaque prefix: turns render the instructions and the session's messages
+        after it. Its layers are checked against the model unless ``verify=False``; chatkit files are
+        always checked against the model's fingerprint. Settings given to this builder win over the
+        file's (the transcript is the truth; the cache only saves work).
+        """
+        if not isinstance(source, (str, os.PathLike)) and not _is_layer_list(source):
+            raise InvalidParamsError("cache() takes a file path or a list of mlx-lm cache layers.")
+        self._restore = (source, verify)
+        return self
+
+    def build(self) -> ChatSession:
+        """Check the settings (and load the cache to restore) and return the session."""
+        instructions, history = self._instructions, list(self._history)
+        if history and history[0].role is Role.SYSTEM:
+            if instructions is not None:
+                raise InvalidMessageError(
+                    "Both instructions() and a leading system message in history(): give the system prompt once."
+                )
+            instructions, history = history[0].content, history[1:]
+        options = CacheOptions(**self._cache_options)
+        options.validate()
+        params = self._params.copy() if self._params is not None else None
+        if params is not None:
+            params.validate()
+        cache = None
+        if self._restore is not None:
+            saved = self._load_cache(*self._restore)
+            info = saved.info
+            if info.kind == "chatkit":
+                if self._instructions is None and not self._history:
+                    instructions = info.instructions
+                if not self._history:
+                    history = [ChatMessage.from_dict(m) for m in info.messages]
+                if params is None and info.generate_params is not None:
+                    params = GenerateParams.from_dict(info.generate_params)
+                if info.cache_options:
+                    known = {k: v for k, v in info.cache_options.items() if k in CacheOptions.__dataclass_fields__}
+                    options = CacheOptions(**{**known, **self._cache_options})
+                    options.validate()
+            cache = CacheState.restored(self._lm.model, options, saved.layers, saved.ledger, saved.checkpoints)
+        return ChatSession(
+            self._lm,
+            instructions=instructions,
+            history=history,
+            generate_params=params,
+            chat_template=self._template,
+            tools=self._tools,
+            cache_options=options,
+            prefill_progress=self._progress,
+            cache=cache,
+        )
+
+    def _load_cache(self, source: Any, verify: bool) -> store.LoadedCache:
+        if isinstance(source, (str, os.PathLike)):
+            saved = store.load(source)
+            where = repr(str(source))
+        else:
+            layers = [copy_layer(c) for c in source]
+            offset = layer_offset(layers)
+            if offset is None:
+                raise InvalidParamsError("The cache layers disagree on how many tokens they hold: pass one model's cache.")
+            info = store.CacheFileInfo(
+                path="", kind="mlx-lm", format_version=None, tokens=offset, opaque_tokens=offset,
+                layer_classes=tuple(type(c).__name__ for c in layers), file_bytes=0, tensor_bytes=0,
+            )
+            saved = store.LoadedCache(layers, Ledger((), offset), info)
+            where = "The cache passed to cache()"
+        if saved.info.kind == "chatkit":
+            if not verify:
+                raise InvalidParamsError(
+                    "verify=False applies to raw mlx-lm caches only; a chatkit file is always checked against the model."
+                )
+            store.check_fingerprint(self._lm.fingerprint, saved.info.fingerprint, where)
+        elif verify:
+            problem = layers_fit(self._lm.model, saved.layers)
+            if problem is not None:
+                raise IncompatibleCacheError(
+                    f"{where} does not fit this model: {problem}. "
+                    "Restore it into the model it was made with (or pass verify=False if you are sure)."
+                )
+        return saved
+
+
+def _is_layer_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(hasattr(c, "state") for c in value)
+
+
+
+
+__all__ = ["ChatSessionBuilder"]
