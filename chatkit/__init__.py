@@ -7,12 +7,14 @@ from .errors import (
     ChatKitError,
     ContextWindowExceededError,
     IncompatibleCacheError,
+    IncompatibleDraftError,
     InvalidMessageError,
     InvalidParamsError,
     ModelLoadError,
     NoCacheAvailableError,
     NothingToUndoError,
     SessionBusyError,
+    SpeculativeCacheRestoreError,
     TemplateError,
 )
 from .loading import LoadedModel, load
@@ -22,6 +24,7 @@ from .builder import ChatSessionBuilder
 from .cache.store import CacheFileInfo
 from .cache.store import inspect as inspect_cache
 from .session import ChatSession
+from .speculative import SpeculativeConfig
 from .stream import ResponseStream, StreamChunk, TurnStats
 
 __version__ = "0.1.0"
@@ -38,6 +41,7 @@ __all__ = [
     "ContextWindowExceededError",
     "GenerateParams",
     "IncompatibleCacheError",
+    "IncompatibleDraftError",
     "InvalidMessageError",
     "InvalidParamsError",
     "LoadedModel",
@@ -47,6 +51,8 @@ __all__ = [
     "ResponseStream",
     "Role",
     "SessionBusyError",
+    "SpeculativeCacheRestoreError",
+    "SpeculativeConfig",
     "StreamChunk",
     "TemplateError",
     "TurnStats",

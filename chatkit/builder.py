@@ -10,10 +10,16 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 from .cache import store
 from .cache.state import CacheOptions, CacheState, copy_layer, layer_offset, layers_fit
 from .cache.ledger import Ledger
-from .errors import IncompatibleCacheError, InvalidMessageError, InvalidParamsError
+from .errors import (
+    IncompatibleCacheError,
+    InvalidMessageError,
+    InvalidParamsError,
+    SpeculativeCacheRestoreError,
+)
 from .loading import LoadedModel
 from .messages import ChatMessage, MessageLike, Role, as_messages
 from .params import GenerateParams
+from .speculative import SpeculativeConfig, check_draft
 from .session import ChatSession, ProgressCallback, _check_instructions, _check_tools
 from .template import read_template
 
@@ -51,6 +57,7 @@ class ChatSessionBuilder:
         self._cache_options: dict[str, Any] = {}
         self._progress: ProgressCallback | None = None
         self._restore: tuple[Any, bool] | None = None
+        self._speculative: SpeculativeConfig | None = None
 
     def instructions(self, text: str | None) -> "ChatSessionBuilder":
         """The system prompt."""
@@ -112,6 +119,13 @@ class ChatSessionBuilder:
         self._restore = (source, verify)
         return self
 
+    def speculative(self, config: SpeculativeConfig | None) -> "ChatSessionBuilder":
+        """Decode with a draft model (``None`` turns it off). Cannot be combined with :meth:`cache`."""
+        if config is not None and not isinstance(config, SpeculativeConfig):
+            raise InvalidParamsError(f"speculative() takes a SpeculativeConfig, got {type(config).__name__}.")
+        self._speculative = config
+        return self
+
     def build(self) -> ChatSession:
         """Check the settings (and load the cache to restore) and return the session."""
         instructions, history = self._instructions, list(self._history)
@@ -121,6 +135,12 @@ class ChatSessionBuilder:
                     "Both instructions() and a leading system message in history(): give the system prompt once."
                 )
             instructions, history = history[0].content, history[1:]
+        if self._speculative is not None and self._restore is not None:
+            raise SpeculativeCacheRestoreError(
+                "Speculative decoding cannot start from a restored cache: drop .speculative(...) or .cache(...)."
+            )
+        if self._speculative is not None:
+            check_draft(self._lm, self._speculative.draft)
         options = CacheOptions(**self._cache_options)
         options.validate()
         params = self._params.copy() if self._params is not None else None
@@ -152,6 +172,7 @@ class ChatSessionBuilder:
             cache_options=options,
             prefill_progress=self._progress,
             cache=cache,
+            speculative=self._speculative,
         )
 
     def _load_cache(self, source: Any, verify: bool) -> store.LoadedCache:

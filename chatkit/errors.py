@@ -44,14 +44,22 @@ class NoCacheAvailableError(ChatKitError):
     """There is no KV cache yet (no turn has run, or it was cleared or released)."""
 
 
-
-
 class CacheFileError(ChatKitError):
     """A saved cache file is missing, unreadable, corrupt or of an unknown format."""
 
 
 class IncompatibleCacheError(ChatKitError):
     """A saved cache belongs to another model or tokenizer than the one it is restored into."""
+
+
+
+
+class IncompatibleDraftError(ChatKitError):
+    """The draft model does not share the target model's tokenizer, or its cache cannot rewind."""
+
+
+class SpeculativeCacheRestoreError(ChatKitError):
+    """Speculative decoding was asked for together with a restored cache."""
 
 
 __all__ = [
@@ -66,4 +74,6 @@ __all__ = [
     "NoCacheAvailableError",
     "CacheFileError",
     "IncompatibleCacheError",
+    "IncompatibleDraftError",
+    "SpeculativeCacheRestoreError",
 ]

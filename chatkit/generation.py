@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step, generation_stream, wired_limit
+from mlx_lm.generate import generate_step, generation_stream, speculative_generate_step, wired_limit
 
 from .cache.state import CacheOptions
 from .params import LogitsProcessor, Sampler
@@ -39,28 +39,42 @@ def generate_tokens(
     logits_processors: Sequence[LogitsProcessor],
     options: CacheOptions,
     progress: Callable[[int, int], None] | None = None,
+    draft: tuple[Any, list[Any], int] | None = None,
 ) -> Iterator[Token]:
     """Feed ``suffix`` into ``layers`` (updated in place) and yield generated tokens.
 
-    When the consumer stops, the cache holds everything fed plus every token yielded.
+    With ``draft = (draft_model, draft_layers, num_draft_tokens)`` decoding is speculative (the draft
+    layers must hold what ``layers`` hold before ``suffix``). When the consumer stops, the cache holds
+    what was fed plus the tokens yielded (a speculative run may leave the last one out).
     """
-    steps = generate_step(
-        mx.array(list(suffix), dtype=mx.uint32),
-        model,
-        prompt_cache=layers,
+    prompt = mx.array(list(suffix), dtype=mx.uint32)
+    common = dict(
         max_tokens=max_tokens,
         sampler=sampler,
         logits_processors=list(logits_processors) or None,
         prefill_step_size=options.prefill_step_size,
-        kv_bits=options.kv_bits,
-        kv_group_size=options.kv_group_size,
-        quantized_kv_start=options.quantized_kv_start,
-        prompt_progress_callback=progress,
     )
+    if draft is None:
+        steps = generate_step(
+            prompt,
+            model,
+            prompt_cache=layers,
+            kv_bits=options.kv_bits,
+            kv_group_size=options.kv_group_size,
+            quantized_kv_start=options.quantized_kv_start,
+            prompt_progress_callback=progress,
+            **common,
+        )
+        tokens = ((token, logprobs, False) for token, logprobs in steps)
+    else:
+        draft_model, draft_layers, num_draft = draft
+        # mlx-lm splits the list at len(model.layers): target layers first, then the draft's.
+        tokens = steps = speculative_generate_step(
+            prompt, model, draft_model, prompt_cache=[*layers, *draft_layers], num_draft_tokens=num_draft, **common
+        )
     with wired_limit(model, [generation_stream]):
         try:
-            for token, logprobs in steps:
-                yield token, logprobs, False
+            yield from tokens
         finally:
             steps.close()
 

@@ -28,6 +28,7 @@ from .generation import generate_tokens, with_context
 from .loading import LoadedModel
 from .messages import ChatMessage, MessageLike, Role, as_message
 from .params import GenerateParams
+from .speculative import SpeculativeConfig
 from .stream import ResponseStream, TurnResult, TurnStats
 from .template import ChatTemplate
 
@@ -56,6 +57,7 @@ class ChatSession:
         cache_options: CacheOptions = CacheOptions(),
         prefill_progress: ProgressCallback | None = None,
         cache: CacheState | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self._lm = lm
         self._template = ChatTemplate(lm.tokenizer, chat_template)
@@ -64,7 +66,10 @@ class ChatSession:
         self._params = generate_params if generate_params is not None else GenerateParams()
         self._tools = _check_tools(tools)
         cache_options.validate()
-        self._cache = cache if cache is not None else CacheState(lm.model, cache_options)
+        self._speculative = speculative
+        _check_speculative_options(speculative, cache_options)
+        draft_model = speculative.draft.model if speculative is not None else None
+        self._cache = cache if cache is not None else CacheState(lm.model, cache_options, draft_model)
         self._progress = prefill_progress
         self._turn = threading.Lock()  # held from the start of a turn until it commits or aborts
         self._last_stats: TurnStats | None = None
@@ -118,6 +123,11 @@ class ChatSession:
             self._tools = _check_tools(value)
 
     @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The draft model setup, when decoding is speculative."""
+        return self._speculative
+
+    @property
     def last_stats(self) -> TurnStats | None:
         """``TurnStats`` of the last committed turn."""
         return self._last_stats
@@ -143,9 +153,11 @@ class ChatSession:
         if not isinstance(options, CacheOptions):
             raise InvalidParamsError(f"cache_options must be a CacheOptions, got {type(options).__name__}.")
         options.validate()
+        _check_speculative_options(self._speculative, options)
         with self._idle("change the cache options"):
             if options != self._cache.options:
-                self._cache = CacheState(self._lm.model, options)
+                draft_model = self._speculative.draft.model if self._speculative is not None else None
+                self._cache = CacheState(self._lm.model, options, draft_model)
 
     def cache_info(self) -> CacheInfo:
         """What the KV cache holds now."""
@@ -228,6 +240,7 @@ class ChatSession:
                 tools=self._tools,
                 cache_options=self._cache.options,
                 prefill_progress=self._progress,
+                speculative=self._speculative,
             )
             other._cache = self._cache.copy()
             other._last_stats = self._last_stats
@@ -298,6 +311,8 @@ class ChatSession:
                 if user_progress is not None:
                     user_progress(done, total)
 
+            spec = self._speculative
+            draft = None if spec is None else (spec.draft.model, cache.draft_layers, spec.num_draft_tokens)
             return len(plan.suffix), generate_tokens(
                 self._lm.model,
                 cache.layers,
@@ -307,6 +322,7 @@ class ChatSession:
                 logits_processors=processors,
                 options=cache.options,
                 progress=progress,
+                draft=draft,
             )
 
         def commit(result: TurnResult) -> None:
@@ -334,6 +350,7 @@ class ChatSession:
             prompt_tokens=needed,
             on_commit=commit,
             on_abort=abort,
+            num_draft_tokens=self._speculative.num_draft_tokens if self._speculative is not None else 0,
         )
 
     def _render_text(
@@ -375,6 +392,16 @@ class _Idle:
 
     def __exit__(self, *exc_info: object) -> None:
         self._lock.release()
+
+
+def _check_speculative_options(speculative: SpeculativeConfig | None, options: CacheOptions) -> None:
+    # mlx-lm's speculative loop rewinds rejected draft tokens by trimming: a full rotating cache keeps
+    # them, and kv_bits swaps cache objects inside a list we do not see. Neither can be made exact.
+    if speculative is not None and (options.max_kv_size is not None or options.kv_bits is not None):
+        raise InvalidParamsError(
+            "Speculative decoding cannot be exact with max_kv_size or kv_bits (rejected draft tokens "
+            "could not be rewound): drop those options or drop .speculative(...)."
+        )
 
 
 def _ends_with_exchange(history: Sequence[ChatMessage]) -> bool:

@@ -32,7 +32,9 @@ class TurnStats:
     """What a turn cost. ``reused_tokens + prefilled_tokens == prompt_tokens``.
 
     ``finish_reason`` is ``"stop"``, ``"length"`` or ``"cancelled"`` (closed before the end).
-    ``peak_memory_bytes`` is MLX's process-wide peak during the turn.
+    ``peak_memory_bytes`` is MLX's process-wide peak during the turn. With speculative decoding,
+    ``draft_tokens_proposed`` counts the draft's proposals and ``draft_tokens_accepted`` those the
+    target kept.
     """
 
     prompt_tokens: int
@@ -43,6 +45,8 @@ class TurnStats:
     generation_tps: float
     peak_memory_bytes: int
     finish_reason: str | None
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class ResponseStream:
         prompt_tokens: int,
         on_commit: Callable[[TurnResult], None],
         on_abort: Callable[[BaseException | None], None],
+        num_draft_tokens: int = 0,
     ) -> None:
         self._start = start
         self._detok = detokenizer
@@ -92,6 +97,9 @@ class ResponseStream:
         self._done = False
         self._lock = threading.Lock()  # close() may come from the garbage collector or another thread
         self._t_start = self._t_first = 0.0
+        self._num_draft = num_draft_tokens
+        self._in_round = False  # inside a speculative round (draft tokens accepted so far)
+        self._proposed = self._accepted = 0
 
     # -- public surface -----------------------------------------------------------------------
     @property
@@ -165,6 +173,8 @@ class ResponseStream:
         if not self._generated:
             self._t_first = time.perf_counter()
         self._generated.append(token)
+        if self._num_draft:
+            self._count_draft(from_draft)
         finish = None
         if token in self._eos:
             finish = "stop"
@@ -180,6 +190,17 @@ class ResponseStream:
             self._finish = finish
             self._commit()
         return chunk
+
+    def _count_draft(self, from_draft: bool) -> None:
+        # mlx-lm proposes min(num_draft, tokens left) per round; a round ends with a target token.
+        if not self._in_round:
+            left = self._max_tokens - (len(self._generated) - 1)
+            self._proposed += min(self._num_draft, left)
+            self._in_round = True
+        if from_draft:
+            self._accepted += 1
+        else:
+            self._in_round = False
 
     def _take_text(self, final: bool) -> tuple[str, bool]:
         """The next piece of text to hand out, holding back what may start a stop string."""
@@ -212,6 +233,8 @@ class ResponseStream:
             generation_tps=(n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0,
             peak_memory_bytes=int(mx.get_peak_memory()),
             finish_reason=self._finish,
+            draft_tokens_proposed=self._proposed,
+            draft_tokens_accepted=self._accepted,
         )
 
     def _close_source(self) -> None:

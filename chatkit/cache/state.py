@@ -59,6 +59,15 @@ def is_trimmable(layers: Sequence[Any]) -> bool:
     return all(c.is_trimmable() for c in layers)
 
 
+def _trim_layers(layers: Sequence[Any], target: int) -> bool:
+    """Rewind every layer to ``target`` tokens; ``False`` if a layer did not comply."""
+    for c in layers:
+        excess = c.offset - target
+        if excess > 0 and c.trim(excess) != excess:
+            return False
+    return all(c.offset == target for c in layers if isinstance(getattr(c, "offset", None), int))
+
+
 def copy_layer(layer: Any) -> Any:
     """An independent copy of one mlx-lm cache layer (MLX arrays are values: no data is copied
     until one side writes)."""
@@ -116,12 +125,16 @@ class CacheInfo:
 class CacheState:
     """The cache layers of one model for one conversation, with the ledger of what they hold."""
 
-    def __init__(self, model: Any, options: CacheOptions = CacheOptions()) -> None:
+    def __init__(self, model: Any, options: CacheOptions = CacheOptions(), draft_model: Any = None) -> None:
         self._model = model
+        self._draft_model = draft_model
         self.options = options
         self.layers: list[Any] | None = None
         self.ledger = Ledger()
         self.checkpoints: list[Checkpoint] = []
+        # A draft model's cache holds the first ``draft_length`` ledger tokens (it may lag the target's).
+        self.draft_layers: list[Any] | None = None
+        self.draft_length = 0
 
     @property
     def empty(self) -> bool:
@@ -132,12 +145,17 @@ class CacheState:
         self.layers = None
         self.ledger = Ledger()
         self.checkpoints = []
+        self.draft_layers = None
+        self.draft_length = 0
 
     def copy(self) -> "CacheState":
         """An independent copy (for a fork): layers, ledger and checkpoints."""
-        other = CacheState(self._model, self.options)
+        other = CacheState(self._model, self.options, self._draft_model)
         if self.layers is not None:
             other.layers = [copy_layer(c) for c in self.layers]
+        if self.draft_layers is not None:
+            other.draft_layers = [copy_layer(c) for c in self.draft_layers]
+        other.draft_length = self.draft_length
         other.ledger = self.ledger
         other.checkpoints = list(self.checkpoints)  # checkpoints hold copies, never written
         return other
@@ -208,8 +226,8 @@ class CacheState:
     def prepare(self, prompt: Sequence[int]) -> Plan:
         """Plan reuse for ``prompt`` and apply the plan, so that the cache holds ``plan.keep`` tokens."""
         if self.layers is None:
-            self.layers = self._new_layers()
-            self.ledger = Ledger()
+            self.reset()
+            self._new_layers()
         p = plan(
             self.ledger,
             prompt,
@@ -224,9 +242,11 @@ class CacheState:
                 p = Plan(Action.REBUILD, 0, tuple(prompt))
         if p.action is Action.REBUILD:
             self.reset()
-            self.layers = self._new_layers()
+            self._new_layers()
         else:
             self._forget_after(p.keep)
+        if self.draft_layers is not None:
+            self._align_draft(tuple(prompt[: p.keep]))
         return p
 
     def record(self, fed: Sequence[int]) -> None:
@@ -240,12 +260,24 @@ class CacheState:
         ledger = None if offset is None else Ledger.from_offset(sequence, offset, self.ledger.opaque)
         if ledger is None:
             self.reset()  # the cache no longer matches anything we can name: rebuild next turn
-        else:
-            self.ledger = ledger
+            return
+        self.ledger = ledger
+        if self.draft_layers is not None:
+            # After a speculative run the draft may hold one token more or fewer than the target.
+            draft = layer_offset(self.draft_layers)
+            if draft is None or draft > len(sequence) or not _trim_layers(self.draft_layers, min(draft, len(ledger))):
+                self.reset()
+                return
+            self.draft_length = min(draft, len(ledger))
 
     def _forget_after(self, keep: int) -> None:
         self.ledger = Ledger(self.ledger.tokens[:keep], self.ledger.opaque)
         self.checkpoints = [c for c in self.checkpoints if c.length <= keep]
+        if self.draft_layers is not None and self.draft_length > keep:
+            if not _trim_layers(self.draft_layers, keep):
+                self.draft_layers = make_prompt_cache(self._draft_model)
+                keep = 0
+            self.draft_length = keep
 
     def _restore(self, checkpoint: Checkpoint) -> bool:
         """Bring every layer back to ``checkpoint``; ``False`` if a layer could not follow."""
@@ -262,18 +294,29 @@ class CacheState:
         self._forget_after(checkpoint.length)
         return True
 
-    def _new_layers(self) -> list[Any]:
-        return make_prompt_cache(self._model, max_kv_size=self.options.max_kv_size)
+    def _new_layers(self) -> None:
+        self.layers = make_prompt_cache(self._model, max_kv_size=self.options.max_kv_size)
+        if self._draft_model is not None:
+            self.draft_layers = make_prompt_cache(self._draft_model)
+            self.draft_length = 0
 
     def _trim_to(self, keep: int) -> bool:
         """Rewind every layer to ``opaque + keep`` tokens; ``False`` if a layer did not comply."""
         assert self.layers is not None
-        target = self.ledger.opaque + keep
-        for c in self.layers:
-            excess = c.offset - target
-            if excess > 0 and c.trim(excess) != excess:
-                return False
-        return layer_offset(self.layers) == target
+        return _trim_layers(self.layers, self.ledger.opaque + keep)
+
+    def _align_draft(self, kept: tuple[int, ...]) -> None:
+        """Bring the draft cache to hold exactly ``kept`` (the target's kept tokens)."""
+        assert self.draft_layers is not None
+        have = min(self.draft_length, len(kept))
+        if not _trim_layers(self.draft_layers, have):
+            self.draft_layers, have = make_prompt_cache(self._draft_model), 0
+        missing = kept[have:]
+        step = self.options.prefill_step_size
+        for i in range(0, len(missing), step):
+            self._draft_model(mx.array([missing[i : i + step]], dtype=mx.uint32), cache=self.draft_layers)
+            mx.eval([c.state for c in self.draft_layers])
+        self.draft_length = len(kept)
 
 
 __all__ = [

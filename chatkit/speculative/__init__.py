@@ -1,1 +1,5 @@
-"""Draft-model speculative decoding (SpeculativeConfig, draft compatibility): arrives with its own issue."""
+"""Draft-model speculative decoding: the configuration and the draft's compatibility checks."""
+
+from .config import SpeculativeConfig, check_draft
+
+__all__ = ["SpeculativeConfig", "check_draft"]

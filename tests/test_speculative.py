@@ -1,0 +1,157 @@
+"""Speculative decoding: exact greedy output, caches kept across turns, the exclusivity rules."""
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from chatkit import (
+    ChatSession,
+    GenerateParams,
+    IncompatibleDraftError,
+    SpeculativeCacheRestoreError,
+    SpeculativeConfig,
+)
+from chatkit.cache.state import layer_offset
+from chatkit.errors import InvalidParamsError
+from conftest import assert_ledger_matches_cache, fresh_reply, session_for
+from test_reuse import Conversation
+
+
+def run(session, prompt, break_after=None):
+    tokens = []
+    with session.stream_respond(prompt) as stream:
+        for k, chunk in enumerate(stream):
+            tokens.append(chunk.token)
+            if break_after is not None and k == break_after:
+                break
+    return tokens
+
+
+def assert_draft_aligned(session):
+    state = session._cache
+    assert_ledger_matches_cache(session)
+    draft = layer_offset(state.draft_layers)
+    assert draft == state.draft_length <= len(state.ledger)
+
+
+@pytest.mark.parametrize("num_draft", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_speculative_equals_standard_over_turns_breaks_undo_regenerate(tiny, arch, num_draft):
+    lm, draft = tiny(arch=arch, tokenizer="bpe"), tiny(arch=arch, tokenizer="bpe", seed=1)
+    spec = session_for(lm, params=GenerateParams(max_tokens=16), speculative=SpeculativeConfig(draft, num_draft))
+    for i, prompt in enumerate(["Hello", "What is two plus two?", "Go on", "Again"]):
+        expected = fresh_reply(spec, prompt)
+        got = run(spec, prompt, break_after=5 if i == 2 else None)
+        assert got == expected[: len(got)]
+        assert_draft_aligned(spec)
+        if i > 0:
+            assert spec.last_stats.reused_tokens > 0
+    spec.undo()
+    assert_draft_aligned(spec)
+    expected = fresh_reply(spec, "After undo")
+    assert run(spec, "After undo") == expected
+    regen_expected = fresh_reply(
+        session_for(lm, params=GenerateParams(max_tokens=16), history=spec.history[:-2]), "After undo"
+    )
+    with spec.stream_regenerate() as stream:
+        list(stream)
+    assert stream.tokens == regen_expected
+    assert_draft_aligned(spec)
+
+
+def test_an_agreeing_draft_is_accepted(tiny):
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+    session = session_for(lm, params=GenerateParams(max_tokens=24), speculative=SpeculativeConfig(lm, 4))
+    run(session, "Hi")
+    stats = session.last_stats
+    assert stats.draft_tokens_proposed > 0
+    assert stats.draft_tokens_accepted == stats.draft_tokens_proposed, "the draft is the target itself"
+    with session.stream_respond("More") as stream:
+        chunks = list(stream)
+    assert sum(c.from_draft for c in chunks) == session.last_stats.draft_tokens_accepted > 0
+
+
+def test_a_random_draft_is_mostly_rejected_but_exact(tiny):
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+    session = session_for(lm, params=GenerateParams(max_tokens=16), speculative=SpeculativeConfig(tiny(seed=2), 3))
+    expected = fresh_reply(session, "Hi")
+    assert run(session, "Hi") == expected
+    stats = session.last_stats
+    assert stats.draft_tokens_accepted < stats.draft_tokens_proposed
+
+
+def test_sampling_runs_and_respects_the_seed(tiny):
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+
+    def reply(seed):
+        params = GenerateParams(max_tokens=16, temperature=1.0, seed=seed)
+        return run(session_for(lm, params=params, speculative=SpeculativeConfig(tiny(seed=1), 2)), "Hi")
+
+    assert reply(5) == reply(5) and reply(5) != reply(6)
+
+
+def test_speculative_with_a_restored_cache_fails_at_build(tiny, tmp_path):
+    lm = tiny()
+    plain = session_for(lm, params=GenerateParams(max_tokens=4))
+    plain.respond("Hi")
+    plain.save_cache(tmp_path / "c.safetensors")
+    builder = ChatSession.builder(lm).cache(tmp_path / "c.safetensors").speculative(SpeculativeConfig(tiny(seed=1)))
+    with pytest.raises(SpeculativeCacheRestoreError, match="drop"):
+        builder.build()
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny):
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+    with pytest.raises(IncompatibleDraftError, match="tokenizer"):
+        ChatSession.builder(lm).speculative(SpeculativeConfig(tiny(arch="qwen3", tokenizer="spm"))).build()
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_5"])
+def test_models_whose_cache_cannot_rewind_are_refused(tiny, arch):
+    tok = "gemma" if arch == "gemma3_text" else "bpe"
+    lm = tiny(arch=arch, tokenizer=tok)
+    with pytest.raises(IncompatibleDraftError, match="rewind"):
+        ChatSession.builder(lm).speculative(SpeculativeConfig(tiny(arch=arch, tokenizer=tok, seed=1))).build()
+
+
+def test_inexact_cache_options_are_refused(tiny):
+    lm = tiny()
+    config = SpeculativeConfig(tiny(seed=1))
+    for configure in (lambda b: b.max_kv_size(64), lambda b: b.kv_bits(8)):
+        with pytest.raises(InvalidParamsError, match="Speculative"):
+            configure(ChatSession.builder(lm).speculative(config)).build()
+    session = ChatSession.builder(lm).speculative(config).build()
+    from chatkit import CacheOptions
+
+    with pytest.raises(InvalidParamsError):
+        session.cache_options = CacheOptions(kv_bits=4)
+    with pytest.raises(InvalidParamsError):
+        SpeculativeConfig(tiny(seed=1), num_draft_tokens=0)
+
+
+def test_saving_a_speculative_session_restores_into_a_standard_one(tiny, tmp_path):
+    lm = tiny()
+    spec = session_for(lm, params=GenerateParams(max_tokens=10), speculative=SpeculativeConfig(tiny(seed=1), 3))
+    run(spec, "Hi")
+    run(spec, "Again")
+    spec.save_cache(tmp_path / "s.safetensors")
+    restored = ChatSession.builder(lm).cache(tmp_path / "s.safetensors").build()
+    assert restored.history == spec.history
+    expected = run(spec, "Third")
+    assert run(restored, "Third") == expected
+
+
+@pytest.mark.parametrize("num_draft", [1, 4])
+def test_equivalence_state_machine_speculative(num_draft):
+    from chatkit.testing import tiny_model
+
+    class Speculative(Conversation):
+        def __init__(self):
+            super().__init__()
+            self.session = session_for(
+                self.lm,
+                params=GenerateParams(max_tokens=8),
+                speculative=SpeculativeConfig(tiny_model(arch="qwen3", tokenizer="bpe", seed=1), num_draft),
+            )
+
+    run_state_machine_as_test(Speculative, settings=settings(max_examples=5, stateful_step_count=8))
