@@ -23,6 +23,8 @@ from .params import GenerateParams
 from .builder import ChatSessionBuilder
 from .cache.store import CacheFileInfo
 from .cache.store import inspect as inspect_cache
+from .aio import AsyncResponseStream
+from .pool import SessionPool
 from .session import ChatSession
 from .speculative import SpeculativeConfig
 from .stream import ResponseStream, StreamChunk, TurnStats
@@ -30,6 +32,7 @@ from .stream import ResponseStream, StreamChunk, TurnStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncResponseStream",
     "CacheFileError",
     "CacheFileInfo",
     "CacheInfo",
@@ -51,6 +54,7 @@ __all__ = [
     "ResponseStream",
     "Role",
     "SessionBusyError",
+    "SessionPool",
     "SpeculativeCacheRestoreError",
     "SpeculativeConfig",
     "StreamChunk",

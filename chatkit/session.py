@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import mlx.core as mx
 
+from .aio import AsyncResponseStream
 from .cache import store
 from .cache.state import CacheInfo, CacheOptions, CacheState
 from .errors import (
@@ -73,6 +75,7 @@ class ChatSession:
         self._progress = prefill_progress
         self._turn = threading.Lock()  # held from the start of a turn until it commits or aborts
         self._last_stats: TurnStats | None = None
+        self._worker: ThreadPoolExecutor | None = None  # async turns run here, one thread per session
 
     @staticmethod
     def builder(model: LoadedModel | Any, tokenizer: Any = None) -> "ChatSessionBuilder":
@@ -190,6 +193,17 @@ class ChatSession:
                 checkpoints=cache.checkpoints,
             )
 
+    def _restore_cache_file(self, path: str | os.PathLike[str]) -> None:
+        """Put back a cache this session saved (for a pool that evicted it); checked like a restore."""
+        with self._idle("restore the cache"):
+            saved = store.load(path)
+            store.check_fingerprint(self._lm.fingerprint, saved.info.fingerprint, repr(str(path)))
+            # A draft's cache is not saved: it is refilled from the ledger at the next turn.
+            draft_model = self._speculative.draft.model if self._speculative is not None else None
+            self._cache = CacheState.restored(
+                self._lm.model, self._cache.options, saved.layers, saved.ledger, saved.checkpoints, draft_model
+            )
+
     # -- editing --------------------------------------------------------------------------------
     def undo(self) -> list[ChatMessage]:
         """Drop the last exchange (the prompt and its reply), rewind the cache to match, and return it."""
@@ -272,6 +286,23 @@ class ChatSession:
         except BaseException:
             self._turn.release()
             raise
+
+    def astream_respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> AsyncResponseStream:
+        """As :meth:`stream_respond`, for ``async for``: generation runs on the session's worker thread."""
+        stream = self.stream_respond(prompt, role=role)
+        return AsyncResponseStream(stream, self._executor())
+
+    async def arespond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> str:
+        """As :meth:`respond`, without blocking the event loop. Cancelling it commits the reply so far."""
+        async with self.astream_respond(prompt, role=role) as stream:
+            async for _ in stream:
+                pass
+        return stream.text
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatkit-session")
+        return self._worker
 
     def render(self, prompt: str | MessageLike | None = None, *, role: Role | str = Role.USER) -> str:
         """The prompt text the model would see if ``prompt`` were sent now (the template's output)."""

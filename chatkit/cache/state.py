@@ -173,10 +173,14 @@ class CacheState:
         layers: list[Any],
         ledger: Ledger,
         checkpoints: Sequence[Checkpoint] = (),
+        draft_model: Any = None,
     ) -> "CacheState":
-        """A cache state around restored layers (and the checkpoints saved with them)."""
-        state = cls(model, options)
+        """A cache state around restored layers (and the checkpoints saved with them). A draft
+        model's cache starts empty and is filled from the ledger at the next turn."""
+        state = cls(model, options, draft_model)
         state.layers, state.ledger = layers, ledger
+        if draft_model is not None:
+            state.draft_layers = make_prompt_cache(draft_model)
         state.checkpoints = [c for c in checkpoints if c.length <= len(ledger.tokens)]
         state.checkpoint()  # so that a restored raw cache can come back to its own end
         return state
@@ -253,6 +257,9 @@ class CacheState:
         """After a turn fed ``fed`` on top of the ledger: read back from the offsets what the cache holds."""
         if self.layers is None:
             return
+        # Materialize the cache on this thread: MLX arrays still being computed belong to this
+        # thread's stream, and the next turn may run on another thread.
+        mx.eval([c.state for c in self.layers + (self.draft_layers or [])])
         sequence = self.ledger.tokens + tuple(fed)
         offset = layer_offset(self.layers)
         if offset is None and not any(hasattr(c, "offset") for c in self.layers):

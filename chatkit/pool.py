@@ -1,0 +1,120 @@
+"""``SessionPool``: many conversations over one loaded model, their KV caches kept under a byte budget."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .builder import ChatSessionBuilder
+from .errors import ChatKitError, InvalidParamsError
+from .loading import LoadedModel
+from .session import ChatSession
+
+Configure = Callable[[ChatSessionBuilder], ChatSessionBuilder]
+
+
+class SessionPool:
+    """Sessions by key over one model. When their caches pass ``max_cache_bytes``, the least recently
+    used caches are saved to ``folder`` and released; a session gets its cache back when next used.
+
+    ``configure`` sets up each new session's builder (instructions, params, ...). Get the session
+    from the pool for each use (``pool.session(key)``), so the pool knows what is in use.
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        *,
+        folder: str | os.PathLike[str],
+        max_cache_bytes: int,
+        configure: Configure | None = None,
+    ) -> None:
+        if isinstance(max_cache_bytes, bool) or not isinstance(max_cache_bytes, int) or max_cache_bytes < 0:
+            raise InvalidParamsError(f"max_cache_bytes={max_cache_bytes!r}: must be an int >= 0.")
+        self._lm = lm
+        self._folder = Path(folder)
+        self._folder.mkdir(parents=True, exist_ok=True)
+        self._budget = max_cache_bytes
+        self._configure = configure
+        self._sessions: OrderedDict[str, ChatSession] = OrderedDict()  # least recently used first
+        self._evicted: set[str] = set()
+        self._lock = threading.RLock()
+
+    def session(self, key: str) -> ChatSession:
+        """The session for ``key``, created on first use, its cache restored if it was evicted."""
+        if not isinstance(key, str) or not key:
+            raise InvalidParamsError("A session key is a non-empty str.")
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is None:
+                builder = ChatSession.builder(self._lm)
+                session = (self._configure(builder) if self._configure else builder).build()
+                self._sessions[key] = session
+            self._sessions.move_to_end(key)
+            if key in self._evicted:
+                self._evicted.discard(key)
+                session._restore_cache_file(self.path(key))
+            self.enforce_budget(keep=key)
+            return session
+
+    def enforce_budget(self, keep: str | None = None) -> list[str]:
+        """Evict least recently used caches until the total fits the budget; returns the keys evicted.
+
+        Busy sessions and ``keep`` are never evicted.
+        """
+        evicted = []
+        with self._lock:
+            for key, session in list(self._sessions.items()):
+                if self.cache_bytes() <= self._budget:
+                    break
+                if key == keep or session.busy or _bytes(session) == 0:
+                    continue
+                try:
+                    session.save_cache(self.path(key))
+                    session.release_cache()
+                except ChatKitError:
+                    continue  # busy meanwhile, or nothing to save: try the next one
+                self._evicted.add(key)
+                evicted.append(key)
+        return evicted
+
+    def cache_bytes(self) -> int:
+        """Bytes held by the caches of the sessions in memory (checkpoints included)."""
+        with self._lock:
+            return sum(_bytes(s) for s in self._sessions.values())
+
+    def evicted(self, key: str) -> bool:
+        """Whether ``key``'s cache is on disk rather than in memory."""
+        return key in self._evicted
+
+    def remove(self, key: str) -> None:
+        """Forget a conversation and delete its saved cache."""
+        with self._lock:
+            self._sessions.pop(key, None)
+            self._evicted.discard(key)
+            self.path(key).unlink(missing_ok=True)
+
+    def path(self, key: str) -> Path:
+        """Where ``key``'s cache is saved when evicted."""
+        return self._folder / f"{hashlib.sha256(key.encode('utf-8')).hexdigest()[:32]}.safetensors"
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._sessions))
+
+
+def _bytes(session: ChatSession) -> int:
+    info = session.cache_info()
+    return info.nbytes + info.checkpoint_bytes
+
+
+__all__ = ["SessionPool"]

@@ -1,0 +1,246 @@
+"""Embedding in apps: async streaming and cancellation, threads, many sessions over one model, pools."""
+
+import asyncio
+import threading
+
+import pytest
+
+from chatkit import GenerateParams, SessionBusyError, SessionPool, SpeculativeConfig
+from conftest import assert_ledger_matches_cache, fresh_reply, session_for
+
+
+def endless(lm, max_tokens=400):
+    """Params under which a reply never ends by itself (no end-of-turn token)."""
+    return GenerateParams(max_tokens=max_tokens, logit_bias={i: -1e9 for i in lm.tokenizer.eos_token_ids})
+
+
+def test_async_stream_matches_the_sync_reply(tiny):
+    lm = tiny()
+    session = session_for(lm, params=GenerateParams(max_tokens=12))
+    expected = fresh_reply(session, "Hi")
+
+    async def main():
+        chunks = []
+        async with session.astream_respond("Hi") as stream:
+            async for chunk in stream:
+                chunks.append(chunk)
+        return stream, chunks
+
+    stream, chunks = asyncio.run(main())
+    assert [c.token for c in chunks] == expected
+    assert "".join(c.text for c in chunks) == stream.text == session.history[-1].content
+    assert asyncio.run(session.arespond("Again")) == session.history[-1].content
+    assert_ledger_matches_cache(session)
+
+
+def test_cancelling_the_task_stops_within_a_decode_step_and_commits(tiny):
+    lm = tiny()
+    session = session_for(lm, params=endless(lm))
+    seen = []
+
+    async def consume():
+        async with session.astream_respond("Talk forever") as stream:
+            async for chunk in stream:
+                seen.append(chunk)
+                if len(seen) == 10:
+                    asyncio.current_task().cancel()
+
+    async def main():
+        task = asyncio.create_task(consume())
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert not session.busy, "leaving the async with block waited for the commit"
+    stats = session.last_stats
+    assert stats.finish_reason == "cancelled"
+    assert 10 <= stats.generation_tokens <= 12, "generation stopped within a decode step of the cancel"
+    # The reply holds what was shown, plus at most the token being computed when the cancel came.
+    assert session.history[-1].content.startswith("".join(c.text for c in seen))
+    assert_ledger_matches_cache(session)
+
+
+def test_cancel_from_outside_while_the_event_loop_stays_responsive(tiny):
+    lm = tiny()
+    session = session_for(lm, params=endless(lm, 2000))
+
+    async def main():
+        ticks = 0
+        received = 0
+
+        async def consume():
+            nonlocal received
+            async for _ in session.astream_respond("Go"):
+                received += 1
+
+        task = asyncio.create_task(consume())
+        for _ in range(20):  # the loop keeps running while tokens are generated on the worker
+            await asyncio.sleep(0.005)
+            ticks += 1
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        at_cancel = received
+        for _ in range(200):
+            if not session.busy:
+                break
+            await asyncio.sleep(0.01)
+        return ticks, at_cancel
+
+    ticks, at_cancel = asyncio.run(main())
+    assert ticks == 20 and not session.busy
+    assert session.last_stats.generation_tokens <= at_cancel + 3
+    assert session.last_stats.generation_tokens < 2000
+
+
+def test_aclose_before_iterating_changes_nothing(tiny):
+    session = session_for(tiny())
+
+    async def main():
+        stream = session.astream_respond("Never")
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert session.history == [] and not session.busy
+
+
+def test_async_errors_roll_back(tiny):
+    lm = tiny()
+
+    def explode(tokens, logits):
+        raise ValueError("bad processor")
+
+    session = session_for(lm, params=GenerateParams(max_tokens=5, logits_processors=[explode]))
+    with pytest.raises(ValueError, match="bad processor"):
+        asyncio.run(session.arespond("Hi"))
+    assert session.history == [] and not session.busy
+
+
+def test_threads_hammering_one_session_one_wins_each_turn(tiny):
+    session = session_for(tiny(), params=GenerateParams(max_tokens=6))
+    wins, busy = [], []
+    barrier = threading.Barrier(6)
+
+    def worker(i):
+        barrier.wait()
+        for round_ in range(3):
+            try:
+                session.respond(f"thread {i} round {round_}")
+                wins.append(i)
+            except SessionBusyError:
+                busy.append(i)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(wins) + len(busy) == 18 and wins and busy
+    history = session.history
+    assert len(history) == 2 * len(wins)
+    assert all(m.role.value == ("user" if k % 2 == 0 else "assistant") for k, m in enumerate(history))
+    assert_ledger_matches_cache(session)
+
+
+def conversation(lm, i, out, speculative=None):
+    session = session_for(lm, params=GenerateParams(max_tokens=10), instructions=f"You are bot {i}.",
+                          **({"speculative": speculative} if speculative else {}))
+    for prompt in ["Hi", "Tell me more", "Why?"]:
+        with session.stream_respond(prompt) as stream:
+            out.append(tuple(c.token for c in stream))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_many_sessions_on_one_model_in_threads_equal_one_by_one(tiny, arch):
+    lm = tiny(arch=arch, tokenizer="bpe")
+    alone = {i: [] for i in range(4)}
+    for i in range(4):
+        conversation(lm, i, alone[i])
+    together = {i: [] for i in range(4)}
+    threads = [threading.Thread(target=conversation, args=(lm, i, together[i])) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert together == alone
+
+
+def test_many_async_sessions_interleaved_equal_one_by_one(tiny):
+    lm = tiny()
+    sessions = [session_for(lm, params=GenerateParams(max_tokens=10), instructions=f"Bot {i}") for i in range(3)]
+    expected = [fresh_reply(s, "Hello") for s in sessions]
+
+    async def main():
+        async def one(s):
+            async with s.astream_respond("Hello") as stream:
+                return [c.token async for c in stream]
+
+        return await asyncio.gather(*(one(s) for s in sessions))
+
+    assert asyncio.run(main()) == expected
+
+
+def test_release_cache_frees_memory_and_the_next_turn_reprefills(tiny):
+    session = session_for(tiny(), params=GenerateParams(max_tokens=6))
+    session.respond("Hi")
+    assert session.cache_info().nbytes > 0
+    session.release_cache()
+    assert session.cache_info().nbytes == 0 and len(session.history) == 2
+    expected = fresh_reply(session, "Again")
+    with session.stream_respond("Again") as stream:
+        list(stream)
+    assert stream.tokens == expected and session.last_stats.reused_tokens == 0
+
+
+def test_pool_evicts_least_recently_used_caches_and_restores_them(tiny, tmp_path):
+    lm = tiny()
+    one = session_for(lm, params=GenerateParams(max_tokens=6))
+    one.respond("Hello from a")
+    budget = int(one.cache_info().nbytes * 2.5)  # room for two caches
+    pool = SessionPool(
+        lm, folder=tmp_path, max_cache_bytes=budget,
+        configure=lambda b: b.instructions("Be brief.").generate_params(GenerateParams(max_tokens=6)),
+    )
+    for key in ["a", "b", "c"]:
+        pool.session(key).respond(f"Hello from {key}")
+    pool.session("c")  # enforce the budget: "a" is the least recently used
+    assert pool.evicted("a") and not pool.evicted("b") and not pool.evicted("c")
+    assert pool.cache_bytes() <= budget and pool.path("a").exists()
+    history_a = pool.session("a").history
+    assert len(history_a) == 2 and pool.session("a").cache_info().tokens > 0
+    assert not pool.evicted("a") and pool.cache_bytes() <= budget
+    pool.session("b")
+    pool.session("a")
+    assert not pool.evicted("a") and not pool.evicted("b") and pool.cache_bytes() <= budget
+    a = pool.session("a")
+    expected = fresh_reply(a, "And now?")
+    with a.stream_respond("And now?") as stream:
+        list(stream)
+    assert stream.tokens == expected and a.last_stats.reused_tokens > 0
+    pool.remove("a")
+    assert "a" not in pool and not pool.path("a").exists()
+
+
+def test_pool_never_evicts_a_busy_session(tiny, tmp_path):
+    lm = tiny()
+    pool = SessionPool(lm, folder=tmp_path, max_cache_bytes=0,
+                       configure=lambda b: b.generate_params(GenerateParams(max_tokens=6)))
+    pool.session("x").respond("Hi")
+    stream = pool.session("x").stream_respond("More")
+    next(stream)
+    pool.session("y")
+    assert not pool.evicted("x")
+    stream.close()
+    pool.session("y")
+    assert pool.evicted("x")
+
+
+def test_pool_with_speculative_sessions(tiny, tmp_path):
+    lm = tiny()
+    config = SpeculativeConfig(tiny(seed=1), 2)
+    pool = SessionPool(lm, folder=tmp_path, max_cache_bytes=0,
+                       configure=lambda b: b.speculative(config).generate_params(GenerateParams(max_tokens=6)))
+    pool.session("a").respond("Hi")
+    pool.session("b")
+    assert pool.evicted("a")
+    a = pool.session("a")
+    expected = fresh_reply(a, "Again")
+    with a.stream_respond("Again") as stream:
+        list(stream)
+    assert stream.tokens == expected
