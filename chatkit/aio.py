@@ -1,34 +1,52 @@
-"""Async streaming: a turn's MLX work runs on the session's worker thread; chunks reach the event loop."""
+"""Async streaming: a turn's MLX work runs on a worker thread of its own; chunks reach the event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent.futures import Executor
-from typing import Any
+
+import mlx.core as mx
+from typing import Any, Callable
 
 from .stream import ResponseStream, StreamChunk, TurnStats
 
-_END = object()
+END = object()  # what pump() hands over after the last chunk
 
 
-class _Failure:
+class Failure:
+    """What pump() hands over when the turn raised; the turn is rolled back already."""
+
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc
+
+
+def pump(stream: ResponseStream, put: Callable[[Any], None], cancel: threading.Event) -> None:
+    """Iterate ``stream`` on this (worker) thread, handing each chunk to ``put``, then ``END`` or a
+    ``Failure``. Setting ``cancel`` stops it after the token being computed; the turn commits."""
+    try:
+        for chunk in stream:
+            put(chunk)
+            if cancel.is_set():
+                break
+    except BaseException as exc:
+        put(Failure(exc))
+        return
+    finally:
+        stream.close()
+    put(END)
 
 
 class AsyncResponseStream:
     """The reply of one turn for ``async for``; use it as an async context manager.
 
-    Generation runs on the session's worker thread (all of a turn's MLX work on one thread) and never
-    blocks the event loop. Cancelling the consuming task, ``await stream.aclose()`` or leaving the
+    Generation runs on a worker thread started for the turn (all of its MLX work on that thread) and
+    never blocks the event loop. Cancelling the consuming task, ``await stream.aclose()`` or leaving the
     ``async with`` block stops generation within one decode step and commits the reply as far as it
     got, like closing a synchronous stream.
     """
 
-    def __init__(self, stream: ResponseStream, executor: Executor) -> None:
+    def __init__(self, stream: ResponseStream) -> None:
         self._stream = stream
-        self._executor = executor
         self._cancel = threading.Event()
         self._queue: asyncio.Queue[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -62,9 +80,9 @@ class AsyncResponseStream:
         except asyncio.CancelledError:
             self._cancel.set()  # the worker stops after the token it is computing
             raise
-        if item is _END:
+        if item is END:
             raise StopAsyncIteration
-        if isinstance(item, _Failure):
+        if isinstance(item, Failure):
             raise item.exc
         return item
 
@@ -85,28 +103,26 @@ class AsyncResponseStream:
     def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
-        self._done = asyncio.wrap_future(self._executor.submit(self._pump))
+        self._done = self._loop.create_future()
+        threading.Thread(target=self._work, name="chatkit-turn", daemon=False).start()
 
-    def _pump(self) -> None:
-        """Worker thread: iterate the synchronous stream, hand chunks to the loop, commit at the end."""
+    def _work(self) -> None:
         try:
-            for chunk in self._stream:
-                self._put(chunk)
-                if self._cancel.is_set():
-                    break
-        except BaseException as exc:  # the stream has rolled the turn back; the consumer re-raises
-            self._put(_Failure(exc))
-            return
+            pump(self._stream, self._put, self._cancel)
         finally:
-            self._stream.close()
-        self._put(_END)
+            mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
+            self._call(self._done.set_result, None)
 
     def _put(self, item: Any) -> None:
-        assert self._loop is not None and self._queue is not None
+        assert self._queue is not None
+        self._call(self._queue.put_nowait, item)
+
+    def _call(self, fn: Callable[[Any], Any], arg: Any) -> None:
+        assert self._loop is not None
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(fn, arg)
         except RuntimeError:
             pass  # the event loop is gone; the turn is committed anyway
 
 
-__all__ = ["AsyncResponseStream"]
+__all__ = ["AsyncResponseStream", "END", "Failure", "pump"]

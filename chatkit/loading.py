@@ -78,11 +78,20 @@ def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
     }
 
 
+def _demo_folder(name: str) -> str:
+    try:
+        from . import demo
+    except ImportError as exc:
+        raise ModelLoadError(f"The bundled demo model is not available in this install ({exc}).") from exc
+    return str(demo.draft_path() if name == "demo-draft" else demo.path())
+
+
 def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> LoadedModel:
     """Load a model and tokenizer with ``mlx_lm.load``.
 
-    ``path_or_repo`` is a local folder (``config.json``, ``*.safetensors`` and tokenizer files) or a
-    Hugging Face repo id, downloaded on first use (set ``HF_HUB_OFFLINE=1`` to forbid downloads).
+    ``path_or_repo`` is a local folder (``config.json``, ``*.safetensors`` and tokenizer files), a
+    Hugging Face repo id, downloaded on first use (set ``HF_HUB_OFFLINE=1`` to forbid downloads), or
+    ``"demo"`` / ``"demo-draft"`` for the small chat model and draft that ship with chatkit.
     Extra keyword arguments go to the tokenizer's config (e.g. ``eos_token``).
     """
     from mlx_lm import load as mlx_load  # imported here: mlx_lm costs about a second to import
@@ -90,6 +99,8 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
     source = os.fspath(path_or_repo)
     if not source:
         raise ModelLoadError("load() needs a Hugging Face repo id or a local model folder, got ''.")
+    if source in ("demo", "demo-draft"):
+        source = _demo_folder(source)
     try:
         model, tokenizer, config = mlx_load(
             source, tokenizer_config=tokenizer_config or None, return_config=True

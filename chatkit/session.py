@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -75,7 +74,6 @@ class ChatSession:
         self._progress = prefill_progress
         self._turn = threading.Lock()  # held from the start of a turn until it commits or aborts
         self._last_stats: TurnStats | None = None
-        self._worker: ThreadPoolExecutor | None = None  # async turns run here, one thread per session
 
     @staticmethod
     def builder(model: LoadedModel | Any, tokenizer: Any = None) -> "ChatSessionBuilder":
@@ -288,9 +286,8 @@ class ChatSession:
             raise
 
     def astream_respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> AsyncResponseStream:
-        """As :meth:`stream_respond`, for ``async for``: generation runs on the session's worker thread."""
-        stream = self.stream_respond(prompt, role=role)
-        return AsyncResponseStream(stream, self._executor())
+        """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread."""
+        return AsyncResponseStream(self.stream_respond(prompt, role=role))
 
     async def arespond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> str:
         """As :meth:`respond`, without blocking the event loop. Cancelling it commits the reply so far."""
@@ -298,11 +295,6 @@ class ChatSession:
             async for _ in stream:
                 pass
         return stream.text
-
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._worker is None:
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chatkit-session")
-        return self._worker
 
     def render(self, prompt: str | MessageLike | None = None, *, role: Role | str = Role.USER) -> str:
         """The prompt text the model would see if ``prompt`` were sent now (the template's output)."""

@@ -257,8 +257,7 @@ class CacheState:
         """After a turn fed ``fed`` on top of the ledger: read back from the offsets what the cache holds."""
         if self.layers is None:
             return
-        # Materialize the cache on this thread: MLX arrays still being computed belong to this
-        # thread's stream, and the next turn may run on another thread.
+        # Materialize the cache on this thread: the next turn may run on another one.
         mx.eval([c.state for c in self.layers + (self.draft_layers or [])])
         sequence = self.ledger.tokens + tuple(fed)
         offset = layer_offset(self.layers)
