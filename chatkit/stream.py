@@ -95,6 +95,7 @@ class ResponseStream:
         self._finish: str | None = None
         self._stats: TurnStats | None = None
         self._done = False
+        self._settled = False  # the session was told the outcome (commit or abort), exactly once
         self._lock = threading.Lock()  # close() may come from the garbage collector or another thread
         self._t_start = self._t_first = 0.0
         self._num_draft = num_draft_tokens
@@ -247,10 +248,14 @@ class ResponseStream:
         self._done = True
         self._close_source()
         self._stats = self._stats_now()
+        self._settled = True
         self._on_commit(TurnResult(self._text, tuple(self._generated), self._stats))
 
     def _abort(self, exc: BaseException | None) -> None:
         self._done = True
+        if self._settled:
+            return  # the commit itself failed: the session has already settled the turn
+        self._settled = True
         try:
             self._close_source()
         finally:

@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+DEMO = Path(__file__).resolve().parent.parent / "chatkit" / "demo" / "models" / "chat" / "config.json"
+pytestmark = pytest.mark.skipif(not DEMO.exists(), reason="the demo model pair is not trained yet")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
