@@ -6,6 +6,8 @@ import ctypes
 import os
 import platform
 import statistics
+import sys
+import time
 from importlib import metadata
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -83,3 +85,74 @@ def describe(lm) -> str:
 
 def median(xs) -> float:
     return statistics.median(xs)
+
+
+def _cpu_times() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        values = [int(v) for v in f.readline().split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def cpu_busy(seconds: float = 1.0) -> float:
+    """Fraction of all cores busy over ``seconds`` (Linux; 0.0 elsewhere)."""
+    try:
+        b0, t0 = _cpu_times()
+        time.sleep(seconds)
+        b1, t1 = _cpu_times()
+    except OSError:
+        return 0.0
+    return (b1 - b0) / max(t1 - t0, 1)
+
+
+def wait_until_quiet(max_wait: float = 300.0, threshold: float = 0.15) -> str:
+    """Wait (up to ``max_wait`` s) until the other processes leave the CPU mostly idle: on a 2-core
+    machine anything else running skews every number. Returns a line for the report."""
+    start = time.time()
+    busy = cpu_busy()
+    while busy > threshold and time.time() - start < max_wait:
+        print(f"(CPU {busy:.0%} busy with other processes: waiting for it to quiet down)", file=sys.stderr)
+        time.sleep(5)
+        busy = cpu_busy()
+    note = f"CPU busy before start: {busy:.0%}"
+    if busy > threshold:
+        note += f" (still busy after {max_wait:.0f} s of waiting: numbers are skewed)"
+    return note
+
+
+class OtherLoad:
+    """CPU time used by *other* processes while the benchmark ran, as a share of all cores:
+    whatever it is above a few percent, the numbers of this run are skewed."""
+
+    def __init__(self) -> None:
+        self._start = self._sample()
+
+    @staticmethod
+    def _sample():
+        try:
+            busy, _ = _cpu_times()
+        except OSError:
+            busy = 0
+        t = os.times()
+        return busy / os.sysconf("SC_CLK_TCK"), t.user + t.system, time.time()
+
+    def report(self) -> str:
+        busy1, mine1, wall1 = self._sample()
+        busy0, mine0, wall0 = self._start
+        others = max(0.0, (busy1 - busy0) - (mine1 - mine0)) / max((wall1 - wall0) * (os.cpu_count() or 1), 1e-9)
+        return f"CPU used by other processes during the run: {others:.0%} of the machine"
+
+
+def clone(layers):
+    """Real copies of mlx-lm cache layers (own buffers, evaluated), so that writing to a copy never
+    first copies the original's memory (``chatkit.cache.state.copy_layer`` shares it until a write)."""
+    from mlx.utils import tree_map
+
+    if layers is None:
+        return None
+    out = []
+    for c in layers:
+        state = tree_map(lambda x: (x + 0) if isinstance(x, mx.array) else x, c.state)
+        out.append(type(c).from_state(state))
+    mx.eval([c.state for c in out])
+    return out
