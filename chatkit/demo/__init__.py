@@ -1,0 +1,53 @@
+"""chatkit's bundled demo pair: a tiny chat model and a draft model for speculative decoding.
+
+Both are qwen3-architecture models trained from scratch (``scripts/train_demo.py``) on synthetic
+dialogues, with their own byte-level BPE tokenizer and a ChatML template. They do small sums
+("What is 7 + 5?"), spell and count letters of common words ("Spell cat.", "How many letters are in
+apple?"), small talk, and remember facts you tell them ("My name is Ada.", "I live in Lyon.",
+"My favourite colour is green.", "I have a dog named Rex.", "I am 34 years old.") to answer later
+("What is my name?"). Outside that little world their replies are nonsense. No download needed::
+
+    import chatkit
+    from chatkit import demo
+
+    lm = demo.load()
+    session = chatkit.ChatSession.builder(lm).speculative(chatkit.SpeculativeConfig(demo.load_draft(), 4)).build()
+    print(session.respond("My name is Ada."))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..loading import LoadedModel
+
+_MODELS = Path(__file__).resolve().parent / "models"
+
+
+def path() -> Path:
+    """The folder of the demo chat model (``config.json``, ``model.safetensors``, tokenizer files)."""
+    return _MODELS / "chat"
+
+
+def draft_path() -> Path:
+    """The folder of the demo draft model (same tokenizer as the chat model)."""
+    return _MODELS / "draft"
+
+
+def load() -> "LoadedModel":
+    """The demo chat model, loaded with :func:`chatkit.loading.load`."""
+    from ..loading import load as _load
+
+    return _load(str(path()))
+
+
+def load_draft() -> "LoadedModel":
+    """The demo draft model, for ``chatkit.SpeculativeConfig(load_draft(), num_draft_tokens=4)``."""
+    from ..loading import load as _load
+
+    return _load(str(draft_path()))
+
+
+__all__ = ["draft_path", "load", "load_draft", "path"]

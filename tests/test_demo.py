@@ -1,0 +1,105 @@
+"""The bundled demo pair (chatkit.demo): loads offline and answers held-out questions correctly."""
+
+import json
+
+import pytest
+
+import chatkit
+from chatkit import ChatSession, GenerateParams, SpeculativeConfig, demo
+
+GREEDY = GenerateParams(max_tokens=48, temperature=0.0)
+pytestmark = pytest.mark.skipif(
+    not (demo.path() / "config.json").exists(), reason="the demo pair is not trained yet (scripts/train_demo.py)"
+)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return demo.load()
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return demo.load_draft()
+
+
+def chat(lm, **options):
+    builder = ChatSession.builder(lm).generate_params(GREEDY)
+    for name, value in options.items():
+        builder = getattr(builder, name)(value)
+    return builder.build()
+
+
+def test_demo_pair_is_shipped_and_small():
+    total = 0
+    for folder in (demo.path(), demo.draft_path()):
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            assert (folder / name).is_file(), folder / name
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+        assert config["eos_token"] == "<|im_end|>"
+        assert "<|im_start|>" in config["chat_template"]
+        total += (folder / "model.safetensors").stat().st_size
+    assert total <= 20_000_000
+
+
+def test_demo_pair_loads_offline(lm, draft):
+    assert isinstance(lm, chatkit.LoadedModel) and isinstance(draft, chatkit.LoadedModel)
+    assert lm.config["model_type"] == draft.config["model_type"] == "qwen3"
+    assert draft.config["num_hidden_layers"] < lm.config["num_hidden_layers"]
+    assert lm.tokenizer.eos_token == "<|im_end|>"
+    assert lm.fingerprint["vocabulary"] == draft.fingerprint["vocabulary"]
+
+
+def test_arithmetic(lm):
+    session = chat(lm, instructions="Answer briefly.")
+    assert session.respond("What is 8 + 7?") == "8 + 7 = 15."
+    assert session.respond("What is 13 minus 6?") == "13 - 6 = 7."
+
+
+def test_spelling_and_counting(lm):
+    session = chat(lm)
+    assert session.respond("Spell rocket.") == "The word rocket is spelled r-o-c-k-e-t."
+    assert session.respond("How many letters are in garden?") == "The word garden has 6 letters."
+
+
+def test_recalls_a_fact_told_three_turns_earlier(lm):
+    session = chat(lm)
+    assert session.respond("My name is Ada.") == "Nice to meet you, Ada."
+    session.respond("What is 4 + 9?")
+    session.respond("Spell moon.")
+    session.respond("I live in Lyon.")
+    assert session.respond("What is my name?") == "Your name is Ada."
+    assert session.respond("Where do I live?") == "You live in Lyon."
+
+
+def test_recall_after_save_and_restore(lm, tmp_path):
+    session = chat(lm)
+    session.respond("My favourite colour is green.")
+    session.respond("What is 3 * 4?")
+    session.respond("Count the letters in apple.")
+    path = tmp_path / "demo.safetensors"
+    session.save_cache(path)
+    restored = ChatSession.builder(lm).cache(path).build()
+    assert restored.respond("What is my favourite colour?") == "Your favourite colour is green."
+    assert restored.last_stats.reused_tokens > 0
+
+
+def test_speculative_matches_standard(lm, draft):
+    prompts = ["I have a dog named Rex.", "What is 12 + 9?", "Spell tiger.", "What is my dog called?"]
+    plain = chat(lm)
+    spec = chat(lm, speculative=SpeculativeConfig(draft, num_draft_tokens=4))
+    proposed = accepted = 0
+    for prompt in prompts:
+        assert spec.respond(prompt) == plain.respond(prompt)
+        proposed += spec.last_stats.draft_tokens_proposed
+        accepted += spec.last_stats.draft_tokens_accepted
+    assert plain.history[-1].content == "Your dog is called Rex."
+    assert accepted >= 0.5 * proposed > 0
+
+
+def test_load_by_name():
+    lm = chatkit.load("demo")
+    assert lm.config["model_type"] == "qwen3"
+    session = chat(lm)
+    assert session.respond("What is 2 + 2?") == "2 + 2 = 4."
