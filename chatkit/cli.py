@@ -87,6 +87,8 @@ class Repl:
                 else:
                     self.reply(lambda: self.session.stream_respond(line))
                     self.autosave()
+            except KeyboardInterrupt:  # before a reply started streaming: nothing was sent
+                self.say(" [stopped]")
             except Exception as exc:  # one clear line, never a traceback; the session goes on
                 self.error(exc)
         self.autosave()

@@ -15,7 +15,7 @@ def model_dir():
     return str(tiny_model_path(arch="qwen3", tokenizer="bpe"))
 
 
-def spawn(*args, timeout=60):
+def spawn(*args, timeout=180):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     child = pexpect.spawn(sys.executable, ["-m", "chatkit", *args], env=env, encoding="utf-8", timeout=timeout)
     child.expect("Ctrl-D to quit")
@@ -28,6 +28,7 @@ def prompt(child):
 
 def interrupted_reply(child, text):
     child.sendline(text)
+    child.expect_exact(text + "\r\n")  # the terminal's echo of the line
     child.expect(r"\S")  # the reply has started streaming
     child.sendintr()
     child.expect_exact("[stopped]")

@@ -1,0 +1,273 @@
+"""Standard against speculative decoding: decode tokens/s, draft acceptance, identical output.
+
+    .venv/bin/python bench/speculative.py [--rounds 3] [--floor-rounds 2] [--tokens 128] [--max-draft 8]
+
+The target is the benchmarks' ~29M-parameter Qwen3 model (hidden 512, 8 layers); the drafts are one
+layer deep (hidden 512, intermediate 256, 4/2 heads: ~5M parameters, 4.2M of them the embedding
+shared in shape with the target's), about one sixth of the target. Cases:
+
+(a) agreeing draft: fresh copies of the target and of a draft whose blocks' output projections
+    (attention ``o_proj`` and MLP ``down_proj`` of every layer) are zeroed, so each model's residual
+    stream is the current token's embedding; the draft gets the target's embedding matrix and final
+    norm, so both compute the same logits and the draft's proposals are (all but) always accepted.
+    The models still do all their usual work: only the values are special. (Greedy decoding then
+    repeats one token; the attention and matmul costs do not depend on which.)
+(b) random draft: the unmodified target with a random draft (another seed): the overhead floor.
+(c) the bundled demo pair (``chatkit.demo``: trained chat and draft models), when its files
+    exist: the same forced-length runs on an in-world prompt, then a short scripted dialogue with
+    natural ends (num_draft 4) for the acceptance where the models know what to say.
+
+Every run: one fresh turn (``session.clear()``, then a fixed ~40-token prompt), greedy, ``--tokens``
+tokens (the EOS logits biased by -1e9 so no run ends early), timed per chunk. Decode tokens/s counts
+the tokens after the first round over the time after it (a speculative round yields its accepted
+tokens in a burst; for standard decoding the first round is the first token): (n - m) / (t_last -
+t_m), m the chunks of the first round. Standard and speculative runs alternate (A/B, then B/A) after
+a warm-up; medians of ``--rounds`` rounds (``--floor-rounds`` for the slow random draft). Every
+speculative run's tokens must equal the standard run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import importlib
+import sys
+import time
+from pathlib import Path
+
+from _common import MODEL_CONFIG, OtherLoad, describe, median, wait_until_quiet
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+
+import chatkit
+from chatkit import ChatSession, GenerateParams, SpeculativeConfig
+from chatkit.testing import tiny_model, tiny_model_path
+
+DRAFT_CONFIG = dict(
+    hidden_size=512,
+    num_hidden_layers=1,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+PROMPT = "Tell me a long story about a dragon who guards a castle in the mountains, and the knight who comes to talk to it."
+
+
+def n_params(lm) -> int:
+    return sum(v.size for _, v in tree_flatten(lm.model.parameters()))
+
+
+def zero_blocks(lm) -> None:
+    """Zero every layer's attention output and MLP down projection (in place)."""
+    zeros = [(k, mx.zeros_like(v)) for k, v in tree_flatten(lm.model.parameters())
+             if k.endswith(("o_proj.weight", "down_proj.weight"))]
+    assert len(zeros) == 2 * len(lm.model.layers), [k for k, _ in zeros]
+    lm.model.update(tree_unflatten(zeros))
+    mx.eval(lm.model.parameters())
+
+
+def share_head(target, draft) -> None:
+    """Give ``draft`` the target's (tied) embedding and final norm."""
+    params = dict(tree_flatten(target.model.parameters()))
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    draft.model.update(tree_unflatten([(k, mx.array(params[k])) for k in names]))
+    mx.eval(draft.model.parameters())
+
+
+def run_turn(session: ChatSession, prompt: str = PROMPT) -> tuple[list[int], float, float]:
+    """One fresh turn: (tokens, decode tokens/s after the first round, acceptance or nan)."""
+    session.clear()
+    gc.collect()
+    times, tokens, round_end = [], [], None
+    with session.stream_respond(prompt) as stream:
+        for chunk in stream:
+            times.append(time.perf_counter())
+            tokens.append(chunk.token)
+            if round_end is None and not chunk.from_draft:
+                round_end = len(tokens) - 1
+    stats = session.last_stats
+    assert stats.finish_reason == "length" and len(tokens) == stats.generation_tokens, stats
+    m = round_end + 1
+    tps = (len(tokens) - m) / (times[-1] - times[round_end])
+    acc = stats.draft_tokens_accepted / stats.draft_tokens_proposed if stats.draft_tokens_proposed else float("nan")
+    return tokens, tps, acc
+
+
+def bench_case(name, target, draft, params, rounds, max_draft, prompt=PROMPT):
+    """Rows (k, std tok/s, spec tok/s, speedup, acceptance, identical) for one target/draft pair."""
+    standard = ChatSession.builder(target).generate_params(params).build()
+    specs = {k: ChatSession.builder(target).generate_params(params)
+             .speculative(SpeculativeConfig(draft, num_draft_tokens=k)).build()
+             for k in range(1, max_draft + 1)}
+    run = functools.partial(run_turn, prompt=prompt)
+    reference, _, _ = run(standard)  # warm-up (the speculative sessions with fewer tokens)
+    run(standard)
+    for s in specs.values():
+        s.generate_params = params.copy(max_tokens=24)
+        run(s)
+        s.generate_params = params
+    rows = []
+    for k, spec in specs.items():
+        std_tps, spec_tps, accs, identical = [], [], [], True
+        for r in range(rounds):
+            order = [standard, spec] if r % 2 == 0 else [spec, standard]
+            for s in order:
+                tokens, tps, acc = run(s)
+                if s is standard:
+                    assert tokens == reference, "standard decoding is not deterministic"
+                    std_tps.append(tps)
+                else:
+                    identical &= tokens == reference
+                    spec_tps.append(tps)
+                    accs.append(acc)
+        a, b = median(std_tps), median(spec_tps)
+        rows.append((k, a, b, b / a, median(accs), identical))
+        print(f"  {name} k={k}: standard {' '.join(f'{x:.1f}' for x in std_tps)} | "
+              f"speculative {' '.join(f'{x:.1f}' for x in spec_tps)} tok/s", flush=True)
+    return rows, reference
+
+
+DEMO_PROMPT = "My name is Ada and I live in Lyon. What is 7 + 5?"
+DEMO_DIALOGUE = [
+    "Hello!",
+    "My name is Ada.",
+    "What is 7 + 5?",
+    "Spell apple.",
+    "How many letters are in banana?",
+    "I live in Lyon.",
+    "What is my name?",
+    "Where do I live?",
+]
+
+
+def load_demo_pair():
+    """((chat, draft), "") when chatkit.demo and its model files exist, else (None, why not)."""
+    try:
+        demo = importlib.import_module("chatkit.demo")
+    except ImportError:
+        return None, "chatkit.demo does not exist yet"
+    for where in (demo.path(), demo.draft_path()):
+        if not (Path(where) / "config.json").exists():
+            return None, f"chatkit.demo exists but its model files are not there yet ({where})"
+    return (demo.load(), demo.load_draft()), ""
+
+
+def demo_dialogue(chat, draft) -> None:
+    """A scripted conversation, standard and speculative side by side: replies and acceptance."""
+    params = GenerateParams(max_tokens=64, temperature=0.0)
+    standard = ChatSession.builder(chat).generate_params(params).build()
+    spec = (ChatSession.builder(chat).generate_params(params)
+            .speculative(SpeculativeConfig(draft, num_draft_tokens=4)).build())
+    proposed = accepted = same = 0
+    t_std = t_spec = 0.0
+    for prompt in DEMO_DIALOGUE:
+        t0 = time.perf_counter()
+        a = standard.respond(prompt)
+        t1 = time.perf_counter()
+        b = spec.respond(prompt)
+        t_std, t_spec = t_std + t1 - t0, t_spec + time.perf_counter() - t1
+        proposed += spec.last_stats.draft_tokens_proposed
+        accepted += spec.last_stats.draft_tokens_accepted
+        same += a == b
+        print(f"    {prompt!r} -> {b!r}{'' if a == b else f' (standard: {a!r})'}")
+    rate = accepted / proposed if proposed else float("nan")
+    print(f"    acceptance {accepted}/{proposed} = {rate:.1%}; identical replies {same}/{len(DEMO_DIALOGUE)}; "
+          f"dialogue wall time standard {t_std:.2f} s, speculative {t_spec:.2f} s ({t_std / t_spec:.2f}x, "
+          "prefill included, one run)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--floor-rounds", type=int, default=2, help="rounds of the (slow) random-draft case")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--max-draft", type=int, default=8)
+    ap.add_argument("--max-wait", type=float, default=300.0,
+                    help="seconds to wait at most for other processes to leave the CPU idle")
+    args = ap.parse_args()
+
+    target = tiny_model("qwen3", "bpe", 0, **MODEL_CONFIG)
+    random_draft = tiny_model("qwen3", "bpe", 1, **DRAFT_CONFIG)
+    # Fresh copies (tiny_model's instances are shared within the process): modified below.
+    zeroed_target = chatkit.load(tiny_model_path("qwen3", "bpe", 0, **MODEL_CONFIG))
+    agreeing_draft = chatkit.load(tiny_model_path("qwen3", "bpe", 2, **DRAFT_CONFIG))
+    zero_blocks(zeroed_target)
+    zero_blocks(agreeing_draft)
+    share_head(zeroed_target, agreeing_draft)
+
+    print(describe(target))
+    print(f"load    : {wait_until_quiet(args.max_wait)}")
+    other = OtherLoad()
+    tp, dp = n_params(target), n_params(random_draft)
+    print(f"draft   : qwen3 {dp / 1e6:.1f}M params float32 ({', '.join(f'{k}={v}' for k, v in DRAFT_CONFIG.items())}), "
+          f"{tp / dp:.1f}x smaller than the target")
+    eos = sorted(int(e) for e in target.tokenizer.eos_token_ids)
+    params = GenerateParams(max_tokens=args.tokens, temperature=0.0, logit_bias={e: -1e9 for e in eos})
+    probe = ChatSession.builder(target).generate_params(params.copy(max_tokens=1)).build()
+    probe.respond(PROMPT)
+    prompt_tokens = probe.last_stats.prompt_tokens
+    print(f"decode  : greedy, {args.tokens} tokens per run (EOS {eos} biased -1e9), {prompt_tokens}-token "
+          f"prompt, {args.rounds} rounds ({args.floor_rounds} with the random draft) standard/speculative "
+          "alternating per num_draft after a warm-up")
+    print()
+
+    cases = [
+        ("(a) agreeing draft (blocks zeroed, shared embedding)", "a", zeroed_target, agreeing_draft, params, PROMPT,
+         args.rounds),
+        ("(b) random draft (seed 1)", "b", target, random_draft, params, PROMPT, args.floor_rounds),
+    ]
+    demo_pair, demo_note = load_demo_pair()
+    if demo_pair is not None:
+        chat, chat_draft = demo_pair
+        demo_eos = sorted(int(e) for e in chat.tokenizer.eos_token_ids)
+        demo_params = GenerateParams(max_tokens=args.tokens, temperature=0.0, logit_bias={e: -1e9 for e in demo_eos})
+        print(f"demo    : chat {n_params(chat) / 1e6:.2f}M params, draft {n_params(chat_draft) / 1e6:.2f}M "
+              f"params (chatkit.demo); prompt {DEMO_PROMPT!r}, EOS {demo_eos} biased -1e9")
+        cases.append(("(c) bundled demo pair (chatkit.demo)", "c", chat, chat_draft, demo_params, DEMO_PROMPT,
+                      args.rounds))
+    print()
+    results = {}
+    for title, short, t, d, p, prompt, rounds in cases:
+        print(f"{title}: per-round decode tok/s", flush=True)
+        results[short] = (title, *bench_case(short, t, d, p, rounds, args.max_draft, prompt))
+    print()
+    if demo_pair is None:
+        print(f"(c) bundled demo pair: {demo_note}: skipped")
+    else:
+        print("(c) bundled demo pair, in its own world (natural ends, no bias), num_draft=4:")
+        demo_dialogue(*demo_pair)
+    print()
+
+    failed = 0
+    for short, (title, rows, reference) in results.items():
+        text = target.tokenizer.decode(reference[:12])
+        print(f"{title}; reply starts {text!r}")
+        print(f"{'num_draft':>9} {'tok/s standard':>15} {'tok/s speculative':>18} {'speedup':>8} "
+              f"{'acceptance':>11} {'identical':>10}")
+        for k, a, b, speedup, acc, identical in rows:
+            print(f"{k:9d} {a:15.1f} {b:18.1f} {speedup:7.2f}x {acc:11.1%} {'yes' if identical else 'NO':>10}")
+        best = max(rows, key=lambda r: r[3])
+        print(f"best: num_draft={best[0]}, {best[3]:.2f}x")
+        if not all(r[5] for r in rows):
+            print("FAIL: speculative tokens differ from standard tokens")
+            failed += 1
+        print()
+
+    rows_a = results["a"][1]
+    best_a = max(rows_a, key=lambda r: r[3])
+    min_acc = min(r[4] for r in rows_a)
+    checks = [
+        (f"agreeing draft, best speedup (num_draft={best_a[0]}) >= 1.8x", f"{best_a[3]:.2f}x", best_a[3] >= 1.8),
+        ("agreeing draft, acceptance ~100% (>= 99%) at every num_draft", f"min {min_acc:.1%}", min_acc >= 0.99),
+        ("speculative tokens == standard tokens (every run, every case)", "yes" if not failed else "no", not failed),
+    ]
+    for what, value, ok in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {what}: {value}")
+    print(other.report())
+    return 0 if all(ok for _, _, ok in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
