@@ -43,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+from chatkit.cache import common_prefix_length
 from _common import clone, describe, load_model, median, wait_until_quiet, OtherLoad
 
 import mlx.core as mx
@@ -133,15 +134,6 @@ def chatkit_first_chunk(session: ChatSession, message: str):
     stream = session.stream_respond(message)
     next(stream)
     return time.perf_counter() - t0, stream
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # -- part 1 --------------------------------------------------------------------------------------
@@ -293,7 +285,7 @@ def thinking(args) -> list[dict]:
         stats = session.last_stats
         ledger = session._cache.ledger.tokens
         prompt = list(ledger[: stats.prompt_tokens])
-        bound = min(common_prefix(prev_ledger, prompt), len(prompt) - 1)
+        bound = min(common_prefix_length(prev_ledger, prompt), len(prompt) - 1)
         extends = len(strict_tokens) < len(prompt) and prompt[: len(strict_tokens)] == strict_tokens
         rows.append(dict(turn=turn, prompt=len(prompt), reused=stats.reused_tokens, prev_prompt=prev_prompt,
                          strict=len(strict_tokens) if extends else 0, bound=bound))
