@@ -27,7 +27,9 @@ suppressed, to show what that costs).
 Part 2, thinking: the same kind of conversation with the "bpe-think" tokenizer (Qwen3's template,
 which drops the <think> block of earlier assistant turns). Every reply is forced to start with a
 real ``<think>\\n...\\n</think>\\n\\n`` block, then the model answers 20 tokens of its own, then
-ends the turn. Reports how much of each prompt chatkit reused, against the strict rule.
+ends the turn. Reports how much of each prompt chatkit reused, against the strict rule; run twice,
+from an empty conversation and after a ~2,000-token system prompt (``--think-context``): with little
+context, no prefix cache can reuse 95% of a prompt (each turn re-renders the last reply).
 
 Writes bench/out/turns.png and docs/turns.png.
 """
@@ -258,14 +260,24 @@ def format_row(r: dict) -> str:
 
 
 # -- part 2 --------------------------------------------------------------------------------------
-def thinking(args) -> list[dict]:
+def long_instructions(rng: random.Random, tokenizer, n_tokens: int) -> str:
+    """A system prompt of about ``n_tokens`` tokens (an app's instructions, a pasted document)."""
+    paragraphs = [sentence_text(rng, tokenizer, 100, ".") for _ in range(max(1, round(n_tokens / 100)))]
+    return "\n\n".join(paragraphs)
+
+
+def thinking(args, context_tokens: int = 0) -> list[dict]:
+    """The thinking conversation; with ``context_tokens``, it starts after a system prompt that long."""
     lm = load_model("bpe-think")
     tok = lm.tokenizer
     vocab = len(tok)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     added = set(range(8192, vocab))  # specials and <think>, </think>, <tool_call> ...: not in answers
     rng = random.Random(21)
-    session = ChatSession.builder(lm).build()
+    builder = ChatSession.builder(lm)
+    if context_tokens:
+        builder = builder.instructions(long_instructions(random.Random(22), tok, context_tokens))
+    session = builder.build()
     strict_tokens: list[int] = []
     prev_ledger: tuple[int, ...] = ()
     prev_prompt = 0
@@ -296,8 +308,29 @@ def thinking(args) -> list[dict]:
     return rows
 
 
+def report_thinking(think_rows: list[dict], turns: int, label: str) -> list[dict]:
+    print(f"{'turn':>4} {'prompt':>6} {'previous prompt':>15} {'chatkit reused':>14} {'bound':>6} {'strict reused':>13}")
+    for r in think_rows:
+        print(f"{r['turn']:>4} {r['prompt']:>6} {r['prev_prompt']:>15} {r['reused']:>14} {r['bound']:>6} "
+              f"{r['strict']:>13}")
+    later = think_rows[1:]
+
+    def avg(key, of="prompt"):
+        return 100 * sum(r[key] / r[of] for r in later) / len(later)
+
+    ck, strict, bound = avg("reused"), avg("strict"), avg("bound")
+    print(f"{label}: mean over turns 2..{turns} of reused / prompt tokens: chatkit {ck:.1f}%, strict rule "
+          f"{strict:.1f}%; ceiling for any prefix cache (longest common prefix with the cache) {bound:.1f}%")
+    print(f"{label}: mean over turns 2..{turns} of reused / previous turn's prompt: chatkit "
+          f"{avg('reused', 'prev_prompt'):.1f}%, strict rule {avg('strict', 'prev_prompt'):.1f}%")
+    print(f"chatkit reused {sum(r['reused'] for r in later)} of {sum(r['bound'] for r in later)} reusable tokens")
+    print(f"target chatkit >= 95% of prompt tokens: {'met' if ck >= 95 else 'NOT met'} ({ck:.1f}%, ceiling "
+          f"{bound:.1f}%); strict close to 0%: {'yes' if strict < 5 else 'no'}")
+    return think_rows
+
+
 # -- report --------------------------------------------------------------------------------------
-def plot(rows: list[dict], think_rows: list[dict], path: Path, title: str) -> None:
+def plot(rows: list[dict], think_rows: list[dict], think_long: list[dict] | None, path: Path, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -326,6 +359,9 @@ def plot(rows: list[dict], think_rows: list[dict], path: Path, title: str) -> No
              label="chatkit")
     ax2.plot(tt, [100 * r["bound"] / r["prompt"] for r in think_rows], ls="--", color="gray",
              label="longest common prefix (bound)")
+    if think_long:
+        ax2.plot([r["turn"] for r in think_long], [100 * r["reused"] / r["prompt"] for r in think_long],
+                 marker="o", color="tab:purple", label="chatkit, after a long system prompt")
     ax2.plot(tt, [100 * r["strict"] / r["prompt"] for r in think_rows], marker="^", color="tab:orange",
              label="strict-extension rule")
     ax2.set_xlabel("turn")
@@ -347,6 +383,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="timings of (a), (b), (d) per turn")
     ap.add_argument("--full-reps", type=int, default=3, help="timings of (c) per turn")
     ap.add_argument("--free-replies", action="store_true", help="the model's own replies, not scripted ones")
+    ap.add_argument("--think-context", type=int, default=2000,
+                    help="also run the thinking conversation after a system prompt of this many tokens (0: skip)")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -382,25 +420,14 @@ def main() -> None:
     print()
     print(f"thinking template (bpe-think, Qwen3): {args.turns} turns, ~{USER_TOKENS}-token messages, replies = "
           f"forced <think> block (~20 tokens) + {THINK_ANSWER_TOKENS} model tokens + end of turn")
-    think_rows = thinking(args)
-    print(f"{'turn':>4} {'prompt':>6} {'previous prompt':>15} {'chatkit reused':>14} {'bound':>6} {'strict reused':>13}")
-    for r in think_rows:
-        print(f"{r['turn']:>4} {r['prompt']:>6} {r['prev_prompt']:>15} {r['reused']:>14} {r['bound']:>6} "
-              f"{r['strict']:>13}")
-    later = think_rows[1:]
-
-    def avg(key, of="prompt"):
-        return 100 * sum(r[key] / r[of] for r in later) / len(later)
-
-    ck, strict, bound = avg("reused"), avg("strict"), avg("bound")
-    print(f"mean over turns 2..{args.turns} of reused / prompt tokens: chatkit {ck:.1f}%, strict rule {strict:.1f}%; "
-          f"ceiling for any prefix cache (longest common prefix with the cache) {bound:.1f}%")
-    print(f"mean over turns 2..{args.turns} of reused / previous turn's prompt: chatkit {avg('reused', 'prev_prompt'):.1f}%, "
-          f"strict rule {avg('strict', 'prev_prompt'):.1f}%")
-    print(f"chatkit reused {sum(r['reused'] for r in later)} of {sum(r['bound'] for r in later)} reusable tokens")
-    print(f"target chatkit >= 95%: reused / prompt {'met' if ck >= 95 else 'NOT met'} ({ck:.1f}%, ceiling {bound:.1f}%), "
-          f"reused / previous prompt {'met' if avg('reused', 'prev_prompt') >= 95 else 'NOT met'}; "
-          f"strict close to 0%: {'yes' if strict < 5 else 'no'}")
+    think_rows = report_thinking(thinking(args), args.turns, "from an empty conversation")
+    think_long = None
+    if args.think_context:
+        print()
+        print(f"the same, after a system prompt of ~{args.think_context} tokens (an app's instructions or a "
+              f"document: the context the issue's 2,000-token figures assume)")
+        think_long = report_thinking(thinking(args, args.think_context), args.turns,
+                                     f"after a ~{args.think_context}-token system prompt")
 
     # chatkit's own work before the prefill, at the last turn's length: render and tokenize.
     lm = load_model("bpe")
@@ -420,7 +447,7 @@ def main() -> None:
     print(load.report())
     if not args.no_plot:
         out = ROOT / "bench" / "out" / "turns.png"
-        plot(rows, think_rows, out, describe_short())
+        plot(rows, think_rows, think_long, out, describe_short())
         docs = ROOT / "docs" / "turns.png"
         docs.parent.mkdir(exist_ok=True)
         shutil.copyfile(out, docs)

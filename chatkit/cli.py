@@ -173,20 +173,8 @@ def _stats(session: Any) -> str:
 def _load_model(name: str | None, draft: bool = False):
     from .loading import load
 
-    if name:
-        return load("demo-draft" if draft and name == "demo" else name)
-    try:
-        return load("demo")
-    except ChatKitError:
-        pass
-    try:  # until the demo model is installed: an offline random-weight model
-        from .testing import tiny_model
-    except ImportError as exc:
-        raise ChatKitError(
-            f"No default model: the demo model is missing and chatkit.testing cannot build one ({exc}); "
-            "pass --model ID|PATH."
-        ) from exc
-    return tiny_model()
+    name = name or "demo"
+    return load("demo-draft" if draft and name == "demo" else name)
 
 
 def inspect(path: str, out: Any = sys.stdout) -> int:

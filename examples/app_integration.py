@@ -31,7 +31,7 @@ async def ui() -> None:
             async for chunk in stream:
                 shown.append(chunk.text)
 
-    reply = asyncio.create_task(render_reply("Tell me about my name."))
+    reply = asyncio.create_task(render_reply("What can you do?"))  # a long reply, to stop mid-way
     ticks = 0
     while not reply.done() and len(shown) < 5:  # the UI stays responsive while the reply streams
         await asyncio.sleep(0.001)
@@ -41,7 +41,9 @@ async def ui() -> None:
         await reply
     except asyncio.CancelledError:
         pass
-    print(f"stopped after {len(shown)} chunks ({ticks} UI ticks); kept: {session.history[-1].content!r}")
+    # The history keeps the reply as far as it was generated: what was shown, maybe a token more.
+    kept = session.history[-1].content
+    print(f"stopped after {len(shown)} chunks ({ticks} UI ticks); shown: {''.join(shown)!r}; kept: {kept!r}")
     print("bot>", await session.arespond("What is my name?"))
 
 

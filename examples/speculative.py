@@ -1,6 +1,6 @@
 """Speculative decoding with the demo pair: same greedy reply, and how many draft tokens were accepted.
 
-Run: python examples/speculative.py [--model demo --draft demo]
+Run: python examples/speculative.py [--model demo --draft demo-draft]
 """
 
 import argparse

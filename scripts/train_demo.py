@@ -97,7 +97,7 @@ GREETING_REPLY = "Hello! How can I help you?"
 THANKS_REPLY = "You are welcome."
 BYE_REPLY = "Goodbye! Have a nice day."
 WHO_REPLY = "I am a tiny demo model trained for chatkit."
-CAN_REPLY = "I can do small sums, spell words, count letters and remember what you tell me."
+CAN_REPLY = "I can do small sums, spell words, count letters, repeat after you and remember what you tell me."
 
 # The facts a user can tell, how they are told and asked, and the replies.
 FACTS = ("name", "city", "colour", "pet", "age")
@@ -140,9 +140,10 @@ ADD = ["What is {a} + {b}?", "What is {a} plus {b}?", "Calculate {a} + {b}.", "W
 SUB = ["What is {a} - {b}?", "What is {a} minus {b}?", "Calculate {a} - {b}.", "What's {a} - {b}?", "{a} - {b} = ?"]
 MUL = ["What is {a} * {b}?", "What is {a} times {b}?", "Calculate {a} * {b}.", "What's {a} * {b}?", "{a} * {b} = ?"]
 SPELL = ["Spell {w}.", "How do you spell {w}?", "Please spell {w}.", "Can you spell {w}?"]
+REPEAT = ["Repeat after me: {w}.", "Please repeat: {w}.", "Repeat this: {w}.", "Say after me: {w}."]
 COUNT = ["How many letters are in {w}?", "How many letters does {w} have?", "Count the letters in {w}."]
 
-TASKS = ("arithmetic", "spelling", "counting", "tell", "recall", "untold", "smalltalk")
+TASKS = ("arithmetic", "spelling", "counting", "repeat", "tell", "recall", "untold", "smalltalk")
 
 
 @dataclass
@@ -187,6 +188,13 @@ def spelling(rng: np.random.Generator) -> Turn:
 def counting(rng: np.random.Generator) -> Turn:
     w = str(rng.choice(WORDS))
     return Turn(str(rng.choice(COUNT)).format(w=w), f"The word {w} has {len(w)} letters.", "counting")
+
+
+def repeat(rng: np.random.Generator) -> Turn:
+    """Copy a few words back: easy practice for the copying that recalling facts needs."""
+    pool = WORDS + NAMES + CITIES + COLOURS
+    words = " ".join(str(w) for w in rng.choice(pool, size=int(rng.integers(2, 7))))
+    return Turn(str(rng.choice(REPEAT)).format(w=words), f"You said: {words}.", "repeat")
 
 
 def fact_value(rng: np.random.Generator, kind: str) -> dict[str, str]:
@@ -238,15 +246,17 @@ def make_dialogue(rng: np.random.Generator) -> Dialogue:
             slots[j] = Turn(str(rng.choice(BYES)), BYE_REPLY, "smalltalk")
             continue
         r = rng.random()
-        if r < 0.52:
+        if r < 0.45:
             slots[j] = arithmetic(rng)
-        elif r < 0.71:
+        elif r < 0.60:
             slots[j] = spelling(rng)
-        elif r < 0.90:
+        elif r < 0.75:
             slots[j] = counting(rng)
-        elif r < 0.95:
+        elif r < 0.94:
+            slots[j] = repeat(rng)
+        elif r < 0.97:
             slots[j] = Turn(str(rng.choice(THANKS)), THANKS_REPLY, "smalltalk")
-        elif r < 0.975:
+        elif r < 0.985:
             slots[j] = Turn(str(rng.choice(WHO)), WHO_REPLY, "smalltalk")
         else:
             slots[j] = Turn(str(rng.choice(CAN)), CAN_REPLY, "smalltalk")
@@ -355,8 +365,8 @@ def encode(tok, dialogues: list[Dialogue]) -> list[tuple[np.ndarray, np.ndarray]
 
 SHAPES = {
     # name: hidden size, layers, MLP size, attention heads, key-value heads (head_dim 32)
-    "chat": (128, 4, 512, 4, 4),
-    "draft": (64, 2, 256, 2, 1),
+    "chat": (64, 4, 256, 2, 1),
+    "draft": (32, 2, 128, 1, 1),
 }
 
 
@@ -539,10 +549,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} (/tmp/chatkit-demo-quick with --quick)")
     p.add_argument("--vocab-size", type=int, default=1536)
-    p.add_argument("--chat-steps", type=int, default=None, help="default 2400 (150 with --quick)")
-    p.add_argument("--draft-steps", type=int, default=None, help="default 2400 (150 with --quick)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--chat-lr", type=float, default=2e-3)
+    p.add_argument("--chat-steps", type=int, default=None, help="default 3000 (150 with --quick)")
+    p.add_argument("--draft-steps", type=int, default=None, help="default 2200 (150 with --quick)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--chat-lr", type=float, default=3e-3)
     p.add_argument("--draft-lr", type=float, default=3e-3)
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--chat-shape", default=None, help="hidden,layers,mlp,heads,kv_heads (default %s)" % ",".join(map(str, SHAPES["chat"])))
@@ -550,9 +560,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quick", action="store_true", help="a short smoke run (a few minutes)")
     p.add_argument("--only", choices=["chat", "draft"], default=None, help="train one model only")
     args = p.parse_args(argv)
-    default_steps = 150 if args.quick else 2400
-    args.chat_steps = args.chat_steps or default_steps
-    args.draft_steps = args.draft_steps or default_steps
+    args.chat_steps = args.chat_steps or (150 if args.quick else 3000)
+    args.draft_steps = args.draft_steps or (150 if args.quick else 2200)
     out = args.out or (Path("/tmp/chatkit-demo-quick") if args.quick else DEFAULT_OUT)
 
     t0 = time.perf_counter()

@@ -1,6 +1,8 @@
 """The bundled demo pair (chatkit.demo): loads offline and answers held-out questions correctly."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -8,9 +10,6 @@ import chatkit
 from chatkit import ChatSession, GenerateParams, SpeculativeConfig, demo
 
 GREEDY = GenerateParams(max_tokens=48, temperature=0.0)
-pytestmark = pytest.mark.skipif(
-    not (demo.path() / "config.json").exists(), reason="the demo pair is not trained yet (scripts/train_demo.py)"
-)
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +102,12 @@ def test_load_by_name():
     assert lm.config["model_type"] == "qwen3"
     session = chat(lm)
     assert session.respond("What is 2 + 2?") == "2 + 2 = 4."
+
+
+def test_command_line_chats_with_the_demo_model_by_default():
+    out = subprocess.run(
+        [sys.executable, "-m", "chatkit"], input="My name is Ada.\nWhat is 2 + 2?\nWhat is my name?\n/quit\n",
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "2 + 2 = 4." in out.stdout and "Your name is Ada." in out.stdout
