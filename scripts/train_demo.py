@@ -3,13 +3,13 @@
 Everything is synthetic and reproducible from ``--seed``:
 
 1. multi-turn dialogues (small sums, spelling, letter counts, facts the user tells and asks back
-   several turns later, small talk), with a system prompt in about half of them;
+   several turns later, repeating a few words, small talk), with a system prompt in about half of them;
 2. a byte-level BPE tokenizer (``tokenizers``) with ChatML specials and single-digit numbers;
 3. two qwen3-architecture models (mlx-lm's own classes) trained with MLX on the same batches, loss on
    the assistant's tokens only (its reply and the closing ``<|im_end|>``);
 4. both saved as folders ``mlx_lm.load`` / ``chatkit.load`` read, into ``chatkit/demo/models/``.
 
-Run (about 25 minutes on 2 x86 cores, float32 with OpenBLAS)::
+Run (about 19 minutes on 2 x86 cores, float32 with OpenBLAS: 13.6 for the chat model, 5.5 for the draft)::
 
     python scripts/train_demo.py            # writes chatkit/demo/models/{chat,draft}
     python scripts/train_demo.py --quick    # a short smoke run into /tmp/chatkit-demo-quick
