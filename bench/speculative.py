@@ -176,9 +176,11 @@ def demo_dialogue(chat, draft) -> None:
         same += a == b
         print(f"    {prompt!r} -> {b!r}{'' if a == b else f' (standard: {a!r})'}")
     rate = accepted / proposed if proposed else float("nan")
+    mismatches = len(DEMO_DIALOGUE) - same
     print(f"    acceptance {accepted}/{proposed} = {rate:.1%}; identical replies {same}/{len(DEMO_DIALOGUE)}; "
           f"dialogue wall time standard {t_std:.2f} s, speculative {t_spec:.2f} s ({t_std / t_spec:.2f}x, "
           "prefill included, one run)")
+    return mismatches
 
 
 def main() -> int:
@@ -240,12 +242,15 @@ def main() -> int:
     print()
     if demo_pair is None:
         print(f"(c) bundled demo pair: {demo_note}: skipped")
-    else:
-        print("(c) bundled demo pair, in its own world (natural ends, no bias), num_draft=4:")
-        demo_dialogue(*demo_pair)
-    print()
-
     failed = 0
+    if demo_pair is not None:
+        print("(c) bundled demo pair, in its own world (natural ends, no bias), num_draft=4:")
+        failed += demo_dialogue(*demo_pair)
+    print()
+    if not results:
+        print("FAIL  nothing was measured (see --cases and the lines above)")
+        return 1
+
     for short, (title, tokenizer, rows, reference) in results.items():
         text = tokenizer.decode(reference[:12])
         print(f"{title}; reply starts {text!r}")

@@ -29,7 +29,7 @@ which drops the <think> block of earlier assistant turns). Every reply is forced
 real ``<think>\\n...\\n</think>\\n\\n`` block, then the model answers 20 tokens of its own, then
 ends the turn. Reports how much of each prompt chatkit reused, against the strict rule; run twice,
 from an empty conversation and after a ~2,000-token system prompt (``--think-context``): with little
-context, no prefix cache can reuse 95% of a prompt (each turn re-renders the last reply).
+context (the first run), no prefix cache can reuse 95% of a prompt: each turn re-renders the last reply.
 
 Writes bench/out/turns.png and docs/turns.png.
 """
@@ -387,6 +387,8 @@ def main() -> None:
                     help="also run the thinking conversation after a system prompt of this many tokens (0: skip)")
     ap.add_argument("--no-plot", action="store_true")
     args = ap.parse_args()
+    if args.turns < 2:
+        ap.error("--turns must be at least 2 (the figures are averaged over turns 2..N)")
     t_start = time.perf_counter()
 
     print(describe(load_model("bpe")))
@@ -425,7 +427,7 @@ def main() -> None:
     if args.think_context:
         print()
         print(f"the same, after a system prompt of ~{args.think_context} tokens (an app's instructions or a "
-              f"document: the context the issue's 2,000-token figures assume)")
+              f"document)")
         think_long = report_thinking(thinking(args, args.think_context), args.turns,
                                      f"after a ~{args.think_context}-token system prompt")
 

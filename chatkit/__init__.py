@@ -28,6 +28,7 @@ from .pool import SessionPool
 from .session import ChatSession
 from .speculative import SpeculativeConfig
 from .stream import ResponseStream, StreamChunk, TurnStats
+from . import demo  # chatkit.demo.load(): the bundled pair, loaded only when asked for
 
 __version__ = "0.1.0"
 

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from .stream import ResponseStream, StreamChunk, TurnStats
 
 END = object()  # what pump() hands over after the last chunk
+LOOKAHEAD = 2  # chunks a worker may compute before the consumer takes them
 
 
 class Failure:
@@ -20,14 +21,27 @@ class Failure:
         self.exc = exc
 
 
-def pump(stream: ResponseStream, put: Callable[[Any], None], cancel: threading.Event) -> None:
+def pump(
+    stream: ResponseStream,
+    put: Callable[[Any], None],
+    cancel: threading.Event,
+    credits: threading.Semaphore | None = None,
+) -> None:
     """Iterate ``stream`` on this (worker) thread, handing each chunk to ``put``, then ``END`` or a
-    ``Failure``. Setting ``cancel`` stops it after the token being computed; the turn commits."""
+    ``Failure``. With ``credits``, each chunk waits for one (the consumer gives one back per chunk it
+    takes), so the turn never runs more than that many chunks ahead of what was shown. Setting
+    ``cancel`` (and releasing ``credits``) stops it before the next token; the turn commits."""
     try:
-        for chunk in stream:
-            put(chunk)
-            if cancel.is_set():
+        chunks = iter(stream)
+        while not cancel.is_set():
+            if credits is not None:
+                credits.acquire()
+                if cancel.is_set():
+                    break
+            chunk = next(chunks, None)
+            if chunk is None:
                 break
+            put(chunk)
     except BaseException as exc:
         put(Failure(exc))
         return
@@ -40,14 +54,16 @@ class AsyncResponseStream:
     """The reply of one turn for ``async for``; use it as an async context manager.
 
     Generation runs on a worker thread started for the turn (all of its MLX work on that thread) and
-    never blocks the event loop. Cancelling the consuming task, ``await stream.aclose()`` or leaving the
-    ``async with`` block stops generation within one decode step and commits the reply as far as it
-    got, like closing a synchronous stream.
+    never blocks the event loop; it stays at most ``LOOKAHEAD`` chunks ahead of the consumer.
+    Cancelling the consuming task, ``await stream.aclose()`` or leaving the ``async with`` block stops
+    generation within one decode step and commits the reply as far as it got: what the consumer
+    took, plus at most those few chunks.
     """
 
     def __init__(self, stream: ResponseStream) -> None:
         self._stream = stream
         self._cancel = threading.Event()
+        self._credits = threading.Semaphore(LOOKAHEAD)
         self._queue: asyncio.Queue[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done: asyncio.Future[None] | None = None
@@ -78,8 +94,9 @@ class AsyncResponseStream:
         try:
             item = await self._queue.get()
         except asyncio.CancelledError:
-            self._cancel.set()  # the worker stops after the token it is computing
+            self._stop()  # the worker stops after the token it is computing
             raise
+        self._credits.release()
         if item is END:
             raise StopAsyncIteration
         if isinstance(item, Failure):
@@ -88,7 +105,7 @@ class AsyncResponseStream:
 
     async def aclose(self) -> None:
         """Stop generating and commit what was produced; returns once the turn is committed."""
-        self._cancel.set()
+        self._stop()
         if self._done is None:
             self._stream.close()  # never started: no MLX work to move to the worker
             return
@@ -100,29 +117,38 @@ class AsyncResponseStream:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    def __del__(self) -> None:
+        # Dropped without aclose() (e.g. a `break` outside `async with`): the worker, which holds no
+        # reference to this object, stops and the turn commits, as a dropped ResponseStream does.
+        self._stop()
+
+    def _stop(self) -> None:
+        self._cancel.set()
+        self._credits.release()  # wakes a worker waiting for the consumer
+
     def _start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
-        self._done = self._loop.create_future()
-        threading.Thread(target=self._work, name="chatkit-turn", daemon=False).start()
+        self._done = loop.create_future()
+        args = (self._stream, loop, self._queue, self._done, self._cancel, self._credits)
+        threading.Thread(target=_work, args=args, name="chatkit-turn", daemon=False).start()
 
-    def _work(self) -> None:
-        try:
-            pump(self._stream, self._put, self._cancel)
-        finally:
-            mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
-            self._call(self._done.set_result, None)
 
-    def _put(self, item: Any) -> None:
-        assert self._queue is not None
-        self._call(self._queue.put_nowait, item)
+def _work(stream: ResponseStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, done: asyncio.Future,
+          cancel: threading.Event, credits: threading.Semaphore) -> None:
+    """A turn's worker thread: pump the stream into the event loop's queue, then resolve ``done``."""
+    try:
+        pump(stream, lambda item: _call(loop, queue.put_nowait, item), cancel, credits)
+    finally:
+        mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
+        _call(loop, done.set_result, None)
 
-    def _call(self, fn: Callable[[Any], Any], arg: Any) -> None:
-        assert self._loop is not None
-        try:
-            self._loop.call_soon_threadsafe(fn, arg)
-        except RuntimeError:
-            pass  # the event loop is gone; the turn is committed anyway
+
+def _call(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:
+        pass  # the event loop is gone; the turn is committed anyway
 
 
 __all__ = ["AsyncResponseStream", "END", "Failure", "pump"]

@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Any, Callable, Sequence
 
-from .errors import ChatKitError
+from .errors import ChatKitError, ContextWindowExceededError
 
 HELP = """commands:
   /save FILE     save the conversation and its cache
@@ -48,7 +48,7 @@ class Repl:
         if a.max_kv_size:
             builder = builder.max_kv_size(a.max_kv_size)
         if a.kv_bits:
-            builder = builder.kv_bits(a.kv_bits)
+            builder = builder.kv_bits(a.kv_bits, group_size=a.kv_group_size)
         if self.draft is not None:
             builder = builder.speculative(SpeculativeConfig(self.draft, num_draft_tokens=a.num_draft))
         return builder.build()
@@ -63,6 +63,8 @@ class Repl:
 
     def error(self, exc: BaseException) -> None:
         detail = str(exc) if isinstance(exc, ChatKitError) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, ContextWindowExceededError):
+            detail += " Here: /clear starts over, /undo drops the last exchange."
         print(f"error: {detail}", file=self.err, flush=True)
 
     def run(self, read: Callable[[str], str] = input) -> int:
@@ -216,6 +218,8 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-tokens", type=int, default=256, help="longest reply in tokens")
     chat.add_argument("--max-kv-size", type=int, help="keep at most this many tokens in the KV cache")
     chat.add_argument("--kv-bits", type=int, help="quantize the KV cache to this many bits")
+    chat.add_argument("--kv-group-size", type=int, default=64,
+                      help="values per quantization group with --kv-bits: 32, 64 (default) or 128")
     insp = commands.add_parser("inspect", help="show what a saved conversation holds")
     insp.add_argument("file")
     return p

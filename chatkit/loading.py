@@ -112,6 +112,11 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
             else "check the repo id, or pass a local folder (offline? set HF_HUB_OFFLINE=1 and use a path)"
         )
         raise ModelLoadError(f"Could not load model {source!r}: {exc} ({hint}).") from exc
+    hf = getattr(tokenizer, "_tokenizer", None)
+    if isinstance(getattr(hf, "deprecation_warnings", None), dict):
+        # Sessions check the context window themselves (ContextWindowExceededError); transformers'
+        # "sequence length is longer than the specified maximum" warning would only be noise.
+        hf.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
     return LoadedModel(model=model, tokenizer=tokenizer, config=dict(config), source=source)
 
 

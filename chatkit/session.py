@@ -67,6 +67,7 @@ class ChatSession:
         self._params = generate_params if generate_params is not None else GenerateParams()
         self._tools = _check_tools(tools)
         cache_options.validate()
+        _check_kv_group_size(lm, cache_options)
         self._speculative = speculative
         _check_speculative_options(speculative, cache_options)
         draft_model = speculative.draft.model if speculative is not None else None
@@ -154,6 +155,7 @@ class ChatSession:
         if not isinstance(options, CacheOptions):
             raise InvalidParamsError(f"cache_options must be a CacheOptions, got {type(options).__name__}.")
         options.validate()
+        _check_kv_group_size(self._lm, options)
         _check_speculative_options(self._speculative, options)
         with self._idle("change the cache options"):
             if options != self._cache.options:
@@ -424,6 +426,22 @@ def _check_speculative_options(speculative: SpeculativeConfig | None, options: C
         raise InvalidParamsError(
             "Speculative decoding cannot be exact with max_kv_size or kv_bits (rejected draft tokens "
             "could not be rewound): drop those options or drop .speculative(...)."
+        )
+
+
+def _check_kv_group_size(lm: LoadedModel, options: CacheOptions) -> None:
+    """Quantized KV groups must tile a head: otherwise mlx fails inside the first turn."""
+    config = getattr(lm, "config", None) or {}
+    config = config.get("text_config", config)
+    head_dim = config.get("head_dim")
+    if not isinstance(head_dim, int) and config.get("hidden_size") and config.get("num_attention_heads"):
+        head_dim = config["hidden_size"] // config["num_attention_heads"]
+    if options.kv_bits is not None and isinstance(head_dim, int) and head_dim % options.kv_group_size:
+        fits = [g for g in (128, 64, 32) if head_dim % g == 0]
+        raise InvalidParamsError(
+            f"kv_group_size={options.kv_group_size} does not divide this model's head size ({head_dim}): "
+            + (f"use a group size of {fits[0]} (kv_bits(..., group_size={fits[0]}), or --kv-group-size {fits[0]} "
+               "on the command line)." if fits else "this model's KV cache cannot be quantized.")
         )
 
 

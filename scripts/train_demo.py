@@ -328,10 +328,10 @@ def train_tokenizer(vocab_size: int, seed: int):
     return tok
 
 
-def tokenizer_config() -> dict:
+def tokenizer_config(context: int) -> dict:
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": 2048,
+        "model_max_length": context,
         "bos_token": None,
         "eos_token": EOS,
         "pad_token": PAD,
@@ -370,7 +370,8 @@ SHAPES = {
 }
 
 
-def model_config(size: str | tuple[int, ...], vocab_size: int, ids: dict[str, int]) -> dict:
+def model_config(size: str | tuple[int, ...], vocab_size: int, ids: dict[str, int], context: int) -> dict:
+    """mlx-lm's config for a qwen3 model with the context window ``context`` (see ``--context``)."""
     hidden, layers, mlp, heads, kv = SHAPES[size] if isinstance(size, str) else size
     shapes = dict(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=mlp,
                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=hidden // heads)
@@ -379,7 +380,7 @@ def model_config(size: str | tuple[int, ...], vocab_size: int, ids: dict[str, in
         "architectures": ["Qwen3ForCausalLM"],
         **shapes,
         "vocab_size": vocab_size,
-        "max_position_embeddings": 2048,
+        "max_position_embeddings": context,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
         "hidden_act": "silu",
@@ -524,7 +525,7 @@ def save(folder: Path, model, config: dict, tok) -> None:
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     (partial / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     (partial / "tokenizer.json").write_text(tok.to_str(pretty=True), encoding="utf-8")
-    (partial / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    (partial / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(config["max_position_embeddings"]), indent=2) + "\n")
     # Drop files a previous run may have left (e.g. sharded weights) and put the new folder in place.
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
@@ -554,7 +555,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--chat-lr", type=float, default=3e-3)
     p.add_argument("--draft-lr", type=float, default=3e-3)
-    p.add_argument("--max-len", type=int, default=512)
+    p.add_argument("--max-len", type=int, default=512, help="longest training dialogue in tokens")
+    # The training dialogues are at most ~400 tokens long; past ~450 the models meet positions they
+    # were never trained on and their answers fall apart. Written into the configs as the context
+    # window, it makes chatkit refuse such prompts (ContextWindowExceededError) instead.
+    p.add_argument("--context", type=int, default=448, help="the context window written into the configs")
     p.add_argument("--chat-shape", default=None, help="hidden,layers,mlp,heads,kv_heads (default %s)" % ",".join(map(str, SHAPES["chat"])))
     p.add_argument("--draft-shape", default=None, help="default %s" % ",".join(map(str, SHAPES["draft"])))
     p.add_argument("--quick", action="store_true", help="a short smoke run (a few minutes)")
@@ -586,7 +591,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.only and name != args.only:
             continue
         shape = getattr(args, f"{name}_shape")
-        config = model_config(tuple(int(x) for x in shape.split(",")) if shape else name, tok.get_vocab_size(), ids)
+        config = model_config(tuple(int(x) for x in shape.split(",")) if shape else name, tok.get_vocab_size(), ids,
+                              args.context)
         model = build_model(config, args.seed + seed_offset)
         n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
         print(f"[{name}] {n_params / 1e6:.2f}M parameters, {steps} steps of {args.batch_size} dialogues", flush=True)

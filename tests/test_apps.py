@@ -61,6 +61,51 @@ def test_cancelling_the_task_stops_within_a_decode_step_and_commits(tiny):
     assert_ledger_matches_cache(session)
 
 
+def test_the_worker_stays_a_few_chunks_ahead_of_a_slow_consumer(tiny):
+    from chatkit.aio import LOOKAHEAD
+
+    lm = tiny()
+    session = session_for(lm, params=endless(lm))
+
+    async def main():
+        shown = []
+        async with session.astream_respond("Talk slowly") as stream:
+            async for chunk in stream:
+                shown.append(chunk.text)
+                await asyncio.sleep(0.05)  # a slow UI: 20 decode steps could run meanwhile
+                if len(shown) == 3:
+                    break
+        return "".join(shown)
+
+    shown = asyncio.run(main())
+    assert 3 <= session.last_stats.generation_tokens <= 3 + LOOKAHEAD
+    assert session.history[-1].content.startswith(shown)
+    assert_ledger_matches_cache(session)
+
+
+def test_a_dropped_async_stream_stops_and_commits(tiny):
+    import gc
+
+    lm = tiny()
+    session = session_for(lm, params=endless(lm))
+
+    async def main():
+        stream = session.astream_respond("Talk forever")
+        async for _ in stream:
+            break  # no async with, no aclose: the stream is simply dropped
+        del stream
+        gc.collect()
+        for _ in range(200):
+            if not session.busy:
+                return
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert not session.busy and session.last_stats.finish_reason == "cancelled"
+    assert session.last_stats.generation_tokens <= 1 + 2 * 2
+    assert_ledger_matches_cache(session)
+
+
 def test_cancel_from_outside_while_the_event_loop_stays_responsive(tiny):
     lm = tiny()
     session = session_for(lm, params=endless(lm, 2000))

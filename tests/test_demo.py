@@ -97,6 +97,49 @@ def test_speculative_matches_standard(lm, draft):
     assert accepted >= 0.5 * proposed > 0
 
 
+def test_context_window_is_what_it_was_trained_on(lm):
+    """Past 448 tokens the demo meets positions it never trained on: chatkit refuses instead of
+    answering nonsense, changes nothing, and the session goes on after an undo."""
+    assert lm.context_length == 448
+    session = chat(lm)
+    questions = [f"What is {a} + {b}?" for a in range(2, 12) for b in (3, 5, 7, 9)]
+    answered = 0
+    with pytest.raises(chatkit.ContextWindowExceededError) as info:
+        for question in questions:
+            history = list(session.history)
+            a, b = (int(x) for x in question[8:-1].split(" + "))
+            assert session.respond(question) == f"{a} + {b} = {a + b}."
+            answered += 1
+    assert info.value.context_length == 448 and info.value.prompt_tokens >= 448
+    assert 10 < answered < len(questions) and session.history == history
+    session.undo()
+    session.undo()
+    assert session.respond("What is 6 * 7?") == "6 * 7 = 42."
+
+
+def test_quantized_cache_needs_a_group_size_that_tiles_a_head(lm):
+    with pytest.raises(chatkit.InvalidParamsError, match="head size \\(32\\).*group size of 32"):
+        ChatSession.builder(lm).kv_bits(8).build()
+    session = chat(lm)
+    with pytest.raises(chatkit.InvalidParamsError):
+        session.cache_options = chatkit.CacheOptions(kv_bits=4)
+    assert session.cache_options == chatkit.CacheOptions()
+    quantized = ChatSession.builder(lm).generate_params(GREEDY).kv_bits(8, group_size=32).build()
+    assert quantized.respond("My name is Ada.") == "Nice to meet you, Ada."
+    assert quantized.respond("What is my name?") == "Your name is Ada."
+    assert set(quantized.cache_info().layer_classes) == {"QuantizedKVCache"}
+
+    cli = subprocess.run([sys.executable, "-m", "chatkit", "--kv-bits", "8"], input="Hi!\n",
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 1 and "--kv-group-size 32" in cli.stderr and "Traceback" not in cli.stderr
+
+
+def test_demo_module_after_a_plain_import():
+    code = "import chatkit; print(chatkit.demo.load().config['model_type'], chatkit.demo.draft_path().name)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split() == ["qwen3", "draft"], out.stderr
+
+
 def test_load_by_name():
     lm = chatkit.load("demo")
     assert lm.config["model_type"] == "qwen3"

@@ -3,9 +3,11 @@
 Both are qwen3-architecture models trained from scratch (``scripts/train_demo.py``) on synthetic
 dialogues, with their own byte-level BPE tokenizer and a ChatML template. They do small sums
 ("What is 7 + 5?"), spell and count letters of common words ("Spell cat.", "How many letters are in
-apple?"), small talk, and remember facts you tell them ("My name is Ada.", "I live in Lyon.",
-"My favourite colour is green.", "I have a dog named Rex.", "I am 34 years old.") to answer later
-("What is my name?"). Outside that little world their replies are nonsense. No download needed::
+apple?"), repeat a few words ("Repeat after me: red tiger."), small talk, and remember facts you tell
+them ("My name is Ada.", "I live in Lyon.", "My favourite colour is green.", "I have a dog named
+Rex.", "I am 34 years old.") to answer later ("What is my name?"). Outside that little world their
+replies are nonsense. Their context window is 448 tokens, a little past their longest training
+dialogues. No download needed::
 
     import chatkit
     from chatkit import demo
