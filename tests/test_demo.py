@@ -154,3 +154,23 @@ def test_command_line_chats_with_the_demo_model_by_default():
     )
     assert out.returncode == 0, out.stderr
     assert "2 + 2 = 4." in out.stdout and "Your name is Ada." in out.stdout
+
+
+def test_command_line_draft_save_resume_and_prefill_progress(tmp_path):
+    saved = tmp_path / "chat.safetensors"
+
+    def cli(*args, stdin):
+        out = subprocess.run([sys.executable, "-m", "chatkit", *args], input=stdin, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+        return out
+
+    first = cli("--draft", "demo", "--save", str(saved), stdin="My name is Ada.\nWhat is 7 + 5?\n/stats\n")
+    assert "Nice to meet you, Ada." in first.stdout and "7 + 5 = 12." in first.stdout
+    assert "proposed tokens accepted" in first.stdout  # /stats reports the draft
+    again = cli("--resume", str(saved), stdin="What is my name?\n")
+    assert "Your name is Ada." in again.stdout
+
+    long_system = " ".join(["Answer briefly."] * 90)  # ~270 tokens: long enough for a progress line
+    progress = cli("--system", long_system, stdin="What is 2 + 2?\n")
+    assert "[prefill" in progress.stderr and "tokens]" in progress.stderr

@@ -5,32 +5,50 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import chatkit
 from chatkit import ChatSession, GenerateParams
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+TINY_RUN = ("--chat-steps", "3", "--draft-steps", "3")
 
 
-def run(*args, timeout=300):
+def run_script(*args, timeout=300):
     out = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
 
-def test_train_then_evaluate_a_tiny_pair(tmp_path):
-    log = run(SCRIPTS / "train_demo.py", "--chat-steps", "3", "--draft-steps", "3", "--out", tmp_path)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A pair trained for 3 steps, and the training log."""
+    folder = tmp_path_factory.mktemp("pair")
+    return folder, run_script(SCRIPTS / "train_demo.py", *TINY_RUN, "--out", folder)
+
+
+def test_train_then_evaluate_a_tiny_pair(trained):
+    folder, log = trained
     assert re.search(r"tokenizer: \d+ tokens, 375/375 world words are one token", log)
     assert "[chat] step 3/3" in log and "[draft] step 3/3" in log
 
-    chat, draft = chatkit.load(str(tmp_path / "chat")), chatkit.load(str(tmp_path / "draft"))
+    chat, draft = chatkit.load(str(folder / "chat")), chatkit.load(str(folder / "draft"))
     assert chat.config["num_hidden_layers"] > draft.config["num_hidden_layers"]
     assert chat.fingerprint["vocabulary"] == draft.fingerprint["vocabulary"]
     session = ChatSession.builder(chat).generate_params(GenerateParams(max_tokens=4)).build()
     session.respond("What is 2 + 2?")
     assert session.render().startswith("<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
 
-    report = run(SCRIPTS / "eval_demo.py", "--models", tmp_path, "--dialogues", "2", "--restores", "1")
+    report = run_script(SCRIPTS / "eval_demo.py", "--models", folder, "--dialogues", "2", "--restores", "1")
     assert "exact replies per task:" in report and "recall of facts told 3+ turns ago" in report
     same = re.search(r"speculative greedy == standard greedy: (\d+)/(\d+) replies", report)
     assert same and same.group(1) == same.group(2) and int(same.group(2)) > 0
     assert re.search(r"draft acceptance \d+\.\d%", report) and "facts recalled after restore" in report
+
+
+def test_training_is_reproducible_from_its_seed(trained, tmp_path):
+    folder, _ = trained
+    run_script(SCRIPTS / "train_demo.py", *TINY_RUN, "--out", tmp_path)
+    for model in ("chat", "draft"):
+        for name in ("model.safetensors", "tokenizer.json", "config.json"):
+            assert (tmp_path / model / name).read_bytes() == (folder / model / name).read_bytes(), (model, name)
