@@ -155,3 +155,38 @@ def test_equivalence_state_machine_speculative(num_draft):
             )
 
     run_state_machine_as_test(Speculative, settings=settings(max_examples=5, stateful_step_count=8))
+
+
+def test_speculative_prefill_reports_progress_as_the_standard_path_does(tiny):
+    lm, draft = tiny(), tiny(seed=1)
+    prompt = "A prompt long enough to need several prefill chunks of eight tokens each, and then some."
+    calls = {"standard": [], "speculative": []}
+    for name, spec in (("standard", None), ("speculative", SpeculativeConfig(draft, 2))):
+        session = session_for(lm, params=GenerateParams(max_tokens=4), speculative=spec, prefill_step_size=8,
+                              prefill_progress=lambda done, total, name=name: calls[name].append((done, total)))
+        session.respond(prompt)
+    assert calls["speculative"] == calls["standard"]
+    total = calls["standard"][0][1]
+    assert calls["standard"] == [(0, total), *[(d, total) for d in range(8, total - 1, 8)], (total - 1, total),
+                                 (total, total)]
+
+
+def test_logits_processors_see_the_whole_conversation_with_a_draft(tiny):
+    lm, draft = tiny(), tiny(seed=1)
+    first_seen = {}
+
+    def recorder(name):
+        def processor(tokens, logits):
+            first_seen.setdefault(name, tokens.tolist())
+            return logits
+        return processor
+
+    replies = {}
+    for name, spec in (("standard", None), ("speculative", SpeculativeConfig(draft, 3))):
+        session = session_for(lm, params=GenerateParams(max_tokens=10, repetition_penalty=1.5), speculative=spec)
+        session.respond("Tell me something")
+        session.generate_params.logits_processors = [recorder(name)]
+        replies[name] = session.respond("And more, please")
+        prompt = session._cache.ledger.tokens[: session.last_stats.prompt_tokens]
+        assert first_seen[name] == list(prompt), name
+    assert replies["speculative"] == replies["standard"]
