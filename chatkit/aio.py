@@ -26,18 +26,18 @@ def pump(
     put: Callable[[Any], None],
     cancel: threading.Event,
     credits: threading.Semaphore | None = None,
+    consumer_alive: Callable[[], bool] = lambda: True,
 ) -> None:
     """Iterate ``stream`` on this (worker) thread, handing each chunk to ``put``, then ``END`` or a
     ``Failure``. With ``credits``, each chunk waits for one (the consumer gives one back per chunk it
     takes), so the turn never runs more than that many chunks ahead of what was shown. Setting
-    ``cancel`` (and releasing ``credits``) stops it before the next token; the turn commits."""
+    ``cancel`` (and releasing ``credits``), or the consumer going away, stops it before the next
+    token; the turn commits."""
     try:
         chunks = iter(stream)
         while not cancel.is_set():
-            if credits is not None:
-                credits.acquire()
-                if cancel.is_set():
-                    break
+            if credits is not None and not _may_go_on(credits, cancel, consumer_alive):
+                break
             chunk = next(chunks, None)
             if chunk is None:
                 break
@@ -48,6 +48,14 @@ def pump(
     finally:
         stream.close()
     put(END)
+
+
+def _may_go_on(credits: threading.Semaphore, cancel: threading.Event, consumer_alive: Callable[[], bool]) -> bool:
+    """Wait for a credit; False once cancelled or once nobody will ever take another chunk."""
+    while not credits.acquire(timeout=0.1):
+        if cancel.is_set() or not consumer_alive():
+            return False
+    return not cancel.is_set()
 
 
 class AsyncResponseStream:
@@ -138,7 +146,9 @@ def _work(stream: ResponseStream, loop: asyncio.AbstractEventLoop, queue: asynci
           cancel: threading.Event, credits: threading.Semaphore) -> None:
     """A turn's worker thread: pump the stream into the event loop's queue, then resolve ``done``."""
     try:
-        pump(stream, lambda item: _call(loop, queue.put_nowait, item), cancel, credits)
+        # A closed event loop takes no more chunks (e.g. asyncio.run() returned while a stream was
+        # still referenced): the turn stops and commits instead of blocking the process's exit.
+        pump(stream, lambda item: _call(loop, queue.put_nowait, item), cancel, credits, lambda: not loop.is_closed())
     finally:
         mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
         _call(loop, done.set_result, None)

@@ -292,3 +292,33 @@ def test_pool_with_speculative_sessions(tiny, tmp_path):
     with a.stream_respond("Again") as stream:
         list(stream)
     assert stream.tokens == expected
+
+
+def test_a_stream_kept_after_its_event_loop_ended_does_not_block_exit(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "kept.py"
+    script.write_text(
+        "import asyncio, time\n"
+        "from chatkit import ChatSession, GenerateParams\n"
+        "from chatkit.testing import tiny_model\n"
+        "lm = tiny_model()\n"
+        "params = GenerateParams(max_tokens=100000, logit_bias={i: -1e9 for i in lm.tokenizer.eos_token_ids})\n"
+        "session = ChatSession.builder(lm).generate_params(params).build()\n"
+        "kept = []\n"
+        "async def main():\n"
+        "    kept.append(session.astream_respond('Talk forever'))\n"
+        "    async for _ in kept[0]:\n"
+        "        break\n"
+        "asyncio.run(main())\n"
+        "for _ in range(100):\n"
+        "    if not session.busy:\n"
+        "        break\n"
+        "    time.sleep(0.05)\n"
+        "print(session.busy, session.last_stats.finish_reason, session.last_stats.generation_tokens)\n"
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    busy, finish, generated = out.stdout.split()
+    assert busy == "False" and finish == "cancelled" and int(generated) <= 1 + 2 * 2
