@@ -75,6 +75,7 @@ class AsyncResponseStream:
         self._queue: asyncio.Queue[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done: asyncio.Future[None] | None = None
+        self._ended = False  # END or a failure was handed out: iteration is over
 
     @property
     def text(self) -> str:
@@ -92,10 +93,17 @@ class AsyncResponseStream:
     def closed(self) -> bool:
         return self._stream.closed
 
+    @property
+    def stop_requested(self) -> threading.Event:
+        """Set once the turn was told to stop (cancelled, closed or dropped); it then commits soon."""
+        return self._cancel
+
     def __aiter__(self) -> "AsyncResponseStream":
         return self
 
     async def __anext__(self) -> StreamChunk:
+        if self._ended:
+            raise StopAsyncIteration
         if self._queue is None:
             self._start()
         assert self._queue is not None
@@ -106,8 +114,10 @@ class AsyncResponseStream:
             raise
         self._credits.release()
         if item is END:
+            self._ended = True
             raise StopAsyncIteration
         if isinstance(item, Failure):
+            self._ended = True
             raise item.exc
         return item
 
@@ -148,7 +158,9 @@ def _work(stream: ResponseStream, loop: asyncio.AbstractEventLoop, queue: asynci
     try:
         # A closed event loop takes no more chunks (e.g. asyncio.run() returned while a stream was
         # still referenced): the turn stops and commits instead of blocking the process's exit.
-        pump(stream, lambda item: _call(loop, queue.put_nowait, item), cancel, credits, lambda: not loop.is_closed())
+        # So does the main thread's end (the interpreter then joins this thread before anything else).
+        pump(stream, lambda item: _call(loop, queue.put_nowait, item), cancel, credits,
+             lambda: not loop.is_closed() and threading.main_thread().is_alive())
     finally:
         mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
         _call(loop, done.set_result, None)

@@ -70,7 +70,6 @@ def generate_tokens(
         # mlx-lm's speculative step reports no prefill progress and shows logits processors none of
         # the prompt but its last token: prefill the rest here, in its chunks, and hand it one token.
         draft_model, draft_layers, num_draft = draft
-        _prefill_both(model, layers, draft_model, draft_layers, suffix, options.prefill_step_size, progress)
         common["logits_processors"] = with_context(logits_processors, suffix[:-1]) or None
         # mlx-lm splits the list at len(model.layers): target layers first, then the draft's.
         steps = speculative_generate_step(
@@ -80,6 +79,8 @@ def generate_tokens(
         tokens = _reporting_end_of_prefill(steps, progress, len(suffix))
     with wired_limit(model, [generation_stream]):
         try:
+            if draft is not None:
+                _prefill_both(model, layers, draft_model, draft_layers, suffix, options.prefill_step_size, progress)
             yield from tokens
         finally:
             steps.close()

@@ -74,6 +74,7 @@ class ChatSession:
         self._cache = cache if cache is not None else CacheState(lm.model, cache_options, draft_model)
         self._progress = prefill_progress
         self._turn = threading.Lock()  # held from the start of a turn until it commits or aborts
+        self._async_stop: threading.Event | None = None  # set once the last async turn was told to stop
         self._last_stats: TurnStats | None = None
 
     @staticmethod
@@ -228,7 +229,7 @@ class ChatSession:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
         params = self._params
         params.validate()
-        if not self._turn.acquire(blocking=False):
+        if not self._take_turn():
             raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")
         try:
             if not _ends_with_exchange(self._history):
@@ -277,7 +278,7 @@ class ChatSession:
         message = _prompt_message(prompt, role)
         params = self._params
         params.validate()
-        if not self._turn.acquire(blocking=False):
+        if not self._take_turn():
             raise SessionBusyError(
                 "This session already has a turn in progress: finish or close its stream first."
             )
@@ -289,7 +290,9 @@ class ChatSession:
 
     def astream_respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> AsyncResponseStream:
         """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread."""
-        return AsyncResponseStream(self.stream_respond(prompt, role=role))
+        stream = AsyncResponseStream(self.stream_respond(prompt, role=role))
+        self._async_stop = stream.stop_requested
+        return stream
 
     async def arespond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> str:
         """As :meth:`respond`, without blocking the event loop. Cancelling it commits the reply so far."""
@@ -401,22 +404,33 @@ class ChatSession:
             return []
         return self._render(self._history, self._params, add_generation_prompt=False)
 
+    def _take_turn(self) -> bool:
+        """Take the turn lock. An async turn that was told to stop (cancelled, closed, or its stream
+        dropped) commits on its worker within a decode step: wait for that rather than fail."""
+        if self._turn.acquire(blocking=False):
+            return True
+        stop = self._async_stop
+        return stop is not None and stop.is_set() and self._turn.acquire(timeout=STOPPING_TURN_WAIT)
+
     def _idle(self, action: str) -> "_Idle":
-        return _Idle(self._turn, action)
+        return _Idle(self, action)
+
+
+STOPPING_TURN_WAIT = 60.0  # seconds; a stopping turn may still be finishing a prefill chunk
 
 
 class _Idle:
     """Holds the turn lock for a short edit; ``SessionBusyError`` while a stream is open."""
 
-    def __init__(self, lock: threading.Lock, action: str) -> None:
-        self._lock, self._action = lock, action
+    def __init__(self, session: ChatSession, action: str) -> None:
+        self._session, self._action = session, action
 
     def __enter__(self) -> None:
-        if not self._lock.acquire(blocking=False):
+        if not self._session._take_turn():
             raise SessionBusyError(f"Cannot {self._action} while a reply is streaming: close the stream first.")
 
     def __exit__(self, *exc_info: object) -> None:
-        self._lock.release()
+        self._session._turn.release()
 
 
 def _check_speculative_options(speculative: SpeculativeConfig | None, options: CacheOptions) -> None:

@@ -294,6 +294,26 @@ def test_pool_with_speculative_sessions(tiny, tmp_path):
     assert stream.tokens == expected
 
 
+def test_the_next_turn_waits_for_a_dropped_stream_to_commit(tiny):
+    lm = tiny()
+    session = session_for(lm, params=endless(lm, max_tokens=40))
+
+    async def main():
+        async for _ in session.astream_respond("Hello"):
+            break  # dropped at once: it commits on its worker a moment later
+        reply = await session.arespond("Again")  # waits for that commit instead of SessionBusyError
+        stream = session.astream_respond("Once more")
+        chunks = [chunk async for chunk in stream]
+        with pytest.raises(StopAsyncIteration):  # an ended stream stays ended
+            await stream.__anext__()
+        return reply, chunks
+
+    reply, chunks = asyncio.run(main())
+    assert [m.content for m in session.history[1::2]][1:] == [reply, "".join(c.text for c in chunks)]
+    assert session.history[0].content == "Hello" and session.history[2].content == "Again"
+    assert_ledger_matches_cache(session)
+
+
 def test_a_stream_kept_after_its_event_loop_ended_does_not_block_exit(tmp_path):
     import subprocess
     import sys
@@ -312,6 +332,13 @@ def test_a_stream_kept_after_its_event_loop_ended_does_not_block_exit(tmp_path):
         "    async for _ in kept[0]:\n"
         "        break\n"
         "asyncio.run(main())\n"
+        "loop = asyncio.new_event_loop()  # and one never closed: the process must still exit\n"
+        "session2 = ChatSession.builder(lm).generate_params(params).build()\n"
+        "async def other():\n"
+        "    kept.append(session2.astream_respond('Talk on'))\n"
+        "    async for _ in kept[-1]:\n"
+        "        break\n"
+        "loop.run_until_complete(other())\n"
         "for _ in range(100):\n"
         "    if not session.busy:\n"
         "        break\n"
