@@ -15,7 +15,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import chatkit  # noqa: E402  (first: it loads OpenBLAS before MLX)
 import chatkit._blas  # noqa: E402
 import mlx.core as mx  # noqa: E402
-from mlx.utils import tree_flatten  # noqa: E402
 
 # A Qwen3-shaped model of ~29M float32 parameters (4.2M of them the tied 8,201-token embedding).
 MODEL_CONFIG = dict(
@@ -63,9 +62,15 @@ def _version(dist: str) -> str:
         return "-"
 
 
+def n_params(lm) -> int:
+    from mlx_lm.utils import get_total_parameters
+
+    return get_total_parameters(lm.model)
+
+
 def describe(lm) -> str:
     """A few lines on the machine, the libraries and the model."""
-    params = sum(v.size for _, v in tree_flatten(lm.model.parameters()))
+    params = n_params(lm)
     cfg = lm.config
     shape = ", ".join(
         f"{k}={cfg[k]}"

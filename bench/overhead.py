@@ -28,10 +28,9 @@ import pstats
 import sys
 import time
 
-from _common import clone, describe, load_model, median, wait_until_quiet, OtherLoad
+from _common import clone, describe, load_model, median, n_params, wait_until_quiet, OtherLoad
 
 import mlx.core as mx
-from mlx.utils import tree_flatten
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -171,7 +170,7 @@ def main() -> None:
     lm = load_model("bpe")
     print(describe(lm))
     small = tiny_model("qwen3", "bpe")  # the default test model: its step is short, overhead shows
-    n_small = sum(v.size for _, v in tree_flatten(small.model.parameters()))
+    n_small = n_params(small)
     print(f"small   : the default tiny_model('qwen3', 'bpe'), {n_small / 1e6:.1f}M params "
           f"(hidden_size={small.config['hidden_size']}, num_hidden_layers={small.config['num_hidden_layers']})")
     what_f, ck_f, raw_f, session = fresh_case(lm, N)

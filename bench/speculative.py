@@ -33,12 +33,10 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
-import importlib
 import sys
 import time
-from pathlib import Path
 
-from _common import MODEL_CONFIG, OtherLoad, describe, median, wait_until_quiet
+from _common import MODEL_CONFIG, OtherLoad, describe, median, n_params, wait_until_quiet
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_unflatten
@@ -55,10 +53,6 @@ DRAFT_CONFIG = dict(
     num_key_value_heads=2,
 )
 PROMPT = "Tell me a long story about a dragon who guards a castle in the mountains, and the knight who comes to talk to it."
-
-
-def n_params(lm) -> int:
-    return sum(v.size for _, v in tree_flatten(lm.model.parameters()))
 
 
 def zero_blocks(lm) -> None:
@@ -146,14 +140,12 @@ DEMO_DIALOGUE = [
 
 
 def load_demo_pair():
-    """((chat, draft), "") when chatkit.demo and its model files exist, else (None, why not)."""
-    try:
-        demo = importlib.import_module("chatkit.demo")
-    except ImportError:
-        return None, "chatkit.demo does not exist yet"
+    """((chat, draft), "") when the demo pair's model files are installed, else (None, why not)."""
+    from chatkit import demo
+
     for where in (demo.path(), demo.draft_path()):
-        if not (Path(where) / "config.json").exists():
-            return None, f"chatkit.demo exists but its model files are not there yet ({where})"
+        if not (where / "config.json").exists():
+            return None, f"the demo model files are not installed ({where})"
     return (demo.load(), demo.load_draft()), ""
 
 

@@ -25,18 +25,18 @@ def pump(
     stream: ResponseStream,
     put: Callable[[Any], None],
     cancel: threading.Event,
-    credits: threading.Semaphore | None = None,
-    consumer_alive: Callable[[], bool] = lambda: True,
+    credits: threading.Semaphore,
+    consumer_alive: Callable[[], bool],
 ) -> None:
     """Iterate ``stream`` on this (worker) thread, handing each chunk to ``put``, then ``END`` or a
-    ``Failure``. With ``credits``, each chunk waits for one (the consumer gives one back per chunk it
+    ``Failure``. Each chunk waits for one of ``credits`` (the consumer gives one back per chunk it
     takes), so the turn never runs more than that many chunks ahead of what was shown. Setting
     ``cancel`` (and releasing ``credits``), or the consumer going away, stops it before the next
     token; the turn commits."""
     try:
         chunks = iter(stream)
         while not cancel.is_set():
-            if credits is not None and not _may_go_on(credits, cancel, consumer_alive):
+            if not _may_go_on(credits, cancel, consumer_alive):
                 break
             chunk = next(chunks, None)
             if chunk is None:
@@ -68,9 +68,10 @@ class AsyncResponseStream:
     took, plus at most those few chunks.
     """
 
-    def __init__(self, stream: ResponseStream) -> None:
+    def __init__(self, stream: ResponseStream, stop: threading.Event | None = None) -> None:
+        """``stop``: an event to set when the turn is told to stop (the session waits on its commit)."""
         self._stream = stream
-        self._cancel = threading.Event()
+        self._cancel = stop if stop is not None else threading.Event()
         self._credits = threading.Semaphore(LOOKAHEAD)
         self._queue: asyncio.Queue[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -92,11 +93,6 @@ class AsyncResponseStream:
     @property
     def closed(self) -> bool:
         return self._stream.closed
-
-    @property
-    def stop_requested(self) -> threading.Event:
-        """Set once the turn was told to stop (cancelled, closed or dropped); it then commits soon."""
-        return self._cancel
 
     def __aiter__(self) -> "AsyncResponseStream":
         return self
@@ -173,4 +169,4 @@ def _call(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -
         pass  # the event loop is gone; the turn is committed anyway
 
 
-__all__ = ["AsyncResponseStream", "END", "Failure", "pump"]
+__all__ = ["AsyncResponseStream"]

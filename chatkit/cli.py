@@ -113,7 +113,7 @@ class Repl:
         self.say(" [stopped]" if stopped.is_set() else "")
 
     def autosave(self) -> None:
-        if self.args.save and not self.session.cache_info().tokens == 0:
+        if self.args.save and self.session.cache_info().tokens:
             try:
                 self.session.save_cache(self.args.save)
             except ChatKitError as exc:

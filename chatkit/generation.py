@@ -72,30 +72,35 @@ def generate_tokens(
         draft_model, draft_layers, num_draft = draft
         common["logits_processors"] = with_context(logits_processors, suffix[:-1]) or None
         # mlx-lm splits the list at len(model.layers): target layers first, then the draft's.
-        steps = speculative_generate_step(
+        tokens = steps = speculative_generate_step(
             prompt[-1:], model, draft_model, prompt_cache=[*layers, *draft_layers], num_draft_tokens=num_draft,
             **common,
         )
-        tokens = _reporting_end_of_prefill(steps, progress, len(suffix))
     with wired_limit(model, [generation_stream]):
         try:
             if draft is not None:
-                _prefill_both(model, layers, draft_model, draft_layers, suffix, options.prefill_step_size, progress)
+                _prefill_both(model, layers, draft_model, draft_layers, prompt, options.prefill_step_size, progress)
+                first = next(steps, None)
+                if progress is not None:  # the prompt is in once the first token is out, as generate_step says
+                    progress(len(suffix), len(suffix))
+                if first is None:
+                    return
+                yield first
             yield from tokens
         finally:
             steps.close()
 
 
-def _prefill_both(model: Any, layers: list[Any], draft_model: Any, draft_layers: list[Any], suffix: Sequence[int],
+def _prefill_both(model: Any, layers: list[Any], draft_model: Any, draft_layers: list[Any], prompt: mx.array,
                   step: int, progress: Callable[[int, int], None] | None) -> None:
-    """Feed all of ``suffix`` but its last token to both models, in chunks of ``step`` as mlx-lm does."""
-    total, done = len(suffix), 0
+    """Feed all of ``prompt`` but its last token to both models, in chunks of ``step`` as mlx-lm does."""
+    total, done = prompt.size, 0
     if progress is not None:
         progress(0, total)
     with mx.stream(generation_stream):
         while total - done > 1:
             n = min(step, total - 1 - done)
-            chunk = mx.array(list(suffix[done : done + n]), dtype=mx.uint32)[None]
+            chunk = prompt[done : done + n][None]
             draft_model(chunk, cache=draft_layers)
             model(chunk, cache=layers)
             mx.eval([c.state for c in (*draft_layers, *layers)])
@@ -103,15 +108,6 @@ def _prefill_both(model: Any, layers: list[Any], draft_model: Any, draft_layers:
             if progress is not None:
                 progress(done, total)
             mx.clear_cache()
-
-
-def _reporting_end_of_prefill(steps: Iterator[Token], progress: Callable[[int, int], None] | None,
-                              total: int) -> Iterator[Token]:
-    """``steps``, with ``progress(total, total)`` once the first token is out (as generate_step does)."""
-    for i, token in enumerate(steps):
-        if i == 0 and progress is not None:
-            progress(total, total)
-        yield token
 
 
 __all__ = ["Token", "generate_tokens", "with_context"]

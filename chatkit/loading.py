@@ -78,14 +78,6 @@ def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
     }
 
 
-def _demo_folder(name: str) -> str:
-    try:
-        from . import demo
-    except ImportError as exc:
-        raise ModelLoadError(f"The bundled demo model is not available in this install ({exc}).") from exc
-    return str(demo.draft_path() if name == "demo-draft" else demo.path())
-
-
 def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> LoadedModel:
     """Load a model and tokenizer with ``mlx_lm.load``.
 
@@ -100,7 +92,9 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
     if not source:
         raise ModelLoadError("load() needs a Hugging Face repo id or a local model folder, got ''.")
     if source in ("demo", "demo-draft"):
-        source = _demo_folder(source)
+        from . import demo
+
+        source = str(demo.draft_path() if source == "demo-draft" else demo.path())
     try:
         model, tokenizer, config = mlx_load(
             source, tokenizer_config=tokenizer_config or None, return_config=True

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from .builder import ChatSessionBuilder
 
 ProgressCallback = Callable[[int, int], None]
+STOPPING_TURN_WAIT = 60.0  # seconds; a stopping async turn may still be finishing a prefill chunk
 
 
 class ChatSession:
@@ -290,8 +291,9 @@ class ChatSession:
 
     def astream_respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> AsyncResponseStream:
         """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread."""
-        stream = AsyncResponseStream(self.stream_respond(prompt, role=role))
-        self._async_stop = stream.stop_requested
+        stop = threading.Event()  # stream_respond may still wait on the previous async turn's
+        stream = AsyncResponseStream(self.stream_respond(prompt, role=role), stop=stop)
+        self._async_stop = stop
         return stream
 
     async def arespond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> str:
@@ -416,9 +418,6 @@ class ChatSession:
         return _Idle(self, action)
 
 
-STOPPING_TURN_WAIT = 60.0  # seconds; a stopping turn may still be finishing a prefill chunk
-
-
 class _Idle:
     """Holds the turn lock for a short edit; ``SessionBusyError`` while a stream is open."""
 
@@ -445,18 +444,26 @@ def _check_speculative_options(speculative: SpeculativeConfig | None, options: C
 
 def _check_kv_group_size(lm: LoadedModel, options: CacheOptions) -> None:
     """Quantized KV groups must tile a head: otherwise mlx fails inside the first turn."""
-    config = getattr(lm, "config", None) or {}
-    config = config.get("text_config", config)
-    head_dim = config.get("head_dim")
-    if not isinstance(head_dim, int) and config.get("hidden_size") and config.get("num_attention_heads"):
-        head_dim = config["hidden_size"] // config["num_attention_heads"]
-    if options.kv_bits is not None and isinstance(head_dim, int) and head_dim % options.kv_group_size:
+    head_dim = _head_dim(lm)
+    if options.kv_bits is not None and head_dim is not None and head_dim % options.kv_group_size:
         fits = [g for g in (128, 64, 32) if head_dim % g == 0]
         raise InvalidParamsError(
             f"kv_group_size={options.kv_group_size} does not divide this model's head size ({head_dim}): "
             + (f"use a group size of {fits[0]} (kv_bits(..., group_size={fits[0]}), or --kv-group-size {fits[0]} "
                "on the command line)." if fits else "this model's KV cache cannot be quantized.")
         )
+
+
+def _head_dim(lm: LoadedModel) -> int | None:
+    """The attention head size: mlx-lm's model args first (they hold defaults a config may omit, e.g.
+    Gemma 3's 256), then the config, then hidden size / heads; ``None`` when nothing says."""
+    config = getattr(lm, "config", None) or {}
+    config = config.get("text_config", config)
+    for value in (getattr(getattr(lm.model, "args", None), "head_dim", None), config.get("head_dim")):
+        if isinstance(value, int):
+            return value
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
 
 def _ends_with_exchange(history: Sequence[ChatMessage]) -> bool:

@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +34,7 @@ import chatkit  # noqa: F401  (loads OpenBLAS before MLX: float32 training is ~1
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
-from mlx.utils import tree_flatten
+from mlx_lm.utils import get_total_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "chatkit" / "demo" / "models"
@@ -594,7 +591,7 @@ def main(argv: list[str] | None = None) -> None:
         config = model_config(tuple(int(x) for x in shape.split(",")) if shape else name, tok.get_vocab_size(), ids,
                               args.context)
         model = build_model(config, args.seed + seed_offset)
-        n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
+        n_params = get_total_parameters(model)
         print(f"[{name}] {n_params / 1e6:.2f}M parameters, {steps} steps of {args.batch_size} dialogues", flush=True)
         # Both models see the same batches (same data seed).
         results[name] = train(name, model, tok, steps=steps, batch_size=args.batch_size, lr=lr,

@@ -247,3 +247,19 @@ def test_equivalence_state_machine(arch, tok):
 
     machine = type(f"Conversation_{arch}_{tok}", (Conversation,), {"arch": arch, "tok": tok})
     run_state_machine_as_test(machine, settings=settings(max_examples=6, stateful_step_count=8))
+
+
+def test_kv_group_size_is_checked_against_the_models_own_head_size(tiny):
+    import dataclasses
+
+    from chatkit import ChatSession, InvalidParamsError
+
+    # A config without head_dim whose hidden size / heads (96 / 3 = 32) is not the head size mlx-lm
+    # builds (64, in the model's args): the check must follow the model, as for Gemma 3's configs.
+    lm = tiny(arch="qwen3", tokenizer="bpe", hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
+    assert lm.model.args.head_dim == 64
+    lm = dataclasses.replace(lm, config={k: v for k, v in lm.config.items() if k != "head_dim"})
+    session = ChatSession.builder(lm).kv_bits(8, group_size=64).build()
+    session.respond("Hi")
+    with pytest.raises(InvalidParamsError, match="head size \\(64\\).*group size of 64"):
+        ChatSession.builder(lm).kv_bits(8, group_size=128).build()
