@@ -183,7 +183,7 @@ class ChatSession:
         """
         with self._idle("save the cache"):
             cache = self._conversation.cache
-            if cache.empty:
+            if cache.empty or cache.layers is None:
                 raise NoCacheAvailableError("There is no KV cache to save yet: run a turn first.")
             return store.save(
                 path,

@@ -221,6 +221,7 @@ class CacheState:
         if self.layers is None:
             self.reset()
             self._new_layers()
+        assert self.layers is not None
         p = plan(
             self.ledger,
             prompt,

@@ -69,7 +69,7 @@ def standard_tokens(
         quantized_kv_start=options.quantized_kv_start,
         prompt_progress_callback=request.progress,
     )
-    with wired_limit(model, [generation_stream]):
+    with wired_limit(model, [generation_stream]):  # type: ignore[list-item]  # as mlx-lm calls it
         try:
             for token, logprobs in steps:
                 yield int(token), logprobs, False
@@ -103,7 +103,7 @@ def speculative_tokens(
         logits_processors=with_context(processors, suffix[:-1]) or None,
         prefill_step_size=request.options.prefill_step_size,
     )
-    with wired_limit(model, [generation_stream]):
+    with wired_limit(model, [generation_stream]):  # type: ignore[list-item]  # as mlx-lm calls it
         try:
             _prefill_both(model, layers, draft_model, draft_layers, prompt, request.options.prefill_step_size, progress)
             for i, (token, logprobs, from_draft) in enumerate(steps):
