@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 from ..errors import InvalidParamsError
 from .ledger import Ledger
@@ -93,6 +93,14 @@ def layers_fit(model: Any, layers: Sequence[Any]) -> str | None:
     return None
 
 
+def _held(layers: Sequence[Any], ledger_length: int) -> int:
+    """Tokens the layers hold: the ledger's, cut to the longest window when every attention layer is
+    a full rotating cache (its offset keeps counting what scrolled out)."""
+    windows = [min(c.offset, c.max_size) if isinstance(c, RotatingKVCache) else c.offset
+               for c in layers if isinstance(getattr(c, "offset", None), int)]
+    return min(ledger_length, max(windows)) if windows else ledger_length
+
+
 # Layers that rewind exactly at any time; a checkpoint needs only their offset.
 _ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache)
 MAX_CHECKPOINTS = 4
@@ -109,7 +117,8 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class CacheInfo:
-    """What a session's KV cache holds: ``tokens`` cached (``opaque_tokens`` of them with unknown ids),
+    """What a session's KV cache holds: ``tokens`` the layers hold (a full rotating cache: its window;
+    ``opaque_tokens`` of them with unknown ids),
     ``nbytes`` of the layers, ``checkpoint_bytes`` held for rewinding, the layer classes, and
     whether every layer can rewind (``trimmable``)."""
 
@@ -218,7 +227,7 @@ class CacheState:
     def info(self) -> CacheInfo:
         layers = self.layers or []
         return CacheInfo(
-            tokens=len(self.ledger),
+            tokens=_held(layers, len(self.ledger)),
             opaque_tokens=self.ledger.opaque,
             nbytes=self.nbytes(),
             checkpoints=len(self.checkpoints),

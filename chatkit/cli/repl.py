@@ -99,7 +99,14 @@ class Repl:
         read = read or line_reader(interactive)
         if interactive:
             self.say(f"chatkit: chatting with {self.args.model or 'the demo model'}. /help for commands, Ctrl-D to quit.")
+        with self.keys.installed():
+            self._loop(read, interactive)
+        self.autosave()
+        return 0
+
+    def _loop(self, read: Callable[..., str], interactive: bool) -> None:
         while True:
+            self.keys.pressed.clear()
             try:
                 line = read(self.keys.take_typed()) if interactive else read()
             except EOFError:  # Ctrl-D (the reader ends the line) or the end of piped input
@@ -114,8 +121,6 @@ class Repl:
                     break
             else:
                 self.turn(line)
-        self.autosave()
-        return 0
 
     def turn(self, line: str) -> None:
         """Answer ``line``: stream the reply, then save it when --save was given."""

@@ -44,12 +44,15 @@ def line_reader(interactive: bool, prompt: str = "> ") -> Callable[[str], str]:
             pass
 
     def plain(default: str = "") -> str:
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C here: KeyboardInterrupt
         try:
             return input(prompt if interactive else "")
         except EOFError:
             if interactive:
                 print()  # Ctrl-D: leave the shell's prompt on a line of its own
             raise
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     return plain
 
@@ -78,7 +81,11 @@ def _prompt_toolkit_reader(prompt: str) -> Callable[[str], str]:
     session: Any = PromptSession(history=history, key_bindings=keys, enable_history_search=False)
 
     def read(default: str = "") -> str:
-        return session.prompt(prompt, default=default)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return session.prompt(prompt, default=default)
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     return read
 
@@ -89,10 +96,11 @@ class ReplyKeys:
     Why not a signal handler alone: the terminal sends SIGINT to the whole foreground process group,
     and MLX's CPU backend compiles kernels by running ``g++`` in a child process the first time a
     fused function runs (the first reply). SIGINT kills that compiler, MLX then fails to load the
-    missing library ("Could not load C++ shared library") and the turn is lost. So while a reply is
-    generated the terminal does not turn Ctrl-C into a signal (ISIG off): a thread reads the key from
-    the terminal instead, and no child of this process ever sees it. A SIGINT sent by other means
-    (``kill -INT``) only sets the flag. Other keys typed meanwhile are kept for the next prompt.
+    missing library ("Could not load C++ shared library") and the turn is lost. So while MLX works
+    the terminal does not turn Ctrl-C into a signal (ISIG off): a thread reads the key from the
+    terminal instead, and no child of this process ever sees it. Between reading a line and that
+    switch, and for a SIGINT sent by other means (``kill -INT``), :meth:`installed`'s handler sets
+    the flag. Other keys typed meanwhile are kept for the next prompt.
     """
 
     def __init__(self) -> None:
@@ -101,29 +109,35 @@ class ReplyKeys:
         self._fd = _terminal_fd()
         self._depth = 0  # a command that streams a reply (/retry) enters twice
 
+    @contextmanager
+    def installed(self) -> Iterator["ReplyKeys"]:
+        """For the REPL's lifetime: SIGINT sets :attr:`pressed` instead of raising ``KeyboardInterrupt``
+        (reading a line restores the default; see :func:`line_reader`)."""
+        previous = signal.signal(signal.SIGINT, lambda *_: self.pressed.set())
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     @contextmanager
     def active(self) -> Iterator["ReplyKeys"]:
-        """Watch for Ctrl-C while the block runs (MLX work: a reply, a load, a save)."""
-        if self._depth:
+        """Watch the terminal for Ctrl-C while the block runs (MLX work: a reply, a load, a save)."""
+        if self._depth or self._fd is None or termios is None:
             yield self
             return
         self._depth += 1
-        self.pressed.clear()
-        previous = signal.signal(signal.SIGINT, lambda *_: self.pressed.set())
         saved, stop, watcher = None, threading.Event(), None
-        if self._fd is not None and termios is not None:
-            try:
-                saved = termios.tcgetattr(self._fd)
-                mode = list(saved)
-                mode[3] &= ~(termios.ISIG | termios.ICANON | termios.ECHO)
-                mode[6] = list(mode[6])
-                mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
-                termios.tcsetattr(self._fd, termios.TCSANOW, mode)
-                watcher = threading.Thread(target=self._watch, args=(saved, stop), daemon=True)
-                watcher.start()
-            except (termios.error, OSError):
-                saved = None
+        try:
+            saved = termios.tcgetattr(self._fd)
+            mode = list(saved)
+            mode[3] &= ~(termios.ISIG | termios.ICANON | termios.ECHO)
+            mode[6] = list(mode[6])
+            mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
+            termios.tcsetattr(self._fd, termios.TCSANOW, mode)
+            watcher = threading.Thread(target=self._watch, args=(saved, stop), daemon=True)
+            watcher.start()
+        except (termios.error, OSError):
+            saved = None
         try:
             yield self
         finally:
@@ -132,7 +146,6 @@ class ReplyKeys:
                 watcher.join()
             if saved is not None:
                 termios.tcsetattr(self._fd, termios.TCSANOW, saved)
-            signal.signal(signal.SIGINT, previous)
             self._depth -= 1
 
     def _watch(self, saved: list[Any], stop: threading.Event) -> None:
