@@ -259,12 +259,38 @@ def test_version_help_and_inspect(tmp_path):
     assert foreign.returncode == 1 and "another model" in foreign.stderr and "Traceback" not in foreign.stderr
 
 
-@pytest.mark.parametrize("damage", ["truncated", "text", "missing", "folder"])
-def test_inspect_and_resume_on_a_bad_file_print_one_line(tmp_path, damage):
+def _edit_metadata(path, **changes):
+    """Rewrite chatkit's JSON in a saved file's safetensors header (the tensors stay as they are)."""
+    import json
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    key = next(k for k, v in header["__metadata__"].items() if k.endswith("chatkit"))
+    header["__metadata__"][key] = json.dumps({**json.loads(header["__metadata__"][key]), **changes})
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("saved") / "chat.safetensors"
+    assert run("--save", str(path), stdin="My name is Ada.\n").returncode == 0
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "text", "missing", "folder", "messages: 5",
+                                    "fingerprint: a string", "generate_params: a list"])
+def test_inspect_and_resume_on_a_bad_file_print_one_line(tmp_path, good_file, damage):
     bad = tmp_path / "bad.safetensors"
     if damage == "truncated":
-        assert run("--save", str(bad), stdin="My name is Ada.\n").returncode == 0
-        bad.write_bytes(bad.read_bytes()[:100])
+        bad.write_bytes(good_file.read_bytes()[:100])
+    elif ":" in damage:  # valid JSON of the wrong types
+        bad.write_bytes(good_file.read_bytes())
+        field = damage.split(":")[0]
+        _edit_metadata(bad, **{field: {"messages": 5, "fingerprint": "abc", "generate_params": [1]}[field]})
     elif damage == "text":
         bad.write_text("not a cache file\n")
     elif damage == "folder":
@@ -273,6 +299,7 @@ def test_inspect_and_resume_on_a_bad_file_print_one_line(tmp_path, damage):
         out = run(*args, stdin="Hi\n")
         assert out.returncode in (1, 2) and out.stderr.startswith("error:"), (args, out.stderr)
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, (args, out.stderr)
+        assert "bad.safetensors" in out.stderr, (args, out.stderr)  # names the file
 
 
 def test_the_readme_says_which_phrasings_the_demo_understands():

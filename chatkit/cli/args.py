@@ -51,14 +51,14 @@ def version() -> str:
     return f"chatkit {__version__} (mlx {installed('mlx')}, mlx-lm {installed('mlx-lm')})"
 
 
-def _int_at_least(low: int, rule: str) -> Callable[[str], int]:
+def _int_at_least(low: int, rule: str, high: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; {rule}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is too small; {rule}")
+        if value < low or high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{value} is too {'small' if value < low else 'large'}; {rule}")
         return value
 
     return parse
@@ -69,8 +69,8 @@ def _temperature(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number; use 0 (greedy) or more") from None
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"{text} is below 0; use 0 (greedy) or more")
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is out of range; use 0 (greedy) or a larger finite number")
     return value
 
 
@@ -94,10 +94,10 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--draft", metavar="ID|PATH|demo",
                       help="a smaller model sharing the tokenizer, for speculative decoding (default: none). "
                            "With the demo pair on a CPU this is slower than without it (about 0.5x in "
-                           "bench/speculative.py): a draft pays off only when it is much cheaper than the "
+                           "bench/speculative.py --cases c): a draft pays off only when it is much cheaper than the "
                            "model and agrees with it. Cannot be combined with --max-kv-size or --kv-bits")
-    chat.add_argument("--num-draft", type=_int_at_least(1, "use 1 or more"), default=4, metavar="N",
-                      help="tokens the draft proposes per step, with --draft (default: %(default)s)")
+    chat.add_argument("--num-draft", type=_int_at_least(1, "use 1 to 64", high=64), default=4, metavar="N",
+                      help="tokens the draft proposes per step, 1 to 64, with --draft (default: %(default)s)")
     chat.add_argument("--system", metavar="TEXT", help="the system prompt (default: none, or the saved one with --resume)")
     chat.add_argument("--resume", metavar="FILE",
                       help="continue a conversation saved with /save or --save; --system, --temp, --max-tokens, "
@@ -116,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
                       help="quantize the KV cache to B bits: one of 2, 3, 4, 5, 6, 8 (default: not quantized)")
     chat.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, metavar="N",
                       help="values per quantization group with --kv-bits: 32, 64 or 128 dividing the model's "
-                           "head size (default: 64, or the largest that divides the head size)")
+                           "head size (default: 64, or 32 when 64 does not divide the head size)")
     insp = commands.add_parser(
         "inspect",
         help="show what a saved conversation holds",

@@ -13,7 +13,31 @@ def inspect(path: str, out: Any = sys.stdout, *, show_all: bool = False, model: 
     from ..cache.store import check_fingerprint
     from ..cache.store import inspect as inspect_file
 
-    info = inspect_file(path)
+    from ..errors import CacheFileError, ChatKitError
+
+    try:
+        info = inspect_file(path)
+        lines = _describe(info, show_all)
+    except ChatKitError:
+        raise
+    except Exception as exc:  # metadata of the wrong types: still one line naming the file
+        raise CacheFileError(
+            f"{path!r} could not be read ({type(exc).__name__}: {exc}): it is damaged or not a chatkit file."
+        ) from exc
+    if model is not None:
+        from ..loading import load
+
+        lm = load(model)
+        if info.kind == "chatkit":
+            check_fingerprint(lm.fingerprint, info.fingerprint, repr(info.path))  # IncompatibleCacheError names the parts
+            lines.append(f"fits {model}: yes (every fingerprint part matches)")
+        else:
+            lines.append(f"fits {model}: unknown until restored (a raw cache's layers are checked when it is loaded)")
+    print("\n".join(lines), file=out)
+    return 0
+
+
+def _describe(info: Any, show_all: bool) -> list[str]:
     lines = [
         f"file: {info.path} ({info.file_bytes:,} bytes, {info.tensor_bytes:,} of tensors)",
         f"kind: {info.kind}" + (f", format {info.format_version}" if info.format_version else ""),
@@ -41,17 +65,7 @@ def inspect(path: str, out: Any = sys.stdout, *, show_all: bool = False, model: 
             lines.append(f"  {m.get('role')}: {text[:70]}{'...' if len(text) > 70 else ''}")
     else:
         lines.append("a raw mlx-lm prompt cache: no transcript or fingerprint")
-    if model is not None:
-        from ..loading import load
-
-        lm = load("demo" if model == "demo" else model)
-        if info.kind == "chatkit":
-            check_fingerprint(lm.fingerprint, info.fingerprint, repr(info.path))  # IncompatibleCacheError names the parts
-            lines.append(f"fits {model}: yes (every fingerprint part matches)")
-        else:
-            lines.append(f"fits {model}: unknown until restored (a raw cache's layers are checked when it is loaded)")
-    print("\n".join(lines), file=out)
-    return 0
+    return lines
 
 
 __all__ = ["inspect"]

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import ChatKitError, ContextWindowExceededError
+from ..errors import CacheFileError, ChatKitError, ContextWindowExceededError
 from .args import COMMANDS, KEYS, UsageError, check_save_path, explicit_settings, kv_group_size
 from .terminal import ReplyKeys, history_path, line_reader
 
@@ -59,10 +59,11 @@ class Repl:
         else:
             # The library cannot start speculative decoding from a restored cache (the draft's cache
             # would have to match it); the transcript is the truth, so restore that and prefill anew.
-            builder = _from_transcript(builder, resume, keep_instructions=a.system is None)
+            builder = _unreadable_as_file_error(
+                lambda: _from_transcript(builder, resume, keep_instructions=a.system is None), resume)
         if self.draft is not None:
             builder = builder.speculative(SpeculativeConfig(self.draft, num_draft_tokens=a.num_draft))
-        session = builder.build()
+        session = _unreadable_as_file_error(builder.build, resume) if resume is not None else builder.build()
         if resume is not None and explicit:
             changes = {"temperature": a.temp, "max_tokens": a.max_tokens}
             session.generate_params = session.generate_params.copy(
@@ -96,7 +97,9 @@ class Repl:
     # -- the loop -----------------------------------------------------------------------------------
     def run(self, read: Callable[..., str] | None = None) -> int:
         interactive = sys.stdin.isatty()
-        read = read or line_reader(interactive)
+        if not interactive and hasattr(sys.stdin, "reconfigure"):
+            sys.stdin.reconfigure(errors="replace")  # piped bytes that are not UTF-8 must not end the chat
+        read = read or line_reader(interactive and sys.stdout.isatty())
         if interactive:
             self.say(f"chatkit: chatting with {self.args.model or 'the demo model'}. /help for commands, Ctrl-D to quit.")
         with self.keys.installed():
@@ -249,6 +252,20 @@ class Repl:
             if st.draft_tokens_proposed:
                 lines.append(f"draft: {st.draft_tokens_accepted}/{st.draft_tokens_proposed} proposed tokens accepted")
         return "\n".join(lines)
+
+
+def _unreadable_as_file_error(action: Callable[[], Any], path: str) -> Any:
+    """``action()``; an error that is not chatkit's (a file whose metadata has the wrong types) becomes
+    a ``CacheFileError`` naming the file."""
+    try:
+        return action()
+    except ChatKitError:
+        raise
+    except Exception as exc:
+        raise CacheFileError(
+            f"{path!r} could not be restored ({type(exc).__name__}: {exc}): it is damaged or not a chatkit "
+            "file; start a new conversation, or restore another file."
+        ) from exc
 
 
 def _from_transcript(builder: Any, path: str, keep_instructions: bool) -> Any:

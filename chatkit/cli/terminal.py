@@ -34,7 +34,7 @@ def history_path() -> Path | None:
 def line_reader(interactive: bool, prompt: str = "> ") -> Callable[[str], str]:
     """A function returning the next line (``EOFError`` at the end, ``KeyboardInterrupt`` on Ctrl-C).
 
-    In a terminal: prompt_toolkit (line editing, history file, Ctrl-R, multi-line paste; ``default``
+    ``interactive``: stdin and stdout are a terminal. Then prompt_toolkit (line editing, history file, Ctrl-R, multi-line paste; ``default``
     pre-fills the line). Otherwise, or without prompt_toolkit: plain ``input`` (piped input).
     """
     if interactive:
