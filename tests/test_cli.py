@@ -187,6 +187,10 @@ def test_resume_applies_the_flags_given_with_it(tmp_path):
     assert "with a system prompt" in out.stdout  # --system applied
     assert "--system, --max-tokens from the command line override the file's" in out.stderr
 
+    window = run("--resume", str(saved), "--max-kv-size", "16", stdin="What is 7 + 5?\nSpell tiger.\n/stats\n")
+    assert window.returncode == 0 and "cache: 16 tokens" in window.stdout and "RotatingKVCache" in window.stdout
+    assert "not made with --max-kv-size 16" in window.stderr, window.stderr
+
     draft = run("--resume", str(saved), "--draft", "demo", stdin="What is my name?\n/stats\n")
     assert draft.returncode == 0 and "Your name is Ada." in draft.stdout, draft.stderr
     assert "proposed tokens accepted" in draft.stdout and not LIBRARY_NAMES.search(draft.stderr)

@@ -54,11 +54,11 @@ class Repl:
                 max_tokens=a.max_tokens if a.max_tokens is not None else 256,
                 temperature=a.temp if a.temp is not None else 0.0,
             ))
-        elif self.draft is None:
+        transcript_only = resume is not None and _unreadable_as_file_error(
+            lambda: self._transcript_only(resume), resume)
+        if resume is not None and not transcript_only:
             builder = builder.cache(resume)
-        else:
-            # The library cannot start speculative decoding from a restored cache (the draft's cache
-            # would have to match it); the transcript is the truth, so restore that and prefill anew.
+        elif resume is not None:
             builder = _unreadable_as_file_error(
                 lambda: _from_transcript(builder, resume, keep_instructions=a.system is None), resume)
         if self.draft is not None:
@@ -71,12 +71,24 @@ class Repl:
             )
         if resume is not None:
             note = f"resumed {resume}: {len(session.history)} messages"
-            note += f", {session.cache_info().tokens} tokens cached" if self.draft is None else (
-                " (with --draft the cache is not restored: the first turn prefills the conversation again)")
+            note += f" ({transcript_only}: the first turn prefills the conversation again)" if transcript_only else (
+                f", {session.cache_info().tokens} tokens cached")
             if explicit:
                 note += f"; {', '.join(explicit)} from the command line override the file's"
             self.note(note)
         return session
+
+    def _transcript_only(self, path: str) -> str:
+        """Why the saved cache cannot be restored with these flags ('' when it can): the transcript is
+        the truth, so the conversation is restored from it and prefilled anew."""
+        from ..cache.store import inspect as inspect_file
+
+        if self.draft is not None:  # the draft's cache would have to match a cache it never saw
+            return "with --draft the saved cache is not restored"
+        saved = (inspect_file(path).cache_options or {}).get("max_kv_size")
+        if self.args.max_kv_size is not None and self.args.max_kv_size != saved:
+            return f"the saved cache was not made with --max-kv-size {self.args.max_kv_size}, so it is not restored"
+        return ""
 
     def _progress(self, done: int, total: int) -> None:
         if total >= 256:  # only long prompts are worth a progress line
