@@ -93,8 +93,8 @@ def parser() -> argparse.ArgumentParser:
                       help="a Hugging Face repo id, a local model folder, or 'demo' (default: demo)")
     chat.add_argument("--draft", metavar="ID|PATH|demo",
                       help="a smaller model sharing the tokenizer, for speculative decoding (default: none). "
-                           "With the demo pair on a CPU this is slower than without it (about 0.5x in "
-                           "bench/speculative.py --cases c): a draft pays off only when it is much cheaper than the "
+                           "With the demo pair on a CPU this is slower than without it (0.5x to 0.6x the "
+                           "speed, measured): a draft pays off only when it is much cheaper than the "
                            "model and agrees with it. Cannot be combined with --max-kv-size or --kv-bits")
     chat.add_argument("--num-draft", type=_int_at_least(1, "use 1 to 64", high=64), default=4, metavar="N",
                       help="tokens the draft proposes per step, 1 to 64, with --draft (default: %(default)s)")

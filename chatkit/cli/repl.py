@@ -26,8 +26,8 @@ class Repl:
     def __init__(self, args: argparse.Namespace, out: Any = sys.stdout, err: Any = sys.stderr) -> None:
         self.args, self.out, self.err = args, out, err
         self.keys = ReplyKeys()
-        if args.save:
-            check_save_path(args.save)  # before loading anything: a bad path fails at once
+        # Checked before loading anything: a bad path fails at once, not at every turn.
+        self.save_path = check_save_path(args.save) if args.save else None
         self.lm = _load_model(args.model)
         self.draft = _load_model(args.draft, draft=True) if args.draft else None
         self.last = _LastTurn()
@@ -54,13 +54,13 @@ class Repl:
                 max_tokens=a.max_tokens if a.max_tokens is not None else 256,
                 temperature=a.temp if a.temp is not None else 0.0,
             ))
-        transcript_only = resume is not None and _unreadable_as_file_error(
-            lambda: self._transcript_only(resume), resume)
-        if resume is not None and not transcript_only:
-            builder = builder.cache(resume)
-        elif resume is not None:
-            builder = _unreadable_as_file_error(
-                lambda: _from_transcript(builder, resume, keep_instructions=a.system is None), resume)
+        else:
+            transcript_only = _unreadable_as_file_error(lambda: self._transcript_only(resume), resume)
+            if transcript_only:
+                builder = _unreadable_as_file_error(
+                    lambda: _from_transcript(builder, resume, keep_instructions=a.system is None), resume)
+            else:
+                builder = builder.cache(resume)
         if self.draft is not None:
             builder = builder.speculative(SpeculativeConfig(self.draft, num_draft_tokens=a.num_draft))
         session = _unreadable_as_file_error(builder.build, resume) if resume is not None else builder.build()
@@ -186,11 +186,11 @@ class Repl:
                 "/clear starts over (the system prompt stays).")
 
     def autosave(self) -> None:
-        if not self.args.save or self.session.cache_info().tokens == 0:
+        if self.save_path is None or self.session.cache_info().tokens == 0:
             return
         with self.keys.active():
             try:
-                self.session.save_cache(self.args.save)
+                self.session.save_cache(self.save_path)
             except Exception as exc:  # a full disk or a folder removed meanwhile: say it, go on
                 self.error(exc)
 
@@ -213,8 +213,7 @@ class Repl:
             path = history_path()
             self.say(COMMANDS + "\n" + KEYS.format(history=path if path is not None else "no file"))
         elif name == "/save":
-            check_save_path(_need(rest, "/save FILE"), flag="/save")
-            size = s.save_cache(rest)
+            size = s.save_cache(check_save_path(_need(rest, "/save FILE"), flag="/save"))
             self.say(f"saved {s.cache_info().tokens} tokens, {len(s.history)} messages to {rest} ({size:,} bytes)")
         elif name == "/load":
             self.session = self._build(resume=_need(rest, "/load FILE"))
