@@ -74,8 +74,15 @@ def test_repl_conversation_with_ctrl_c_save_undo_and_load(model_dir, tmp_path):
     saved, after_undo = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
     child = spawn("chat", "--model", model_dir, "--max-tokens", "3000", tmp_path=tmp_path)
     prompt(child)
-    interrupted_reply(child, "Tell me a long story")
-    assert "finish: cancelled" in ask(child, "/stats")
+    child.sendline("Tell me a long story")
+    child.expect_exact("\x1b[?2004l")
+    child.expect(r"\w")
+    child.send("/sta")  # typed while the reply streams: kept for the next prompt, not echoed into the reply
+    child.sendintr()
+    child.expect_exact("[stopped]")
+    prompt(child)
+    child.send("ts\r")
+    assert "finish: cancelled" in prompt(child)
     assert re.search(r"saved \d+ tokens, 2 messages", ask(child, f"/save {saved}"))
     interrupted_reply(child, "Another one")
     assert "undone: 'Another one'" in ask(child, "/undo")
