@@ -49,9 +49,15 @@ def _describe(info: Any, show_all: bool) -> list[str]:
             f"turns: {info.turns}, messages: {len(info.messages)}, saved at {info.saved_at}",
             f"instructions: {info.instructions!r}",
         ]
-        if info.generate_params:
+        settings = []
+        if info.generate_params is not None:  # damaged metadata fails here: one line naming the file
             p = info.generate_params
-            lines.append(f"settings: temperature {p.get('temperature')}, max tokens {p.get('max_tokens')}")
+            settings.append(f"temperature {p.get('temperature')}, max tokens {p.get('max_tokens')}")
+        if info.cache_options is not None:
+            o = info.cache_options
+            settings.append(f"max KV size {o.get('max_kv_size') or 'unlimited'}, KV bits {o.get('kv_bits') or 'none'}")
+        if settings:
+            lines.append("settings: " + "; ".join(settings))
         fingerprint = dict(info.fingerprint or {})
         lines.append("model fingerprint (hashes of what identifies the model; --model M checks a model against them):")
         lines += [f"  {part:<13} {value}" for part, value in fingerprint.items()]

@@ -34,8 +34,9 @@ def history_path() -> Path | None:
 def line_reader(interactive: bool, prompt: str = "> ") -> Callable[[str], str]:
     """A function returning the next line (``EOFError`` at the end, ``KeyboardInterrupt`` on Ctrl-C).
 
-    ``interactive``: stdin and stdout are a terminal. Then prompt_toolkit (line editing, history file, Ctrl-R, multi-line paste; ``default``
-    pre-fills the line). Otherwise, or without prompt_toolkit: plain ``input`` (piped input).
+    ``interactive`` (stdin and stdout are a terminal): prompt_toolkit, with line editing, the history
+    file, Ctrl-R and multi-line paste; ``default`` pre-fills the line. Otherwise, or without
+    prompt_toolkit: plain ``input`` (piped input).
     """
     if interactive:
         try:
@@ -122,7 +123,7 @@ class ReplyKeys:
     @contextmanager
     def active(self) -> Iterator["ReplyKeys"]:
         """Watch the terminal for Ctrl-C while the block runs (MLX work: a reply, a load, a save)."""
-        if self._depth or self._fd is None or termios is None:
+        if self._depth or not _in_foreground(self._fd):
             yield self
             return
         self._depth += 1
@@ -172,16 +173,21 @@ class ReplyKeys:
 
 def _terminal_fd() -> int | None:
     """The terminal Ctrl-C comes from: stdin, or the controlling terminal when input is piped;
-    ``None`` without one, or when this process runs in the background (changing the terminal's mode
-    from there would stop it)."""
+    ``None`` without one."""
+    if termios is None:
+        return None
     try:
-        fd = sys.stdin.fileno() if sys.stdin.isatty() else os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+        return sys.stdin.fileno() if sys.stdin.isatty() else os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def _in_foreground(fd: int | None) -> bool:
+    """Whether this process may change the terminal's mode (from the background it would be stopped)."""
     try:
-        return fd if os.tcgetpgrp(fd) == os.getpgrp() else None
+        return fd is not None and os.tcgetpgrp(fd) == os.getpgrp()
     except OSError:
-        return None
+        return False
 
 
 __all__ = ["ReplyKeys", "history_path", "line_reader"]
