@@ -62,6 +62,30 @@ class SpeculativeCacheRestoreError(ChatKitError):
     """Speculative decoding was asked for together with a restored cache."""
 
 
+class InvalidOutputSpecError(ChatKitError, ValueError):
+    """A guided-output spec (type, JSON Schema, regex or grammar) is unsupported or does not compile."""
+
+
+class IncompleteOutputError(ChatKitError):
+    """Guided generation ended (``max_tokens``, a stop) before the value was complete.
+
+    ``text`` is the constrained text produced so far; ``partial`` the partial object parsed from it.
+    """
+
+    def __init__(self, message: str, *, text: str, partial: object = None) -> None:
+        super().__init__(message)
+        self.text = text
+        self.partial = partial
+
+
+class OutputValidationError(ChatKitError):
+    """A guided reply matched the schema but the type's own validators rejected it (``text`` has it)."""
+
+    def __init__(self, message: str, *, text: str) -> None:
+        super().__init__(message)
+        self.text = text
+
+
 __all__ = [
     "ChatKitError",
     "ModelLoadError",
@@ -76,4 +100,7 @@ __all__ = [
     "IncompatibleCacheError",
     "IncompatibleDraftError",
     "SpeculativeCacheRestoreError",
+    "InvalidOutputSpecError",
+    "IncompleteOutputError",
+    "OutputValidationError",
 ]
