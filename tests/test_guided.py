@@ -554,3 +554,94 @@ def test_streamed_partial_objects_grow_to_the_final_value(tiny, tokenizer):
             else:
                 assert later["items"][: len(v) - 1] == v[:-1]
     assert seen[-1] == final
+
+
+# -- guided turns over a session (chatkit.guided.respond / stream_respond) ------------------------------
+
+from chatkit import ChatSession, GenerateParams, SpeculativeConfig  # noqa: E402
+from chatkit.guided import respond, stream_respond  # noqa: E402
+
+
+def guided_session(lm, max_tokens=120, **options):
+    builder = ChatSession.builder(lm).generate_params(GenerateParams(max_tokens=max_tokens))
+    for name, value in options.items():
+        builder = getattr(builder, name)(value)
+    return builder.build()
+
+
+@pytest.mark.parametrize("tokenizer", TOKENIZERS)
+def test_a_guided_turn_commits_its_text_and_the_next_turn_reuses_the_cache(tiny, tokenizer):
+    from conftest import assert_ledger_matches_cache, fresh_reply
+
+    lm = tiny("qwen3", tokenizer)
+    session = guided_session(lm)
+    session.respond("Hello there.")
+    with stream_respond(session, PROMPTS[0], output=Person) as stream:
+        for _ in stream:
+            pass
+    person = stream.value
+    check_person(person)
+    reply = session.history[-1]
+    assert reply.role.value == "assistant" and Person.model_validate_json(reply.content) == person
+    assert reply.content == reply_text(lm, stream.stream.tokens)  # invariant 6
+    assert PROMPTS[0] in session.history[-2].content and '"additionalProperties":false' in session.history[-2].content
+    assert_ledger_matches_cache(session)
+    # Invariant 2 holds across a guided turn: the next (free) turn equals a fresh session's.
+    expected = fresh_reply(session, "And then?")
+    with session.stream_respond("And then?") as s:
+        for _ in s:
+            pass
+    assert s.tokens == expected
+    assert session.last_stats.reused_tokens > 0
+
+
+def test_guided_turns_with_speculative_decoding_equal_standard_ones(tiny):
+    lm, draft = tiny("qwen3", "bpe"), tiny("qwen3", "bpe", seed=1)
+    standard = guided_session(lm)
+    speculative = guided_session(lm, speculative=SpeculativeConfig(draft, num_draft_tokens=3))
+    for prompt in PROMPTS:
+        a = respond(standard, prompt, output=Order)
+        b = respond(speculative, prompt, output=Order)
+        check_order(a)
+        assert a == b and standard.history == speculative.history
+
+
+def test_an_incomplete_guided_turn_is_committed_as_far_as_it_went(tiny):
+    from conftest import assert_ledger_matches_cache
+
+    lm = tiny("qwen3", "spm")
+    session = guided_session(lm, max_tokens=8)
+    with pytest.raises(IncompleteOutputError) as err:
+        respond(session, PROMPTS[0], output=Person, describe="none")
+    assert session.history[-1].content == err.value.text and len(session.history) == 2
+    assert err.value.partial == partial_json(err.value.text)
+    assert_ledger_matches_cache(session)
+    session.undo()
+    assert session.history == []
+    session.generate_params = GenerateParams(max_tokens=120)
+    check_person(respond(session, PROMPTS[0], output=Person, describe="none"))
+
+
+def test_a_bad_spec_changes_nothing(tiny):
+    lm = tiny("qwen3", "bpe")
+    session = guided_session(lm)
+    session.respond("Hello there.")
+    before, params = session.history, session.generate_params
+    for bad in ({"output": {"type": "objekt"}}, {"regex": "a(b"}, {"grammar": 'start: ""'}, {"output": object()}):
+        with pytest.raises(InvalidOutputSpecError):
+            respond(session, "Hi", **bad)
+    with pytest.raises(InvalidOutputSpecError):
+        respond(session, "Hi", output=int, describe="somewhere")
+    assert session.history == before and session.generate_params is params and not params.logits_processors
+    assert not session.busy
+
+
+def test_stream_value_before_the_end_is_refused(tiny):
+    lm = tiny("qwen3", "bpe")
+    session = guided_session(lm)
+    with stream_respond(session, "Hi", output=bool) as stream:
+        with pytest.raises(ChatKitError, match="not ended"):
+            stream.value
+        for _ in stream:
+            pass
+    assert isinstance(stream.value, bool)

@@ -17,9 +17,11 @@ from .describe import instructions, response_format
 from .partial import partial_json
 from .spec import OutputSpec, matches, output_spec, strict_schema
 from .tokenizer import llg_tokenizer
+from .turn import GuidedStream, respond, stream_respond
 
 __all__ = [
     "Constraint",
+    "GuidedStream",
     "OutputSpec",
     "constraint",
     "instructions",
@@ -27,6 +29,8 @@ __all__ = [
     "matches",
     "output_spec",
     "partial_json",
+    "respond",
     "response_format",
+    "stream_respond",
     "strict_schema",
 ]

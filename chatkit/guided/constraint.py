@@ -85,6 +85,18 @@ class Constraint:
             return []
         return [t for t in self._tokens[self._answer_start :] if t not in self._eos]
 
+    def text_of(self, tokens: Sequence[int]) -> str:
+        """The constrained text of the reply ``tokens`` (after the reasoning marker, ends dropped),
+        without touching the state: e.g. the tokens a stream has handed out so far."""
+        tokens = [int(t) for t in tokens]
+        start = 0
+        if self._think_end is not None:
+            m = len(self._think_end)
+            start = next((i + m for i in range(len(tokens) - m + 1) if tokens[i : i + m] == self._think_end), None)
+            if start is None:
+                return ""
+        return self._llt.decode_str([t for t in tokens[start:] if t not in self._eos])
+
     @property
     def text(self) -> str:
         """The constrained text so far: the tokens after the reasoning block, decoded."""
