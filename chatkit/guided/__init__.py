@@ -12,6 +12,12 @@
 forced tokens). Needs the ``guided`` extra (llguidance, pydantic).
 """
 
+try:
+    import llguidance  # noqa: F401
+    import pydantic  # noqa: F401
+except ImportError as e:  # an optional extra: say how to get it
+    raise ImportError(f"chatkit.guided needs the guided extra: pip install 'chatkit[guided]' ({e}).") from e
+
 from .constraint import Constraint, constraint
 from .describe import instructions, response_format
 from .partial import partial_json
