@@ -447,6 +447,9 @@ def test_tokenizer_view_is_built_once_per_tokenizer(tiny):
     assert Constraint(spec, lm.tokenizer)._llt is Constraint(output_spec(int), lm.tokenizer)._llt
     assert llg_tokenizer(lm.tokenizer) is llg_tokenizer(lm.tokenizer)
     assert llg_tokenizer(tiny("qwen3", "spm").tokenizer) is not llg_tokenizer(lm.tokenizer)
+    hf = lm.tokenizer._tokenizer  # a Hugging Face tokenizer works too (regression: it was unwrapped once more)
+    assert llg_tokenizer(hf).vocab_size == llg_tokenizer(lm.tokenizer).vocab_size
+    assert Constraint(spec, hf).finish(hf.encode("true", add_special_tokens=False)) is True
 
 
 def test_end_tokens_roll_back_exactly(tiny):

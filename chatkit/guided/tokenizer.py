@@ -27,7 +27,10 @@ def llg_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
 
 
 def _build(tokenizer: Any) -> llguidance.LLTokenizer:
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper keeps the HF one there
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    # mlx-lm's wrapper keeps the Hugging Face tokenizer in _tokenizer (as HF's keeps its Rust one).
+    hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
     eos = getattr(tokenizer, "eos_token_ids", None) or getattr(hf, "eos_token_id", None)
     if isinstance(eos, (set, frozenset, list, tuple)):
         eos = sorted(int(i) for i in eos)
