@@ -146,7 +146,7 @@ def load_demo_pair():
     for where in (demo.path(), demo.draft_path()):
         if not (where / "config.json").exists():
             return None, f"the demo model files are not installed ({where})"
-    return (demo.load(), demo.load_draft()), ""
+    return (chatkit.load("demo"), chatkit.load("demo-draft")), ""
 
 
 def demo_dialogue(chat, draft) -> None:

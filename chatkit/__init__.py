@@ -1,8 +1,30 @@
-"""chatkit: stateful chat sessions with local language models, built on MLX and mlx-lm."""
+"""chatkit: stateful chat sessions with local language models, built on MLX and mlx-lm.
+
+The whole public API is here (``chatkit.X``); submodules are implementation::
+
+    lm = chatkit.load(path_or_repo_or_"demo")          -> LoadedModel
+    session = ChatSession.builder(lm)...build()         -> ChatSession        (ChatSessionBuilder)
+    session.respond(prompt) / .stream_respond(prompt)   -> str / ResponseStream of StreamChunk
+    session.arespond / .astream_respond                 -> async: str / AsyncResponseStream
+    session.undo() .regenerate() .fork() .clear()       editing the conversation
+    session.save_cache(path); builder.cache(path)       persistence (inspect_cache -> CacheFileInfo)
+    ChatMessage, Role                                   messages
+    GenerateParams, CacheOptions, SpeculativeConfig     settings;  TurnStats, CacheInfo: what it cost
+    SessionPool                                         many sessions over one model, a memory budget
+    ChatKitError and its subclasses                     every error chatkit raises (see chatkit.errors)
+
+``chatkit.demo`` locates the bundled demo models; ``chatkit.testing`` builds offline test models.
+"""
 
 from . import _blas  # noqa: F401  (must run before mlx is imported)
+from . import demo
+from .aio import AsyncResponseStream
+from .builder import ChatSessionBuilder
 from .cache.state import CacheInfo, CacheOptions
+from .cache.store import CacheFileInfo
+from .cache.store import inspect as inspect_cache
 from .errors import (
+    CacheError,
     CacheFileError,
     ChatKitError,
     ContextWindowExceededError,
@@ -12,6 +34,7 @@ from .errors import (
     InvalidParamsError,
     ModelLoadError,
     NoCacheAvailableError,
+    NothingToRegenerateError,
     NothingToUndoError,
     SessionBusyError,
     SpeculativeCacheRestoreError,
@@ -20,20 +43,16 @@ from .errors import (
 from .loading import LoadedModel, load
 from .messages import ChatMessage, Role
 from .params import GenerateParams
-from .builder import ChatSessionBuilder
-from .cache.store import CacheFileInfo
-from .cache.store import inspect as inspect_cache
-from .aio import AsyncResponseStream
 from .pool import SessionPool
 from .session import ChatSession
 from .speculative import SpeculativeConfig
 from .stream import ResponseStream, StreamChunk, TurnStats
-from . import demo  # chatkit.demo.load(): the bundled pair, loaded only when asked for
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AsyncResponseStream",
+    "CacheError",
     "CacheFileError",
     "CacheFileInfo",
     "CacheInfo",
@@ -51,6 +70,7 @@ __all__ = [
     "LoadedModel",
     "ModelLoadError",
     "NoCacheAvailableError",
+    "NothingToRegenerateError",
     "NothingToUndoError",
     "ResponseStream",
     "Role",

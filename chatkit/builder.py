@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 from typing import Any, Iterable, Mapping, Sequence
 
-from mlx_lm.tokenizer_utils import TokenizerWrapper
-
+from . import _tokenizer
 from .cache import store
-from .cache.state import CacheOptions, CacheState, copy_layer, layer_offset, layers_fit
+from .cache._mlx import copy_layer, layer_offset
 from .cache.ledger import Ledger
+from .cache.state import CacheOptions, CacheState, layers_fit
 from .errors import (
     IncompatibleCacheError,
     InvalidMessageError,
@@ -17,11 +17,11 @@ from .errors import (
     SpeculativeCacheRestoreError,
 )
 from .loading import LoadedModel
-from .messages import ChatMessage, MessageLike, Role, as_messages
+from .messages import ChatMessage, MessageLike, Role, as_messages, check_instructions
 from .params import GenerateParams
+from .session import ChatSession, ProgressCallback
 from .speculative import SpeculativeConfig, check_draft
-from .session import ChatSession, ProgressCallback, _check_instructions, _check_tools
-from .template import read_template
+from .template import check_tools, read_template
 
 CacheSource = "str | os.PathLike[str] | Sequence[Any]"
 
@@ -37,8 +37,7 @@ def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
         raise InvalidParamsError(
             "builder() takes chatkit.load(...)'s result, or an mlx-lm model and its tokenizer."
         )
-    if not isinstance(tokenizer, TokenizerWrapper):
-        tokenizer = TokenizerWrapper(tokenizer)
+    tokenizer = _tokenizer.wrap(tokenizer)
     args = getattr(model, "args", None)
     config = dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {}
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, source="")
@@ -58,10 +57,11 @@ class ChatSessionBuilder:
         self._progress: ProgressCallback | None = None
         self._restore: tuple[Any, bool] | None = None
         self._speculative: SpeculativeConfig | None = None
+        self._allow_special = False
 
     def instructions(self, text: str | None) -> "ChatSessionBuilder":
         """The system prompt."""
-        self._instructions = _check_instructions(text)
+        self._instructions = check_instructions(text)
         return self
 
     def history(self, messages: Iterable[MessageLike]) -> "ChatSessionBuilder":
@@ -82,7 +82,7 @@ class ChatSessionBuilder:
 
     def tools(self, tools: Sequence[Mapping[str, Any]] | None) -> "ChatSessionBuilder":
         """Tool JSON schemas, passed to the chat template as ``tools``."""
-        self._tools = _check_tools(tools)
+        self._tools = check_tools(tools)
         return self
 
     def max_kv_size(self, tokens: int | None) -> "ChatSessionBuilder":
@@ -126,6 +126,17 @@ class ChatSessionBuilder:
         self._speculative = config
         return self
 
+    def allow_special_in_content(self, allow: bool = True) -> "ChatSessionBuilder":
+        """Read special-token strings inside message content as the special tokens they name.
+
+        Off by default: content is text, so a message holding e.g. ``<|im_end|>`` cannot forge a turn.
+        Turn it on only for content the app itself writes and trusts.
+        """
+        if not isinstance(allow, bool):
+            raise InvalidParamsError(f"allow_special_in_content takes a bool, got {type(allow).__name__}.")
+        self._allow_special = allow
+        return self
+
     def build(self) -> ChatSession:
         """Check the settings (and load the cache to restore) and return the session."""
         instructions, history = self._instructions, list(self._history)
@@ -142,7 +153,7 @@ class ChatSessionBuilder:
         if self._speculative is not None:
             check_draft(self._lm, self._speculative.draft)
         options = CacheOptions(**self._cache_options)
-        options.validate()
+        options.validate(self._lm.head_dim)
         params = self._params.copy() if self._params is not None else None
         if params is not None:
             params.validate()
@@ -160,9 +171,9 @@ class ChatSessionBuilder:
                 if info.cache_options:
                     known = {k: v for k, v in info.cache_options.items() if k in CacheOptions.__dataclass_fields__}
                     options = CacheOptions(**{**known, **self._cache_options})
-                    options.validate()
+                    options.validate(self._lm.head_dim)
             cache = CacheState.restored(self._lm.model, options, saved.layers, saved.ledger, saved.checkpoints)
-        return ChatSession(
+        session = ChatSession(
             self._lm,
             instructions=instructions,
             history=history,
@@ -171,9 +182,12 @@ class ChatSessionBuilder:
             tools=self._tools,
             cache_options=options,
             prefill_progress=self._progress,
-            cache=cache,
             speculative=self._speculative,
+            allow_special_in_content=self._allow_special,
         )
+        if cache is not None:
+            session._use_cache(cache)
+        return session
 
     def _load_cache(self, source: Any, verify: bool) -> store.LoadedCache:
         if isinstance(source, (str, os.PathLike)):
@@ -208,8 +222,6 @@ class ChatSessionBuilder:
 
 def _is_layer_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(hasattr(c, "state") for c in value)
-
-
 
 
 __all__ = ["ChatSessionBuilder"]

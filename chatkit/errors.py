@@ -1,4 +1,28 @@
-"""chatkit's exceptions: one base, ``ChatKitError``, and a few subclasses a caller can act on."""
+"""chatkit's exceptions: one base, ``ChatKitError``, and subclasses a caller can act on.
+
+::
+
+    ChatKitError
+    ├── ModelLoadError                 a model or tokenizer could not be loaded
+    ├── TemplateError                  the chat template is missing or failed to render
+    ├── InvalidMessageError            a message, prompt or role is not valid        (also ValueError)
+    ├── InvalidParamsError             settings out of range or inconsistent         (also ValueError)
+    │   └── SpeculativeCacheRestoreError   a draft model together with a restored cache
+    ├── IncompatibleDraftError         the draft model cannot serve the target model
+    ├── SessionBusyError               a turn is in progress: close its stream first
+    ├── ContextWindowExceededError     the prompt does not fit the model's context window
+    ├── NothingToUndoError             no exchange to undo
+    ├── NothingToRegenerateError       no reply to answer again
+    ├── CacheError                     about a KV cache
+    │   ├── NoCacheAvailableError      there is no cache (yet) to save
+    │   ├── CacheFileError             a cache file is missing, unreadable or corrupt
+    │   └── IncompatibleCacheError     a saved cache belongs to another model or tokenizer
+    ├── InvalidOutputSpecError         a guided output spec is unsupported or does not compile (also ValueError)
+    ├── IncompleteOutputError          a guided reply ended before its value was complete
+    └── OutputValidationError          a guided value matched its schema but its type's validators refused it
+
+A refused call changes nothing: the session is as it was before the call.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +47,14 @@ class InvalidParamsError(ChatKitError, ValueError):
     """Generation parameters or builder options are out of range or inconsistent."""
 
 
+class SpeculativeCacheRestoreError(InvalidParamsError):
+    """Speculative decoding with a draft model was asked for together with a restored cache."""
+
+
+class IncompatibleDraftError(ChatKitError):
+    """The draft model does not share the target model's tokenizer, or its cache cannot rewind."""
+
+
 class SessionBusyError(ChatKitError):
     """The session already has a turn in progress; close its stream first."""
 
@@ -37,29 +69,27 @@ class ContextWindowExceededError(ChatKitError):
 
 
 class NothingToUndoError(ChatKitError):
-    """There is no exchange to undo or no user message to answer again."""
+    """There is no exchange to undo: the history does not end with a reply."""
 
 
-class NoCacheAvailableError(ChatKitError):
+class NothingToRegenerateError(ChatKitError):
+    """There is no reply to regenerate: the history does not end with a reply."""
+
+
+class CacheError(ChatKitError):
+    """Base class of the errors about a KV cache: missing, unreadable, or not this model's."""
+
+
+class NoCacheAvailableError(CacheError):
     """There is no KV cache yet (no turn has run, or it was cleared or released)."""
 
 
-class CacheFileError(ChatKitError):
+class CacheFileError(CacheError):
     """A saved cache file is missing, unreadable, corrupt or of an unknown format."""
 
 
-class IncompatibleCacheError(ChatKitError):
+class IncompatibleCacheError(CacheError):
     """A saved cache belongs to another model or tokenizer than the one it is restored into."""
-
-
-
-
-class IncompatibleDraftError(ChatKitError):
-    """The draft model does not share the target model's tokenizer, or its cache cannot rewind."""
-
-
-class SpeculativeCacheRestoreError(ChatKitError):
-    """Speculative decoding was asked for together with a restored cache."""
 
 
 class InvalidOutputSpecError(ChatKitError, ValueError):
@@ -85,22 +115,23 @@ class OutputValidationError(ChatKitError):
         super().__init__(message)
         self.text = text
 
-
 __all__ = [
-    "ChatKitError",
-    "ModelLoadError",
-    "TemplateError",
-    "InvalidMessageError",
-    "InvalidParamsError",
-    "SessionBusyError",
-    "ContextWindowExceededError",
-    "NothingToUndoError",
-    "NoCacheAvailableError",
+    "CacheError",
     "CacheFileError",
+    "ChatKitError",
+    "ContextWindowExceededError",
     "IncompatibleCacheError",
     "IncompatibleDraftError",
-    "SpeculativeCacheRestoreError",
-    "InvalidOutputSpecError",
     "IncompleteOutputError",
+    "InvalidMessageError",
+    "InvalidOutputSpecError",
+    "InvalidParamsError",
+    "ModelLoadError",
+    "NoCacheAvailableError",
+    "NothingToRegenerateError",
+    "NothingToUndoError",
     "OutputValidationError",
+    "SessionBusyError",
+    "SpeculativeCacheRestoreError",
+    "TemplateError",
 ]

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from . import _tokenizer, demo
 from .errors import ModelLoadError
 
 # Config keys that name a model's context window, most specific first.
@@ -45,6 +46,17 @@ class LoadedModel:
             return LoadedModel(self.model, self.tokenizer, text_config).context_length
         return None
 
+    @property
+    def head_dim(self) -> int | None:
+        """The attention head size: mlx-lm's model args first (they hold defaults a config may omit,
+        e.g. Gemma 3's 256), then the config, then hidden size / heads; ``None`` when nothing says."""
+        config = self.config.get("text_config", self.config)
+        for value in (getattr(getattr(self.model, "args", None), "head_dim", None), config.get("head_dim")):
+            if isinstance(value, int):
+                return value
+        hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
     @cached_property
     def fingerprint(self) -> dict[str, str]:
         """What identifies this model for saved caches: see :func:`fingerprint`."""
@@ -68,13 +80,12 @@ def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
     params = tree_flatten(model.parameters())
     samples = [p.reshape(-1)[:8].astype(mx.float32) for _, p in params]
     mx.eval(samples)
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
     return {
         "architecture": _digest([type(model).__module__, type(model).__name__, arch_args]),
         "parameters": _digest([(name, list(p.shape), str(p.dtype)) for name, p in params]),
         "weights": _digest([[round(v, 5) for v in s.tolist()] for s in samples]),
-        "vocabulary": _digest(sorted(hf.get_vocab().items(), key=lambda kv: kv[1])),
-        "chat_template": _digest(getattr(hf, "chat_template", None) or ""),
+        "vocabulary": _digest(sorted(_tokenizer.vocabulary(tokenizer).items(), key=lambda kv: kv[1])),
+        "chat_template": _digest(_tokenizer.chat_template(tokenizer) or ""),
     }
 
 
@@ -92,8 +103,6 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
     if not source:
         raise ModelLoadError("load() needs a Hugging Face repo id or a local model folder, got ''.")
     if source in ("demo", "demo-draft"):
-        from . import demo
-
         source = str(demo.draft_path() if source == "demo-draft" else demo.path())
     try:
         model, tokenizer, config = mlx_load(
@@ -106,11 +115,7 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
             else "check the repo id, or pass a local folder (offline? set HF_HUB_OFFLINE=1 and use a path)"
         )
         raise ModelLoadError(f"Could not load model {source!r}: {exc} ({hint}).") from exc
-    hf = getattr(tokenizer, "_tokenizer", None)
-    if isinstance(getattr(hf, "deprecation_warnings", None), dict):
-        # Sessions check the context window themselves (ContextWindowExceededError); transformers'
-        # "sequence length is longer than the specified maximum" warning would only be noise.
-        hf.deprecation_warnings["sequence-length-is-longer-than-the-specified-maximum"] = True
+    _tokenizer.silence_length_warning(tokenizer)
     return LoadedModel(model=model, tokenizer=tokenizer, config=dict(config), source=source)
 
 

@@ -89,6 +89,13 @@ class ChatMessage:
 MessageLike = Union[ChatMessage, Mapping[str, Any]]
 
 
+def check_instructions(value: str | None) -> str | None:
+    """Instructions (a system prompt) are a str or ``None``; ``InvalidMessageError`` otherwise."""
+    if value is not None and not isinstance(value, str):
+        raise InvalidMessageError(f"Instructions must be a str or None, got {type(value).__name__}.")
+    return value
+
+
 def as_message(message: MessageLike) -> ChatMessage:
     """A ``ChatMessage`` from a ``ChatMessage`` or an OpenAI-style dict."""
     return message if isinstance(message, ChatMessage) else ChatMessage.from_dict(message)
@@ -101,4 +108,4 @@ def as_messages(messages: Iterable[MessageLike]) -> list[ChatMessage]:
     return [as_message(m) for m in messages]
 
 
-__all__ = ["Role", "ChatMessage", "MessageLike", "as_message", "as_messages"]
+__all__ = ["ChatMessage", "MessageLike", "Role", "as_message", "as_messages", "check_instructions"]

@@ -57,7 +57,7 @@ class SessionPool:
             self._sessions.move_to_end(key)
             if key in self._evicted:
                 self._evicted.discard(key)
-                session._restore_cache_file(self.path(key))
+                session.restore_cache(self.path(key))
             self.enforce_budget(keep=key)
             return session
 

@@ -11,27 +11,29 @@ import threading
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-import mlx.core as mx
-
+from . import _tokenizer
 from .aio import AsyncResponseStream
 from .cache import store
 from .cache.state import CacheInfo, CacheOptions, CacheState
+from .conversation import Conversation
+from .engine import TokenSource
+from .engine.local import LocalSource
 from .errors import (
     ChatKitError,
-    ContextWindowExceededError,
     InvalidMessageError,
     InvalidParamsError,
     NoCacheAvailableError,
+    NothingToRegenerateError,
     NothingToUndoError,
     SessionBusyError,
 )
-from .generation import generate_tokens, with_context
 from .loading import LoadedModel
-from .messages import ChatMessage, MessageLike, Role, as_message
+from .messages import ChatMessage, MessageLike, Role, as_message, check_instructions
 from .params import GenerateParams
-from .speculative import SpeculativeConfig
+from .speculative import SpeculativeConfig, check_cache_options
 from .stream import ResponseStream, TurnResult, TurnStats
-from .template import ChatTemplate
+from .template import ChatTemplate, check_tools
+from .turn import Prompting, Turn
 
 if TYPE_CHECKING:
     from .builder import ChatSessionBuilder
@@ -58,21 +60,22 @@ class ChatSession:
         tools: Sequence[Mapping[str, Any]] | None = None,
         cache_options: CacheOptions = CacheOptions(),
         prefill_progress: ProgressCallback | None = None,
-        cache: CacheState | None = None,
         speculative: SpeculativeConfig | None = None,
+        allow_special_in_content: bool = False,
     ) -> None:
+        """Prefer :meth:`builder`, which also restores saved caches; every argument is checked here."""
+        if not isinstance(lm, LoadedModel):
+            raise InvalidParamsError(f"A session needs a chatkit.load(...) result, got {type(lm).__name__}.")
+        cache_options.validate(lm.head_dim)
+        check_cache_options(speculative, cache_options)
         self._lm = lm
-        self._template = ChatTemplate(lm.tokenizer, chat_template)
-        self._instructions = _check_instructions(instructions)
-        self._history = list(history)
+        self._template = ChatTemplate(lm.tokenizer, chat_template, allow_special_in_content=allow_special_in_content)
+        self._instructions = check_instructions(instructions)
         self._params = generate_params if generate_params is not None else GenerateParams()
-        self._tools = _check_tools(tools)
-        cache_options.validate()
-        _check_kv_group_size(lm, cache_options)
+        self._tools = check_tools(tools)
         self._speculative = speculative
-        _check_speculative_options(speculative, cache_options)
-        draft_model = speculative.draft.model if speculative is not None else None
-        self._cache = cache if cache is not None else CacheState(lm.model, cache_options, draft_model)
+        self._source: TokenSource = LocalSource(lm.model, speculative)
+        self._conversation = Conversation(history, self._new_cache(cache_options))
         self._progress = prefill_progress
         self._turn = threading.Lock()  # held from the start of a turn until it commits or aborts
         self._async_stop: threading.Event | None = None  # set once the last async turn was told to stop
@@ -81,7 +84,7 @@ class ChatSession:
     @staticmethod
     def builder(model: LoadedModel | Any, tokenizer: Any = None) -> "ChatSessionBuilder":
         """Start building a session over a loaded model (``chatkit.load``) or a model and tokenizer."""
-        from .builder import ChatSessionBuilder
+        from .builder import ChatSessionBuilder  # the builder makes sessions: it imports this module
 
         return ChatSessionBuilder(model, tokenizer)
 
@@ -93,7 +96,7 @@ class ChatSession:
     @property
     def history(self) -> list[ChatMessage]:
         """The conversation so far (without the instructions), as a copy."""
-        return list(self._history)
+        return list(self._conversation.messages)
 
     @property
     def instructions(self) -> str | None:
@@ -103,7 +106,7 @@ class ChatSession:
     @instructions.setter
     def instructions(self, value: str | None) -> None:
         with self._idle("change the instructions"):
-            self._instructions = _check_instructions(value)
+            self._instructions = check_instructions(value)
 
     @property
     def generate_params(self) -> GenerateParams:
@@ -124,7 +127,7 @@ class ChatSession:
     @tools.setter
     def tools(self, value: Sequence[Mapping[str, Any]] | None) -> None:
         with self._idle("change the tools"):
-            self._tools = _check_tools(value)
+            self._tools = check_tools(value)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -144,43 +147,42 @@ class ChatSession:
     def clear(self) -> None:
         """Forget the history and the cache (the instructions stay)."""
         with self._idle("clear the session"):
-            self._history = []
-            self._cache.reset()
+            self._conversation.clear()
 
+    # -- the cache ----------------------------------------------------------------------------
     @property
     def cache_options(self) -> CacheOptions:
         """How the KV cache is built; assigning new options rebuilds the cache at the next turn."""
-        return self._cache.options
+        return self._conversation.cache.options
 
     @cache_options.setter
     def cache_options(self, options: CacheOptions) -> None:
         if not isinstance(options, CacheOptions):
             raise InvalidParamsError(f"cache_options must be a CacheOptions, got {type(options).__name__}.")
-        options.validate()
-        _check_kv_group_size(self._lm, options)
-        _check_speculative_options(self._speculative, options)
+        options.validate(self._lm.head_dim)
+        check_cache_options(self._speculative, options)
         with self._idle("change the cache options"):
-            if options != self._cache.options:
-                draft_model = self._speculative.draft.model if self._speculative is not None else None
-                self._cache = CacheState(self._lm.model, options, draft_model)
+            if options != self.cache_options:
+                self._conversation = Conversation(self._conversation.messages, self._new_cache(options))
 
     def cache_info(self) -> CacheInfo:
         """What the KV cache holds now."""
-        return self._cache.info()
+        return self._conversation.cache.info()
 
     def release_cache(self) -> None:
         """Free the KV cache's memory; the next turn prefills the whole conversation again."""
         with self._idle("release the cache"):
-            self._cache.reset()
+            self._conversation.cache.reset()
 
     def save_cache(self, path: str | os.PathLike[str]) -> int:
         """Save the KV cache with the conversation to ``path`` (a ``.safetensors`` file), atomically.
 
-        Restore it with ``ChatSession.builder(lm).cache(path).build()``. Returns the file's size in
-        bytes. ``NoCacheAvailableError`` before the first turn (or after ``clear``/``release_cache``).
+        Restore it with ``ChatSession.builder(lm).cache(path).build()``, or into this session with
+        :meth:`restore_cache`. Returns the file's size in bytes. ``NoCacheAvailableError`` before the
+        first turn (or after ``clear``/``release_cache``).
         """
         with self._idle("save the cache"):
-            cache = self._cache
+            cache = self._conversation.cache
             if cache.empty:
                 raise NoCacheAvailableError("There is no KV cache to save yet: run a turn first.")
             return store.save(
@@ -189,34 +191,39 @@ class ChatSession:
                 cache.ledger,
                 fingerprint=self._lm.fingerprint,
                 instructions=self._instructions,
-                messages=[m.to_dict() for m in self._history],
+                messages=[m.to_dict() for m in self._conversation.messages],
                 generate_params=self._params.to_dict(),
                 cache_options=asdict(cache.options),
                 checkpoints=cache.checkpoints,
             )
 
-    def _restore_cache_file(self, path: str | os.PathLike[str]) -> None:
-        """Put back a cache this session saved (for a pool that evicted it); checked like a restore."""
+    def restore_cache(self, path: str | os.PathLike[str]) -> None:
+        """Put back the KV cache of a file this session's conversation was saved to (e.g. by a pool
+        that evicted it), checked against the model's fingerprint. The conversation itself stays as
+        it is: turns reuse as much of the restored cache as matches it."""
         with self._idle("restore the cache"):
             saved = store.load(path)
             store.check_fingerprint(self._lm.fingerprint, saved.info.fingerprint, repr(str(path)))
+            options = self.cache_options
             # A draft's cache is not saved: it is refilled from the ledger at the next turn.
-            draft_model = self._speculative.draft.model if self._speculative is not None else None
-            self._cache = CacheState.restored(
-                self._lm.model, self._cache.options, saved.layers, saved.ledger, saved.checkpoints, draft_model
+            cache = CacheState.restored(
+                self._lm.model, options, saved.layers, saved.ledger, saved.checkpoints, self._draft_model
             )
+            self._conversation = Conversation(self._conversation.messages, cache)
 
     # -- editing --------------------------------------------------------------------------------
     def undo(self) -> list[ChatMessage]:
         """Drop the last exchange (the prompt and its reply), rewind the cache to match, and return it."""
         with self._idle("undo"):
-            if not _ends_with_exchange(self._history):
+            conversation = self._conversation
+            if not conversation.ends_with_exchange():
                 raise NothingToUndoError("There is no exchange to undo: the history does not end with a reply.")
-            dropped, self._history = self._history[-2:], self._history[:-2]
+            kept, dropped = conversation.messages[:-2], list(conversation.messages[-2:])
             try:
-                self._cache.rewind(self._render_history())
+                ids = self._rendered_ids(kept)
             except ChatKitError:
-                self._cache.reset()
+                ids = []  # cannot render what is left: the cache rewinds as far as it can
+            conversation.rewind(kept, ids)
             return dropped
 
     def regenerate(self) -> str:
@@ -228,17 +235,7 @@ class ChatSession:
 
     def stream_regenerate(self) -> ResponseStream:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
-        params = self._params
-        params.validate()
-        if not self._take_turn():
-            raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")
-        try:
-            if not _ends_with_exchange(self._history):
-                raise NothingToUndoError("There is no reply to regenerate: the history does not end with a reply.")
-            return self._start_turn(self._history[:-2], self._history[-2], params.copy())
-        except BaseException:
-            self._turn.release()
-            raise
+        return self._open_turn(None)
 
     def fork(self) -> "ChatSession":
         """An independent session with the same conversation, settings and a copy of the cache.
@@ -250,15 +247,15 @@ class ChatSession:
             other = ChatSession(
                 self._lm,
                 instructions=self._instructions,
-                history=self._history,
                 generate_params=self._params.copy(),
                 chat_template=self._template.template,
                 tools=self._tools,
-                cache_options=self._cache.options,
+                cache_options=self.cache_options,
                 prefill_progress=self._progress,
                 speculative=self._speculative,
+                allow_special_in_content=self._template.allow_special_in_content,
             )
-            other._cache = self._cache.copy()
+            other._conversation = self._conversation.copy()
             other._last_stats = self._last_stats
             return other
 
@@ -276,18 +273,7 @@ class ChatSession:
         ``prompt`` is the text of a message from ``role`` (user by default; tool results with
         ``Role.TOOL``), or a ``ChatMessage``/dict. Nothing runs until the stream is iterated.
         """
-        message = _prompt_message(prompt, role)
-        params = self._params
-        params.validate()
-        if not self._take_turn():
-            raise SessionBusyError(
-                "This session already has a turn in progress: finish or close its stream first."
-            )
-        try:
-            return self._start_turn(self._history, message, params.copy())
-        except BaseException:
-            self._turn.release()
-            raise
+        return self._open_turn(_prompt_message(prompt, role))
 
     def astream_respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> AsyncResponseStream:
         """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread."""
@@ -305,106 +291,68 @@ class ChatSession:
 
     def render(self, prompt: str | MessageLike | None = None, *, role: Role | str = Role.USER) -> str:
         """The prompt text the model would see if ``prompt`` were sent now (the template's output)."""
+        history = self._conversation.messages
         if prompt is None:
-            return self._render_text(self._history, self._params, add_generation_prompt=False)
-        return self._render_text([*self._history, _prompt_message(prompt, role)], self._params)
+            return self._prompting().text(history, self._params, add_generation_prompt=False)
+        return self._prompting().text([*history, _prompt_message(prompt, role)], self._params)
 
-    def _start_turn(
-        self, base: list[ChatMessage], message: ChatMessage, params: GenerateParams
-    ) -> ResponseStream:
-        """Prepare a turn that answers ``message`` after ``base``; the turn lock is held."""
-        prompt = self._render([*base, message], params)
-        context = self._lm.context_length
-        needed = self._cache.ledger.opaque + len(prompt)  # a restored raw cache stays in front
-        if context is not None and needed >= context:
-            raise ContextWindowExceededError(
-                f"The prompt is {needed} tokens but the model's context window is {context}: "
-                "shorten the conversation (e.g. clear() or start a new session with less history).",
-                prompt_tokens=needed,
-                context_length=context,
+    def _open_turn(self, message: ChatMessage | None) -> ResponseStream:
+        """Take the turn and prepare it: answer ``message`` after the history, or (``None``) answer the
+        last prompt again. The turn is held until the stream commits or aborts."""
+        params = self._params.copy()
+        params.validate()
+        if not self._take_turn():
+            raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")
+        try:
+            base = self._conversation.messages
+            if message is None:
+                if not self._conversation.ends_with_exchange():
+                    raise NothingToRegenerateError(
+                        "There is no reply to regenerate: the history does not end with a reply."
+                    )
+                base, message = base[:-2], base[-2]
+            tokenizer = self._lm.tokenizer
+            turn = Turn.prepare(
+                self._prompting(), self._conversation, base, message, params,
+                context_length=self._lm.context_length,
+                source=self._source,
+                settle=self._settle,
+                progress=self._progress,
+                detokenizer=_tokenizer.new_detokenizer(tokenizer),
+                eos_token_ids=frozenset(tokenizer.eos_token_ids),
+                num_draft_tokens=self._source.num_draft_tokens,
             )
-        max_tokens = params.max_tokens if context is None else min(params.max_tokens, context - needed)
-        cache = self._cache
-        fed: list[int] = []
+            return ResponseStream(turn)
+        except BaseException:
+            self._turn.release()
+            raise
 
-        def start():
-            if params.seed is not None:
-                mx.random.seed(params.seed)
-            plan = cache.prepare(prompt)
-            fed.extend(plan.suffix)
-            processors = with_context(params.make_logits_processors(), cache.ledger.tokens)
-            user_progress = self._progress
+    def _settle(self, result: TurnResult | None) -> None:
+        """A turn ended (committed with ``result``, or aborted): give the turn back."""
+        if result is not None:
+            self._last_stats = result.stats
+        self._turn.release()
 
-            def progress(done: int, total: int) -> None:
-                if done == total - 1:  # the whole prompt but its last token is in: a rewind point
-                    cache.checkpoint()
-                if user_progress is not None:
-                    user_progress(done, total)
+    # -- internals ------------------------------------------------------------------------------
+    def _prompting(self) -> Prompting:
+        return Prompting(self._template, self._instructions, self._tools)
 
-            spec = self._speculative
-            draft = None if spec is None else (spec.draft.model, cache.draft_layers, spec.num_draft_tokens)
-            return len(plan.suffix), generate_tokens(
-                self._lm.model,
-                cache.layers,
-                plan.suffix,
-                max_tokens=max_tokens,
-                sampler=params.make_sampler(),
-                logits_processors=processors,
-                options=cache.options,
-                progress=progress,
-                draft=draft,
-            )
-
-        def commit(result: TurnResult) -> None:
-            try:
-                cache.record([*fed, *result.tokens])
-                self._history = [*base, message, ChatMessage.assistant(result.text)]
-                self._last_stats = result.stats
-            finally:
-                self._turn.release()
-
-        def abort(exc: BaseException | None) -> None:
-            try:
-                if fed:  # the cache was touched: keep what it provably holds, or drop it
-                    cache.record(fed)
-            finally:
-                self._turn.release()
-
-        tokenizer = self._lm.tokenizer
-        return ResponseStream(
-            start,
-            detokenizer=tokenizer.detokenizer,
-            eos_token_ids=sorted(tokenizer.eos_token_ids),
-            max_tokens=max_tokens,
-            stop=params.stop,
-            prompt_tokens=needed,
-            on_commit=commit,
-            on_abort=abort,
-            num_draft_tokens=self._speculative.num_draft_tokens if self._speculative is not None else 0,
-        )
-
-    def _render_text(
-        self, messages: Sequence[ChatMessage], params: GenerateParams, *, add_generation_prompt: bool = True
-    ) -> str:
-        system = [ChatMessage.system(self._instructions)] if self._instructions is not None else []
-        return self._template.render(
-            [*system, *messages],
-            tools=self._tools,
-            add_generation_prompt=add_generation_prompt,
-            template_kwargs=params.template_kwargs,
-        )
-
-    def _render(
-        self, messages: Sequence[ChatMessage], params: GenerateParams, *, add_generation_prompt: bool = True
-    ) -> list[int]:
-        text = self._render_text(messages, params, add_generation_prompt=add_generation_prompt)
-        return self._template.encode(text)
-
-    def _render_history(self) -> list[int]:
-        """The ids of the conversation as it stands, without a generation prompt."""
-        if not self._history and self._instructions is None:
+    def _rendered_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """The ids of ``messages`` as a finished conversation (no generation prompt)."""
+        if not messages and self._instructions is None:
             return []
-        return self._render(self._history, self._params, add_generation_prompt=False)
+        return self._prompting().ids(messages, self._params, add_generation_prompt=False)
+
+    @property
+    def _draft_model(self) -> Any:
+        return self._speculative.draft.model if self._speculative is not None else None
+
+    def _use_cache(self, cache: CacheState) -> None:
+        """Start from a restored cache (the builder's restore)."""
+        self._conversation = Conversation(self._conversation.messages, cache)
+
+    def _new_cache(self, options: CacheOptions) -> CacheState:
+        return CacheState(self._lm.model, options, self._draft_model)
 
     def _take_turn(self) -> bool:
         """Take the turn lock. An async turn that was told to stop (cancelled, closed, or its stream
@@ -432,44 +380,6 @@ class _Idle:
         self._session._turn.release()
 
 
-def _check_speculative_options(speculative: SpeculativeConfig | None, options: CacheOptions) -> None:
-    # mlx-lm's speculative loop rewinds rejected draft tokens by trimming: a full rotating cache keeps
-    # them, and kv_bits swaps cache objects inside a list we do not see. Neither can be made exact.
-    if speculative is not None and (options.max_kv_size is not None or options.kv_bits is not None):
-        raise InvalidParamsError(
-            "Speculative decoding cannot be exact with max_kv_size or kv_bits (rejected draft tokens "
-            "could not be rewound): drop those options or drop .speculative(...)."
-        )
-
-
-def _check_kv_group_size(lm: LoadedModel, options: CacheOptions) -> None:
-    """Quantized KV groups must tile a head: otherwise mlx fails inside the first turn."""
-    head_dim = _head_dim(lm)
-    if options.kv_bits is not None and head_dim is not None and head_dim % options.kv_group_size:
-        fits = [g for g in (128, 64, 32) if head_dim % g == 0]
-        raise InvalidParamsError(
-            f"kv_group_size={options.kv_group_size} does not divide this model's head size ({head_dim}): "
-            + (f"use a group size of {fits[0]} (kv_bits(..., group_size={fits[0]}), or --kv-group-size {fits[0]} "
-               "on the command line)." if fits else "this model's KV cache cannot be quantized.")
-        )
-
-
-def _head_dim(lm: LoadedModel) -> int | None:
-    """The attention head size: mlx-lm's model args first (they hold defaults a config may omit, e.g.
-    Gemma 3's 256), then the config, then hidden size / heads; ``None`` when nothing says."""
-    config = getattr(lm, "config", None) or {}
-    config = config.get("text_config", config)
-    for value in (getattr(getattr(lm.model, "args", None), "head_dim", None), config.get("head_dim")):
-        if isinstance(value, int):
-            return value
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
-
-
-def _ends_with_exchange(history: Sequence[ChatMessage]) -> bool:
-    return len(history) >= 2 and history[-1].role is Role.ASSISTANT and history[-2].role is not Role.ASSISTANT
-
-
 def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:
     if isinstance(prompt, str):
         message = ChatMessage(Role.parse(role), prompt)
@@ -482,20 +392,6 @@ def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:
     if message.role is Role.ASSISTANT:
         raise InvalidMessageError("A prompt cannot come from the assistant: use role user, tool or system.")
     return message
-
-
-def _check_instructions(value: str | None) -> str | None:
-    if value is not None and not isinstance(value, str):
-        raise InvalidMessageError(f"Instructions must be a str or None, got {type(value).__name__}.")
-    return value
-
-
-def _check_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    if isinstance(tools, Mapping) or not all(isinstance(t, Mapping) for t in tools):
-        raise InvalidParamsError("tools must be a list of JSON-schema dicts.")
-    return [dict(t) for t in tools]
 
 
 __all__ = ["ChatSession"]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import mlx.core as mx
+from mlx_lm.generate import TextStateMachine
 
-from .generation import Token
+from .engine import Token
 
 
 @dataclass(frozen=True)
@@ -31,10 +32,11 @@ class StreamChunk:
 class TurnStats:
     """What a turn cost. ``reused_tokens + prefilled_tokens == prompt_tokens``.
 
-    ``finish_reason`` is ``"stop"``, ``"length"`` or ``"cancelled"`` (closed before the end).
-    ``peak_memory_bytes`` is MLX's process-wide peak during the turn. With speculative decoding,
-    ``draft_tokens_proposed`` counts the draft's proposals and ``draft_tokens_accepted`` those the
-    target kept.
+    ``prompt_tps`` is prefilled tokens per second of prefill (time to the first token);
+    ``generation_tps`` is generated tokens per second after the first one. ``finish_reason`` is
+    ``"stop"``, ``"length"`` or ``"cancelled"`` (closed before the end). ``peak_memory_bytes`` is
+    MLX's process-wide peak during the turn. With speculative decoding, ``draft_tokens_proposed``
+    counts the draft's proposals and ``draft_tokens_accepted`` those the target kept.
     """
 
     prompt_tokens: int
@@ -58,6 +60,27 @@ class TurnResult:
     stats: TurnStats
 
 
+class TurnSteps(Protocol):
+    """What a stream drives: a prepared turn (``chatkit.turn.Turn``) and the plain data it streams with."""
+
+    prompt_tokens: int
+    max_tokens: int
+    stop: Sequence[str]
+    eos_token_ids: frozenset[int]
+    num_draft_tokens: int
+    detokenizer: Any
+
+    def start(self) -> tuple[int, Iterator[Token]]:
+        """Plan and prefill; (tokens prefilled, the generated tokens)."""
+        ...
+
+    def commit(self, result: TurnResult) -> None: ...
+
+    def abort(self, exc: BaseException | None) -> None:
+        """Settle without a reply: ``exc`` is what failed (``None``: closed before the first chunk)."""
+        ...
+
+
 class ResponseStream:
     """The reply of one turn, streamed. Iterate it for ``StreamChunk`` s; use it as a context manager.
 
@@ -67,28 +90,17 @@ class ResponseStream:
     the session unchanged.
     """
 
-    def __init__(
-        self,
-        start: Callable[[], tuple[int, Iterator[Token]]],
-        *,
-        detokenizer: Any,
-        eos_token_ids: Sequence[int],
-        max_tokens: int,
-        stop: Sequence[str],
-        prompt_tokens: int,
-        on_commit: Callable[[TurnResult], None],
-        on_abort: Callable[[BaseException | None], None],
-        num_draft_tokens: int = 0,
-    ) -> None:
-        self._start = start
-        self._detok = detokenizer
-        self._eos = frozenset(eos_token_ids)
-        self._max_tokens = max_tokens
-        self._stop = tuple(stop)
-        self._prompt_tokens = prompt_tokens
+    def __init__(self, turn: TurnSteps) -> None:
+        self._turn = turn
+        self._detok = turn.detokenizer
+        self._eos = turn.eos_token_ids
+        self._max_tokens = turn.max_tokens
+        self._prompt_tokens = turn.prompt_tokens
         self._prefilled = 0
-        self._on_commit = on_commit
-        self._on_abort = on_abort
+        # Stop strings end the text (mlx-lm's matcher holds back what may start one); None = stopped.
+        self._machine = TextStateMachine({"normal": [(s, None) for s in turn.stop]}) if turn.stop else None
+        self._state = self._machine.make_state() if self._machine is not None else None
+        self._detok_seen = 0  # characters of the detokenizer's text already passed on
         self._tokens: Iterator[Token] | None = None
         self._generated: list[int] = []
         self._text = ""  # text handed out so far
@@ -98,7 +110,7 @@ class ResponseStream:
         self._settled = False  # the session was told the outcome (commit or abort), exactly once
         self._lock = threading.Lock()  # close() may come from the garbage collector or another thread
         self._t_start = self._t_first = 0.0
-        self._num_draft = num_draft_tokens
+        self._num_draft = turn.num_draft_tokens
         self._in_round = False  # inside a speculative round (draft tokens accepted so far)
         self._proposed = self._accepted = 0
 
@@ -169,7 +181,7 @@ class ResponseStream:
         if self._tokens is None:
             mx.reset_peak_memory()
             self._t_start = time.perf_counter()
-            self._prefilled, self._tokens = self._start()
+            self._prefilled, self._tokens = self._turn.start()
         token, logprobs, from_draft = next(self._tokens)
         if not self._generated:
             self._t_first = time.perf_counter()
@@ -204,19 +216,20 @@ class ResponseStream:
             self._in_round = False
 
     def _take_text(self, final: bool) -> tuple[str, bool]:
-        """The next piece of text to hand out, holding back what may start a stop string."""
+        """The next piece of text to hand out, and whether a stop string ended the reply."""
         if final:
             self._detok.finalize()
         full = self._detok.text
-        emitted = len(self._text)
-        end, hit = len(full), False
-        if self._stop:
-            found = [i for i in (full.find(s, emitted) for s in self._stop) if i >= 0]
-            if found:
-                end, hit = min(found), True
-            elif not final:
-                end -= _partial_stop_length(full, self._stop)
-        piece = full[emitted:end]
+        new, self._detok_seen = full[self._detok_seen :], len(full)
+        if self._machine is None:
+            self._text += new
+            return new, False
+        self._state, segments = TextStateMachine.split(self._state, new)
+        piece = "".join(text for _, text in segments)
+        hit = self._state[0] is None
+        if final and not hit:
+            self._state, rest, _ = TextStateMachine.flush(self._state)
+            piece += rest
         self._text += piece
         return piece, hit
 
@@ -239,17 +252,22 @@ class ResponseStream:
         )
 
     def _close_source(self) -> None:
-        if self._tokens is not None:
-            close = getattr(self._tokens, "close", None)
-            if close is not None:
+        """Close the token generator. Whatever that raises, the turn still settles: the cache's
+        offsets say what it holds. (mlx-lm's generator holds an MLX stream context across its
+        yields, and closing it from another thread than the one that ran it raises.)"""
+        close = getattr(self._tokens, "close", None)
+        if close is not None:
+            try:
                 close()
+            except Exception:
+                pass
 
     def _commit(self) -> None:
         self._done = True
         self._close_source()
         self._stats = self._stats_now()
         self._settled = True
-        self._on_commit(TurnResult(self._text, tuple(self._generated), self._stats))
+        self._turn.commit(TurnResult(self._text, tuple(self._generated), self._stats))
 
     def _abort(self, exc: BaseException | None) -> None:
         self._done = True
@@ -259,18 +277,7 @@ class ResponseStream:
         try:
             self._close_source()
         finally:
-            self._on_abort(exc)
+            self._turn.abort(exc)
 
 
-def _partial_stop_length(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of ``text`` that is the start of a stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
-
-
-__all__ = ["ResponseStream", "StreamChunk", "TurnResult", "TurnStats"]
+__all__ = ["ResponseStream", "StreamChunk", "TurnResult", "TurnStats", "TurnSteps"]

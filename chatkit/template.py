@@ -1,17 +1,18 @@
 """Rendering a conversation to prompt token ids with the model's chat template or an override.
 
-Rendering goes through the Hugging Face tokenizer's ``apply_chat_template`` (jinja2 in an immutable
-sandbox, with transformers' hardening), so the model's own template and an override take one path.
+Rendering goes through mlx-lm's ``TokenizerWrapper.apply_chat_template`` (the thinking switch, Python
+templates) and the Hugging Face tokenizer's (jinja2 in an immutable sandbox, with transformers'
+hardening), so the model's own template and an override take one path.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .errors import TemplateError
+from . import _tokenizer
+from .errors import InvalidParamsError, TemplateError
 from .messages import ChatMessage
 
 
@@ -34,12 +35,19 @@ def read_template(source: str | os.PathLike[str]) -> str:
         ) from exc
 
 
-@dataclass(frozen=True)
 class ChatTemplate:
-    """Renders messages for one tokenizer. ``template`` overrides the tokenizer's own when given."""
+    """Renders a session's messages for one tokenizer and encodes the result.
 
-    tokenizer: Any  # mlx-lm TokenizerWrapper or a Hugging Face tokenizer
-    template: str | None = None
+    ``template`` overrides the tokenizer's own. Message content is tokenized as text: a special-token
+    string inside it stays text unless ``allow_special_in_content`` (see ``chatkit._tokenizer``).
+    One per session (the encoder remembers the last prompt, to encode only what is new).
+    """
+
+    def __init__(self, tokenizer: Any, template: str | None = None, *, allow_special_in_content: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        self.allow_special_in_content = allow_special_in_content
+        self._encoder = _tokenizer.PromptEncoder(tokenizer, allow_special_in_content=allow_special_in_content)
 
     def render(
         self,
@@ -50,20 +58,41 @@ class ChatTemplate:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text for ``messages``; ``TemplateError`` if the template is missing or fails."""
-        hf = getattr(self.tokenizer, "_tokenizer", self.tokenizer)
-        if self.template is None and not getattr(hf, "chat_template", None):
+        return self._encoder.reveal(self._render(messages, tools, add_generation_prompt, template_kwargs))
+
+    def encode(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """The prompt's token ids; the template writes its own special tokens (BOS included)."""
+        return self._encoder.encode(self._render(messages, tools, add_generation_prompt, template_kwargs))
+
+    def _render(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None,
+    ) -> str:
+        if self.template is None and not _tokenizer.has_chat_template(self.tokenizer):
             raise TemplateError(
                 "This tokenizer has no chat template: pass one with "
                 "ChatSession.builder(...).chat_template(text_or_path)."
             )
+        protect = self._encoder.protect
+        dicts = [{**m.to_dict(), "content": protect(m.content)} for m in messages]
         try:
-            text = hf.apply_chat_template(
-                [m.to_dict() for m in messages],
-                tools=list(tools) if tools else None,
-                chat_template=self.template,
+            text = _tokenizer.apply_chat_template(
+                self.tokenizer,
+                dicts,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-                **dict(template_kwargs or {}),
+                template=self.template,
+                template_kwargs=template_kwargs or {},
             )
         except Exception as exc:  # jinja2 syntax/runtime errors, raise_exception(), bad kwargs
             raise TemplateError(f"The chat template failed to render: {type(exc).__name__}: {exc}") from exc
@@ -71,9 +100,14 @@ class ChatTemplate:
             raise TemplateError(f"The chat template rendered a {type(text).__name__}, not text.")
         return text
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of rendered text; the template writes its own special tokens (BOS included)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+def check_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tool JSON schemas as a list of dicts; ``InvalidParamsError`` for anything else."""
+    if tools is None:
+        return None
+    if isinstance(tools, Mapping) or not all(isinstance(t, Mapping) for t in tools):
+        raise InvalidParamsError("tools must be a list of JSON-schema dicts.")
+    return [dict(t) for t in tools]
 
 
-__all__ = ["ChatTemplate", "read_template"]
+__all__ = ["ChatTemplate", "check_tools", "read_template"]

@@ -150,9 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     if args.models is None:
-        from chatkit import demo
-
-        lm, draft = demo.load(), demo.load_draft()
+        lm, draft = chatkit.load("demo"), chatkit.load("demo-draft")
     else:
         lm, draft = chatkit.load(str(args.models / "chat")), chatkit.load(str(args.models / "draft"))
     if args.no_speculative:

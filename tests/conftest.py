@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, settings
 
 import chatkit  # noqa: F401  (loads OpenBLAS before mlx, when present)
 from chatkit import ChatSession, GenerateParams
-from chatkit.cache.state import layer_offset
+from chatkit.cache._mlx import layer_offset
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -53,9 +53,15 @@ def fresh_reply(session, prompt, **options):
     return stream.tokens
 
 
+def cache_state(session):
+    """The test seam into a session's cache state (layers, ledger, checkpoints): the one place tests
+    reach past the public API."""
+    return session._conversation.cache
+
+
 def assert_ledger_matches_cache(session):
     """Invariant 1: every attention layer's offset is the ledger's length."""
-    state = session._cache
+    state = cache_state(session)
     if state.layers is None:
         assert len(state.ledger) == 0
         return

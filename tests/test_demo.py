@@ -7,19 +7,19 @@ import sys
 import pytest
 
 import chatkit
-from chatkit import ChatSession, GenerateParams, SpeculativeConfig, demo
+from chatkit import ChatSession, GenerateParams, SpeculativeConfig
 
 GREEDY = GenerateParams(max_tokens=48, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def lm():
-    return demo.load()
+    return chatkit.load("demo")
 
 
 @pytest.fixture(scope="module")
 def draft():
-    return demo.load_draft()
+    return chatkit.load("demo-draft")
 
 
 def chat(lm, **options):
@@ -31,7 +31,7 @@ def chat(lm, **options):
 
 def test_demo_pair_is_shipped_and_small():
     total = 0
-    for folder in (demo.path(), demo.draft_path()):
+    for folder in (chatkit.demo.path(), chatkit.demo.draft_path()):
         for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
             assert (folder / name).is_file(), folder / name
         config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -135,7 +135,7 @@ def test_quantized_cache_needs_a_group_size_that_tiles_a_head(lm):
 
 
 def test_demo_module_after_a_plain_import():
-    code = "import chatkit; print(chatkit.demo.load().config['model_type'], chatkit.demo.draft_path().name)"
+    code = "import chatkit; print(chatkit.load('demo').config['model_type'], chatkit.demo.draft_path().name)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["qwen3", "draft"], out.stderr
 

@@ -21,7 +21,7 @@ from chatkit import (
 )
 from chatkit.cache import store
 from chatkit.errors import InvalidParamsError
-from conftest import assert_ledger_matches_cache, session_for
+from conftest import assert_ledger_matches_cache, cache_state, session_for
 
 PARAMS = GenerateParams(max_tokens=10)
 ROUND_TRIPS = [
@@ -96,7 +96,7 @@ def test_file_holds_the_kv_cut_to_its_offset(tiny, tmp_path):
     path = tmp_path / "chat.safetensors"
     session.save_cache(path)
     info = chatkit.inspect_cache(path)
-    layers = session._cache.layers
+    layers = cache_state(session).layers
     kv_bytes = sum(c.keys[..., : c.offset, :].nbytes + c.values[..., : c.offset, :].nbytes for c in layers)
     assert kv_bytes < session.cache_info().nbytes, "mlx-lm pads its buffers in steps of 256"
     assert info.tensor_bytes <= 1.05 * kv_bytes

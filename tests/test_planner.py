@@ -3,7 +3,8 @@
 import pytest
 from hypothesis import given, strategies as st
 
-from chatkit.cache import Action, Ledger, Plan, common_prefix_length, plan
+from chatkit.cache.ledger import Ledger
+from chatkit.cache.planner import Action, Plan, common_prefix_length, plan
 
 
 def test_prompt_extending_the_ledger_appends_only_the_new_tokens():

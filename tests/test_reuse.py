@@ -5,8 +5,15 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from chatkit import CacheOptions, ChatMessage, GenerateParams, NothingToUndoError, SessionBusyError
-from conftest import assert_ledger_matches_cache, fresh_reply, session_for
+from chatkit import (
+    CacheOptions,
+    ChatMessage,
+    GenerateParams,
+    NothingToRegenerateError,
+    NothingToUndoError,
+    SessionBusyError,
+)
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
 
 HYBRID = "qwen3_5"
 
@@ -67,7 +74,7 @@ def test_hybrid_cache_cannot_trim_but_restores_a_checkpoint(tiny):
     run(session, "Hello")
     info = session.cache_info()
     assert not info.trimmable and "ArraysCache" in info.layer_classes and info.checkpoints >= 1
-    plan_before = session._cache.ledger
+    plan_before = cache_state(session).ledger
     expected = fresh_reply(session, "Again")
     stream = run(session, "Again")
     assert stream.tokens == expected
@@ -95,7 +102,7 @@ def test_undo_drops_the_exchange_and_rewinds(tiny):
     assert dropped[0] == ChatMessage.user("Two") and len(session.history) == 2
     # The cache now holds exactly the conversation as it stands (rendered without a new prompt).
     history_ids = session.model.tokenizer.encode(session.render(), add_special_tokens=False)
-    assert session._cache.ledger.tokens == tuple(history_ids)
+    assert cache_state(session).ledger.tokens == tuple(history_ids)
     assert_ledger_matches_cache(session)
     expected = fresh_reply(session, "Three")
     assert run(session, "Three").tokens == expected
@@ -103,7 +110,7 @@ def test_undo_drops_the_exchange_and_rewinds(tiny):
 
 def test_regenerate_replaces_the_last_reply(tiny):
     session = session_for(tiny(), params=GenerateParams(max_tokens=6, temperature=1.0))
-    with pytest.raises(NothingToUndoError):
+    with pytest.raises(NothingToRegenerateError):
         session.regenerate()
     session.respond("One")
     first = session.history
@@ -177,7 +184,7 @@ class Conversation(RuleBasedStateMachine):
 
     def turn(self, prompt, break_after=None):
         s = self.session
-        ledger = s._cache.ledger
+        ledger = cache_state(s).ledger
         prompt_ids = self.lm.tokenizer.encode(s.render(prompt), add_special_tokens=False)
         expected = fresh_reply(s, prompt)
         stream = s.stream_respond(prompt)

@@ -11,9 +11,9 @@ from chatkit import (
     SpeculativeCacheRestoreError,
     SpeculativeConfig,
 )
-from chatkit.cache.state import layer_offset
+from chatkit.cache._mlx import layer_offset
 from chatkit.errors import InvalidParamsError
-from conftest import assert_ledger_matches_cache, fresh_reply, session_for
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
 from test_reuse import Conversation
 
 
@@ -28,7 +28,7 @@ def run(session, prompt, break_after=None):
 
 
 def assert_draft_aligned(session):
-    state = session._cache
+    state = cache_state(session)
     assert_ledger_matches_cache(session)
     draft = layer_offset(state.draft_layers)
     assert draft == state.draft_length <= len(state.ledger)
@@ -187,6 +187,6 @@ def test_logits_processors_see_the_whole_conversation_with_a_draft(tiny):
         session.respond("Tell me something")
         session.generate_params.logits_processors = [recorder(name)]
         replies[name] = session.respond("And more, please")
-        prompt = session._cache.ledger.tokens[: session.last_stats.prompt_tokens]
+        prompt = cache_state(session).ledger.tokens[: session.last_stats.prompt_tokens]
         assert first_seen[name] == list(prompt), name
     assert replies["speculative"] == replies["standard"]

@@ -31,21 +31,27 @@ def make_stream(pieces, tokens, stop=(), max_tokens=100, fail_at=None):
                 raise RuntimeError("boom")
             yield t, mx.array([0.0]), False
 
-    def start():
-        events.append("start")
-        return 3, source()
+    class ScriptedTurn:
+        """A stand-in for chatkit.turn.Turn: the steps a stream drives, recorded."""
 
-    stream = ResponseStream(
-        start,
-        detokenizer=PieceDetokenizer(pieces),
-        eos_token_ids=[EOS],
-        max_tokens=max_tokens,
-        stop=stop,
-        prompt_tokens=10,
-        on_commit=lambda result: events.append(("commit", result)),
-        on_abort=lambda exc: events.append(("abort", exc)),
-    )
-    return stream, events
+        prompt_tokens, num_draft_tokens = 10, 0
+        eos_token_ids = frozenset([EOS])
+        detokenizer = PieceDetokenizer(pieces)
+
+        def __init__(self):
+            self.max_tokens, self.stop = max_tokens, stop
+
+        def start(self):
+            events.append("start")
+            return 3, source()
+
+        def commit(self, result):
+            events.append(("commit", result))
+
+        def abort(self, exc):
+            events.append(("abort", exc))
+
+    return ResponseStream(ScriptedTurn()), events
 
 
 def test_chunks_join_to_the_text_and_eos_ends_with_stop():
@@ -122,13 +128,14 @@ def test_stop_strings_property(pieces, stop):
     tokens = list(range(1, len(table))) + [EOS]
     stream, _ = make_stream(table, tokens, stop=stop)
     chunks = list(stream)
-    # The reply stops at the first token after which a stop string has completed, cut where it starts.
-    expected = "".join(pieces)
-    for j in range(1, len(pieces) + 1):
-        text = "".join(pieces[:j])
-        hits = [i for i in (text.find(s) for s in stop) if i >= 0]
+    # The reply stops where the first stop string to complete in the text completes (of two that end
+    # at the same character, the longer), cut where that string starts: mlx-lm's stop-string matcher.
+    text = "".join(pieces)
+    expected = text
+    for end in range(1, len(text) + 1):
+        hits = [s for s in stop if text[:end].endswith(s)]
         if hits:
-            expected = text[: min(hits)]
+            expected = text[: end - max(map(len, hits))]
             break
     assert stream.text == expected == "".join(c.text for c in chunks)
     for s in stop:

@@ -1,7 +1,3 @@
-"""KV cache reuse: the ledger of cached token ids, reuse planning, and the cache state of a session."""
-
-from .ledger import Ledger
-from .planner import Action, Plan, common_prefix_length, plan
-from .state import CacheOptions, CacheState
-
-__all__ = ["Action", "CacheOptions", "CacheState", "Ledger", "Plan", "common_prefix_length", "plan"]
+"""KV cache internals: the ledger of cached ids (``ledger``), reuse planning (``planner``), a session's
+cache state (``state``), the file format (``store``) and every contact with mlx-lm's cache classes
+(``_mlx``). The public names (``CacheOptions``, ``CacheInfo``, ``CacheFileInfo``) are ``chatkit``'s."""

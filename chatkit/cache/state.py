@@ -6,10 +6,18 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx.utils import tree_map
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from ..errors import InvalidParamsError
+from ._mlx import (
+    ALWAYS_TRIMMABLE,
+    can_trim,
+    copy_layer,
+    eval_layers,
+    layer_offset,
+    make_prompt_cache,
+    same_kind,
+    trim_layers,
+)
 from .ledger import Ledger
 from .planner import Action, Plan, common_prefix_length, plan
 
@@ -29,7 +37,10 @@ class CacheOptions:
     quantized_kv_start: int = 0
     prefill_step_size: int = 2048
 
-    def validate(self) -> None:
+    def validate(self, head_dim: int | None = None) -> None:
+        """Raise ``InvalidParamsError`` naming the first option out of range; with the model's
+        ``head_dim``, also check that quantized KV groups tile a head (else mlx fails mid-turn)."""
+
         def bad(name: str, rule: str) -> InvalidParamsError:
             return InvalidParamsError(f"{name}={getattr(self, name)!r}: {rule}.")
 
@@ -43,36 +54,17 @@ class CacheOptions:
             raise bad("quantized_kv_start", "must be an int >= 0")
         if not _is_int(self.prefill_step_size) or self.prefill_step_size < 1:
             raise bad("prefill_step_size", "must be an int >= 1")
+        if self.kv_bits is not None and head_dim is not None and head_dim % self.kv_group_size:
+            fits = [g for g in (128, 64, 32) if head_dim % g == 0]
+            raise InvalidParamsError(
+                f"kv_group_size={self.kv_group_size} does not divide this model's head size ({head_dim}): "
+                + (f"use a group size of {fits[0]} (kv_bits(..., group_size={fits[0]}), or --kv-group-size "
+                   f"{fits[0]} on the command line)." if fits else "this model's KV cache cannot be quantized.")
+            )
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def layer_offset(layers: Sequence[Any]) -> int | None:
-    """The one offset all attention layers agree on; ``None`` if they disagree or none has one."""
-    offsets = {c.offset for c in layers if isinstance(getattr(c, "offset", None), int)}
-    return offsets.pop() if len(offsets) == 1 else None
-
-
-def is_trimmable(layers: Sequence[Any]) -> bool:
-    return all(c.is_trimmable() for c in layers)
-
-
-def _trim_layers(layers: Sequence[Any], target: int) -> bool:
-    """Rewind every layer to ``target`` tokens; ``False`` if a layer did not comply."""
-    for c in layers:
-        excess = c.offset - target
-        if excess > 0 and c.trim(excess) != excess:
-            return False
-    return all(c.offset == target for c in layers if isinstance(getattr(c, "offset", None), int))
-
-
-def copy_layer(layer: Any) -> Any:
-    """An independent copy of one mlx-lm cache layer (MLX arrays are values: no data is copied
-    until one side writes)."""
-    state = tree_map(lambda x: x[...] if isinstance(x, mx.array) else x, layer.state)
-    return type(layer).from_state(state)
 
 
 def layers_fit(model: Any, layers: Sequence[Any]) -> str | None:
@@ -81,8 +73,7 @@ def layers_fit(model: Any, layers: Sequence[Any]) -> str | None:
     if len(layers) != len(fresh):
         return f"it has {len(layers)} layers, the model {len(fresh)}"
     for i, (got, want) in enumerate(zip(layers, fresh)):
-        same = type(got) is type(want) or (isinstance(want, KVCache) and isinstance(got, QuantizedKVCache))
-        if not same:
+        if not same_kind(got, want):
             return f"layer {i} is a {type(got).__name__}, the model uses {type(want).__name__}"
     model(mx.array([[0]]), cache=fresh)  # one token shows the shapes the model writes
     for i, (got, want) in enumerate(zip(layers, fresh)):
@@ -93,8 +84,6 @@ def layers_fit(model: Any, layers: Sequence[Any]) -> str | None:
     return None
 
 
-# Layers that rewind exactly at any time; a checkpoint needs only their offset.
-_ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache)
 MAX_CHECKPOINTS = 4
 
 
@@ -163,7 +152,7 @@ class CacheState:
     @property
     def needs_checkpoints(self) -> bool:
         """Whether some layer may be unable to rewind (hybrid or rotating caches)."""
-        return self.layers is not None and not all(isinstance(c, _ALWAYS_TRIMMABLE) for c in self.layers)
+        return self.layers is not None and not all(isinstance(c, ALWAYS_TRIMMABLE) for c in self.layers)
 
     @classmethod
     def restored(
@@ -193,7 +182,7 @@ class CacheState:
         if length is None:
             return
         length -= self.ledger.opaque
-        copies = tuple(None if isinstance(c, _ALWAYS_TRIMMABLE) else copy_layer(c) for c in self.layers)
+        copies = tuple(None if isinstance(c, ALWAYS_TRIMMABLE) else copy_layer(c) for c in self.layers)
         kept = [c for c in self.checkpoints if c.length < length]
         self.checkpoints = (kept + [Checkpoint(length, copies)])[-MAX_CHECKPOINTS:]
 
@@ -204,7 +193,7 @@ class CacheState:
         keep = common_prefix_length(self.ledger.tokens, ids)
         if keep >= len(self.ledger.tokens):
             return
-        if is_trimmable(self.layers) and self._trim_to(keep):
+        if can_trim(self.layers) and self._trim_to(keep):
             self._forget_after(keep)
             return
         usable = [c for c in self.checkpoints if c.length <= keep]
@@ -224,7 +213,7 @@ class CacheState:
             checkpoints=len(self.checkpoints),
             checkpoint_bytes=sum(c.nbytes for cp in self.checkpoints for c in cp.copies if c is not None),
             layer_classes=tuple(type(c).__name__ for c in layers),
-            trimmable=bool(layers) and is_trimmable(layers),
+            trimmable=bool(layers) and can_trim(layers),
         )
 
     def prepare(self, prompt: Sequence[int]) -> Plan:
@@ -235,7 +224,7 @@ class CacheState:
         p = plan(
             self.ledger,
             prompt,
-            trimmable=is_trimmable(self.layers),
+            trimmable=can_trim(self.layers),
             checkpoints=[c.length for c in self.checkpoints],
         )
         if p.action is Action.TRIM and not self._trim_to(p.keep):
@@ -258,7 +247,7 @@ class CacheState:
         if self.layers is None:
             return
         # Materialize the cache on this thread: the next turn may run on another one.
-        mx.eval([c.state for c in self.layers + (self.draft_layers or [])])
+        eval_layers(self.layers + (self.draft_layers or []))
         sequence = self.ledger.tokens + tuple(fed)
         offset = layer_offset(self.layers)
         if offset is None and not any(hasattr(c, "offset") for c in self.layers):
@@ -271,7 +260,7 @@ class CacheState:
         if self.draft_layers is not None:
             # After a speculative run the draft may hold one token more or fewer than the target.
             draft = layer_offset(self.draft_layers)
-            if draft is None or draft > len(sequence) or not _trim_layers(self.draft_layers, min(draft, len(ledger))):
+            if draft is None or draft > len(sequence) or not trim_layers(self.draft_layers, min(draft, len(ledger))):
                 self.reset()
                 return
             self.draft_length = min(draft, len(ledger))
@@ -280,7 +269,7 @@ class CacheState:
         self.ledger = Ledger(self.ledger.tokens[:keep], self.ledger.opaque)
         self.checkpoints = [c for c in self.checkpoints if c.length <= keep]
         if self.draft_layers is not None and self.draft_length > keep:
-            if not _trim_layers(self.draft_layers, keep):
+            if not trim_layers(self.draft_layers, keep):
                 self.draft_layers = make_prompt_cache(self._draft_model)
                 keep = 0
             self.draft_length = keep
@@ -309,29 +298,20 @@ class CacheState:
     def _trim_to(self, keep: int) -> bool:
         """Rewind every layer to ``opaque + keep`` tokens; ``False`` if a layer did not comply."""
         assert self.layers is not None
-        return _trim_layers(self.layers, self.ledger.opaque + keep)
+        return trim_layers(self.layers, self.ledger.opaque + keep)
 
     def _align_draft(self, kept: tuple[int, ...]) -> None:
         """Bring the draft cache to hold exactly ``kept`` (the target's kept tokens)."""
         assert self.draft_layers is not None
         have = min(self.draft_length, len(kept))
-        if not _trim_layers(self.draft_layers, have):
+        if not trim_layers(self.draft_layers, have):
             self.draft_layers, have = make_prompt_cache(self._draft_model), 0
         missing = kept[have:]
         step = self.options.prefill_step_size
         for i in range(0, len(missing), step):
             self._draft_model(mx.array([missing[i : i + step]], dtype=mx.uint32), cache=self.draft_layers)
-            mx.eval([c.state for c in self.draft_layers])
+            eval_layers(self.draft_layers)
         self.draft_length = len(kept)
 
 
-__all__ = [
-    "CacheInfo",
-    "CacheOptions",
-    "CacheState",
-    "Checkpoint",
-    "copy_layer",
-    "is_trimmable",
-    "layer_offset",
-    "layers_fit",
-]
+__all__ = ["CacheInfo", "CacheOptions", "CacheState", "Checkpoint", "layers_fit"]

@@ -7,23 +7,21 @@ apple?"), repeat a few words ("Repeat after me: red tiger."), small talk, and re
 them ("My name is Ada.", "I live in Lyon.", "My favourite colour is green.", "I have a dog named
 Rex.", "I am 34 years old.") to answer later ("What is my name?"). Outside that little world their
 replies are nonsense. Their context window is 448 tokens, a little past their longest training
-dialogues. No download needed::
+dialogues. No download needed: ``chatkit.load("demo")`` and ``chatkit.load("demo-draft")``::
 
     import chatkit
-    from chatkit import demo
 
-    lm = demo.load()
-    session = chatkit.ChatSession.builder(lm).speculative(chatkit.SpeculativeConfig(demo.load_draft(), 4)).build()
+    lm = chatkit.load("demo")
+    draft = chatkit.SpeculativeConfig(chatkit.load("demo-draft"), 4)
+    session = chatkit.ChatSession.builder(lm).speculative(draft).build()
     print(session.respond("My name is Ada."))
+
+This package only knows where the files are; loading them is ``chatkit.load``'s job.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ..loading import LoadedModel
 
 _MODELS = Path(__file__).resolve().parent / "models"
 
@@ -38,18 +36,4 @@ def draft_path() -> Path:
     return _MODELS / "draft"
 
 
-def load() -> "LoadedModel":
-    """The demo chat model, loaded with :func:`chatkit.loading.load`."""
-    from ..loading import load as _load
-
-    return _load(str(path()))
-
-
-def load_draft() -> "LoadedModel":
-    """The demo draft model, for ``chatkit.SpeculativeConfig(load_draft(), num_draft_tokens=4)``."""
-    from ..loading import load as _load
-
-    return _load(str(draft_path()))
-
-
-__all__ = ["draft_path", "load", "load_draft", "path"]
+__all__ = ["draft_path", "path"]

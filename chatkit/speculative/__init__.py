@@ -1,5 +1,5 @@
 """Draft-model speculative decoding: the configuration and the draft's compatibility checks."""
 
-from .config import SpeculativeConfig, check_draft
+from .config import SpeculativeConfig, check_cache_options, check_draft
 
-__all__ = ["SpeculativeConfig", "check_draft"]
+__all__ = ["SpeculativeConfig", "check_cache_options", "check_draft"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from ..cache._mlx import kinds_that_cannot_rewind
+from ..cache.state import CacheOptions
 from ..errors import IncompatibleDraftError, InvalidParamsError
 from ..loading import LoadedModel
 
@@ -57,7 +58,7 @@ def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
             + ". Use a draft from the same model family (same tokenizer)."
         )
     for role, lm in (("target", target), ("draft", draft)):
-        kinds = _non_rewindable(lm.model)
+        kinds = kinds_that_cannot_rewind(lm.model)
         if kinds:
             raise IncompatibleDraftError(
                 f"Speculative decoding needs caches that can rewind, but the {role} model uses {kinds}: "
@@ -65,8 +66,15 @@ def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
             )
 
 
-def _non_rewindable(model: Any) -> list[str]:
-    return sorted({type(c).__name__ for c in make_prompt_cache(model) if not isinstance(c, KVCache)})
+def check_cache_options(speculative: SpeculativeConfig | None, options: CacheOptions) -> None:
+    """``InvalidParamsError`` if a draft model is combined with cache options it cannot be exact with."""
+    # mlx-lm's speculative loop rewinds rejected draft tokens by trimming: a full rotating cache keeps
+    # them, and kv_bits swaps cache objects inside a list we do not see. Neither can be made exact.
+    if speculative is not None and (options.max_kv_size is not None or options.kv_bits is not None):
+        raise InvalidParamsError(
+            "Speculative decoding cannot be exact with max_kv_size or kv_bits (rejected draft tokens "
+            "could not be rewound): drop those options or drop .speculative(...)."
+        )
 
 
-__all__ = ["SpeculativeConfig", "check_draft"]
+__all__ = ["SpeculativeConfig", "check_cache_options", "check_draft"]

@@ -1,4 +1,5 @@
-"""The token source of a turn: mlx-lm's ``generate_step`` over a session's cache."""
+"""The local token source: mlx-lm's ``generate_step`` (or ``speculative_generate_step`` with a draft
+model) over one session's cache, in this process."""
 
 from __future__ import annotations
 
@@ -7,10 +8,35 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream, speculative_generate_step, wired_limit
 
-from .cache.state import CacheOptions
-from .params import LogitsProcessor, Sampler
+from ..cache.state import CacheOptions, CacheState
+from ..params import LogitsProcessor, Sampler
+from ..speculative import SpeculativeConfig
+from . import Request, Token
 
-Token = tuple[int, mx.array, bool]  # (token id, log-probabilities, proposed by a draft model)
+
+class LocalSource:
+    """Tokens from ``model`` in this process; speculative when given a ``SpeculativeConfig``."""
+
+    def __init__(self, model: Any, speculative: SpeculativeConfig | None = None) -> None:
+        self.model = model
+        self.speculative = speculative
+        self.num_draft_tokens = speculative.num_draft_tokens if speculative is not None else 0
+
+    def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
+        assert cache.layers is not None, "prepare the cache before generating"
+        spec = self.speculative
+        draft = None if spec is None else (spec.draft.model, cache.draft_layers, spec.num_draft_tokens)
+        return generate_tokens(
+            self.model,
+            cache.layers,
+            request.suffix,
+            max_tokens=request.max_tokens,
+            sampler=request.sampler,
+            logits_processors=with_context(request.logits_processors, request.context),
+            options=request.options,
+            progress=request.progress,
+            draft=draft,
+        )
 
 
 def with_context(processors: Sequence[LogitsProcessor], context: Sequence[int]) -> list[LogitsProcessor]:
@@ -110,4 +136,4 @@ def _prefill_both(model: Any, layers: list[Any], draft_model: Any, draft_layers:
             mx.clear_cache()
 
 
-__all__ = ["Token", "generate_tokens", "with_context"]
+__all__ = ["LocalSource", "generate_tokens", "with_context"]

@@ -1,0 +1,57 @@
+"""Token sources: what turns a prepared prompt into generated tokens.
+
+A turn hands a source its cache and a :class:`Request` (plain data) and reads back :data:`Token` s.
+``local.py`` is mlx-lm's ``generate_step`` / ``speculative_generate_step`` over one session's cache; a
+batching engine, a sharded model or a constrained decoder stands in behind the same two names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol, Sequence
+
+import mlx.core as mx
+
+from ..cache.state import CacheOptions, CacheState
+from ..params import LogitsProcessor, Sampler
+
+Token = tuple[int, mx.array, bool]
+"""One generated token: (token id, log-probabilities, proposed by a draft model)."""
+
+ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a turn asks of a token source.
+
+    ``suffix`` goes into the cache after the ``context`` it holds already (never empty); logits
+    processors see ``context`` + ``suffix`` + the tokens generated, as a fresh prefill would show them.
+    ``progress(done, total)`` is called while ``suffix`` is prefilled.
+    """
+
+    suffix: tuple[int, ...]
+    context: tuple[int, ...]
+    max_tokens: int
+    sampler: Sampler
+    logits_processors: Sequence[LogitsProcessor]
+    options: CacheOptions
+    progress: ProgressCallback | None = None
+
+
+class TokenSource(Protocol):
+    """Generates a turn's tokens over a session's cache."""
+
+    num_draft_tokens: int
+    """Tokens drafted per step (0 when decoding is not speculative)."""
+
+    def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
+        """Feed ``request.suffix`` into ``cache`` (its layers updated in place) and yield tokens.
+
+        When the consumer stops, the cache holds what was fed plus the tokens yielded (a speculative
+        run may leave the last one out): the caller reads the offsets back, it does not count.
+        """
+        ...
+
+
+__all__ = ["ProgressCallback", "Request", "Token", "TokenSource"]
