@@ -260,34 +260,59 @@ class ChatSession:
             return other
 
     # -- turns --------------------------------------------------------------------------------
-    def respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> str:
-        """Send ``prompt`` and return the whole reply."""
-        with self.stream_respond(prompt, role=role) as stream:
+    def respond(
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        output: Any = None, regex: str | None = None, grammar: str | None = None,
+    ) -> Any:
+        """Send ``prompt`` and return the whole reply. With ``output=`` (a type or a JSON Schema),
+        ``regex=`` or ``grammar=`` (Lark) the reply is constrained and its value is returned
+        (:mod:`chatkit.guided`; ``IncompleteOutputError`` if ``max_tokens`` cut it short)."""
+        with self.stream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar) as stream:
             for _ in stream:
                 pass
-        return stream.text
+        return stream.value if _guided(output, regex, grammar) else stream.text
 
-    def stream_respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> ResponseStream:
+    def stream_respond(
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        output: Any = None, regex: str | None = None, grammar: str | None = None,
+    ) -> ResponseStream:
         """Send ``prompt`` and return the reply as a :class:`ResponseStream` of text chunks.
 
         ``prompt`` is the text of a message from ``role`` (user by default; tool results with
-        ``Role.TOOL``), or a ``ChatMessage``/dict. Nothing runs until the stream is iterated.
+        ``Role.TOOL``), or a ``ChatMessage``/dict. Nothing runs until the stream is iterated. With
+        ``output=`` / ``regex=`` / ``grammar=`` the stream also has ``partial`` and ``value``.
         """
+        if _guided(output, regex, grammar):  # the constraint rides on this turn's logits processors
+            from .guided.turn import stream_respond as guided_stream
+
+            return guided_stream(self, prompt, output=output, regex=regex, grammar=grammar, role=role)
         return self._open_turn(_prompt_message(prompt, role))
 
-    def astream_respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> AsyncResponseStream:
+    def astream_respond(
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        output: Any = None, regex: str | None = None, grammar: str | None = None,
+    ) -> AsyncResponseStream:
         """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread."""
         stop = threading.Event()  # stream_respond may still wait on the previous async turn's
-        stream = AsyncResponseStream(self.stream_respond(prompt, role=role), stop=stop)
+        inner = self.stream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar)
+        if _guided(output, regex, grammar):
+            from .guided.turn import AsyncGuidedStream
+
+            stream: AsyncResponseStream = AsyncGuidedStream(inner, stop=stop)
+        else:
+            stream = AsyncResponseStream(inner, stop=stop)
         self._async_stop = stop
         return stream
 
-    async def arespond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> str:
+    async def arespond(
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        output: Any = None, regex: str | None = None, grammar: str | None = None,
+    ) -> Any:
         """As :meth:`respond`, without blocking the event loop. Cancelling it commits the reply so far."""
-        async with self.astream_respond(prompt, role=role) as stream:
+        async with self.astream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar) as stream:
             async for _ in stream:
                 pass
-        return stream.text
+        return stream.value if _guided(output, regex, grammar) else stream.text
 
     def render(self, prompt: str | MessageLike | None = None, *, role: Role | str = Role.USER) -> str:
         """The prompt text the model would see if ``prompt`` were sent now (the template's output)."""
@@ -378,6 +403,10 @@ class _Idle:
 
     def __exit__(self, *exc_info: object) -> None:
         self._session._turn.release()
+
+
+def _guided(output: Any, regex: str | None, grammar: str | None) -> bool:
+    return output is not None or regex is not None or grammar is not None
 
 
 def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:

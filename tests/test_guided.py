@@ -648,3 +648,100 @@ def test_stream_value_before_the_end_is_refused(tiny):
         for _ in stream:
             pass
     assert isinstance(stream.value, bool)
+
+
+# -- the session's own keywords: respond / stream_respond / arespond / astream_respond(output=...) ------
+
+
+def test_session_respond_with_output_returns_the_value(tiny):
+    lm = tiny("qwen3", "gemma")
+    session = guided_session(lm)
+    person = session.respond(PROMPTS[0], output=Person)
+    check_person(person)
+    assert Person.model_validate_json(session.history[-1].content) == person
+    assert session.respond(PROMPTS[1], regex=DATE) == session.history[-1].content
+    assert re.fullmatch(DATE, session.history[-1].content)
+    assert LARK_RE.fullmatch(session.respond(PROMPTS[1], grammar=LARK))
+    assert isinstance(session.respond("Hi"), str)  # unguided turns as before
+
+
+def test_session_stream_respond_with_output_streams_partial_objects(tiny):
+    lm = tiny("qwen3", "bpe")
+    session = guided_session(lm)
+    seen = []
+    with session.stream_respond(PROMPTS[1], output=Order) as stream:
+        for chunk in stream:
+            seen.append(stream.partial)
+    check_order(stream.value)
+    assert stream.finish_reason == "stop" and stream.stats.generation_tokens == len(stream.tokens)
+    assert [p for p in seen if p] and seen[-1] == json.loads(stream.text)
+
+
+def test_session_async_api_with_output(tiny):
+    import asyncio
+
+    lm = tiny("qwen3", "spm")
+    session = guided_session(lm)
+    expected = guided_session(lm).respond(PROMPTS[0], output=Person)
+
+    async def main():
+        value = await session.arespond(PROMPTS[0], output=Person)
+        partials = []
+        async with session.astream_respond(PROMPTS[1], output=Order) as stream:
+            async for _ in stream:
+                partials.append(stream.partial)
+        return value, stream.value, partials
+
+    value, order, partials = asyncio.run(main())
+    assert value == expected
+    check_order(order)
+    assert partials[-1] == json.loads(session.history[-1].content)
+
+
+def test_session_bad_spec_raises_before_the_turn(tiny):
+    lm = tiny("qwen3", "bpe")
+    session = guided_session(lm)
+    with pytest.raises(InvalidOutputSpecError):
+        session.respond("Hi", regex="a(b")
+    with pytest.raises(InvalidOutputSpecError):
+        session.stream_respond("Hi", output=object())
+    assert session.history == [] and not session.busy and not session.generate_params.logits_processors
+
+
+def test_session_reasoning_block_stays_free_and_the_answer_is_constrained(tiny):
+    """Qwen3's template knows <think>: the reply may open a reasoning block (here forced by a
+    processor of the session's own, which runs before the constraint) and is free until </think>."""
+    lm = tiny("qwen3", "bpe-think")
+    tok = lm.tokenizer
+    start, end = tok.think_start_id, tok.encode(tok.think_end, add_special_tokens=False)[0]
+    session = guided_session(lm)
+    counted = {}
+
+    def think_briefly(tokens, logits):
+        n = counted.setdefault("n", 0)
+        counted["n"] = n + 1
+        force = start if n == 0 else end if n == 6 else None
+        return logits if force is None else mx.where(mx.arange(logits.shape[-1]) == force, logits, -mx.inf)
+
+    session.generate_params = GenerateParams(max_tokens=120, logits_processors=[think_briefly])
+    with session.stream_respond(PROMPTS[0], output=Person) as stream:
+        for _ in stream:
+            pass
+    person = stream.value
+    check_person(person)
+    tokens = stream.tokens
+    assert tokens[0] == start and tokens[6] == end
+    reasoning = tok.decode(tokens[1:6])
+    with pytest.raises(ValueError):
+        Person.model_validate_json(reasoning)
+    assert Person.model_validate_json(tok.decode(tokens[7:-1])) == person
+    # The first step offers the answer's first tokens and <think>; after an answer token, no <think>.
+    c = Constraint(output_spec(Person), tok, think_start=tok.think_start, think_end=tok.think_end)
+    first = c.allowed(lm.model.args.vocab_size)
+    opening = tok.encode('{"', add_special_tokens=False)[0]
+    assert first[start] and first[opening] and first.sum() < 20
+    c.advance(opening)
+    assert not c.in_reasoning and not c.allowed(lm.model.args.vocab_size)[start]
+    c.rollback(1)
+    c.advance(start)
+    assert c.in_reasoning and c.allowed(lm.model.args.vocab_size).sum() == lm.model.args.vocab_size - 2

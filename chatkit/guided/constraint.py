@@ -42,7 +42,9 @@ class Constraint:
 
     ``think_end`` (token ids, or text the tokenizer encodes) makes the reply start free: the grammar
     applies from the token after the first occurrence of the marker, so reasoning is not
-    constrained (only the end of the reply is withheld until the answer is complete). ``overlap``
+    constrained (only the end of the reply is withheld until the answer is complete). With
+    ``think_start`` too (one token id, or its text), reasoning is optional: the reply may open with
+    ``think_start`` (then it is free until ``think_end``) or start with the answer at once. ``overlap``
     (the default) starts the model's forward pass before the mask is computed on the CPU, so the
     two run at the same time (see ``bench/guided.py``).
     """
@@ -53,6 +55,7 @@ class Constraint:
         tokenizer: Any,
         *,
         think_end: Sequence[int] | str | None = None,
+        think_start: int | str | None = None,
         overlap: bool = True,
     ) -> None:
         self.spec = spec
@@ -67,10 +70,18 @@ class Constraint:
         self._think_end = [int(t) for t in think_end] if think_end is not None else None
         if self._think_end == []:
             raise InvalidOutputSpecError("think_end is empty: give the reasoning block's end marker, or None.")
+        if isinstance(think_start, str):
+            ids = tokenizer.encode(think_start, add_special_tokens=False)
+            if len(ids) != 1:
+                raise InvalidOutputSpecError(f"think_start {think_start!r} is {len(ids)} tokens: give a one-token marker.")
+            think_start = ids[0]
+        if think_start is not None and self._think_end is None:
+            raise InvalidOutputSpecError("think_start needs think_end: give both markers of the reasoning block.")
+        self._think_start = None if think_start is None else int(think_start)
         self._eos = list(self._llt.eos_tokens)
         self._overlap = overlap
         self._tokens: list[int] = []  # every reply token shown so far (reasoning included)
-        self._answer_start: int | None = 0 if self._think_end is None else None
+        self._answer_start = self._initial_answer_start()  # None: inside the (free) reasoning block
         self._consumed = 0  # tokens the matcher holds: the reply from _answer_start on, ends left out
         self._ended = False  # an end-of-sequence token was taken after the answer
         self._start: int | None = None  # the processor's prompt length (from its first call)
@@ -79,6 +90,9 @@ class Constraint:
         self.mask_count = 0
 
     # -- state ---------------------------------------------------------------------------------
+
+    def _initial_answer_start(self) -> int | None:
+        return None if self._think_end is not None and self._think_start is None else 0
 
     @property
     def tokens(self) -> list[int]:
@@ -101,7 +115,8 @@ class Constraint:
         without touching the state: e.g. the tokens a stream has handed out so far."""
         tokens = [int(t) for t in tokens]
         start = 0
-        if self._think_end is not None:
+        opens = self._think_start is None or tokens[:1] == [self._think_start]
+        if self._think_end is not None and opens:
             m = len(self._think_end)
             start = next((i + m for i in range(len(tokens) - m + 1) if tokens[i : i + m] == self._think_end), None)
             if start is None:
@@ -148,6 +163,9 @@ class Constraint:
         token source did not apply this constraint's mask)."""
         token = int(token)
         self._tokens.append(token)
+        if len(self._tokens) == 1 and self._think_start is not None and token == self._think_start:
+            self._answer_start = None  # the reply opens its reasoning block
+            return
         if self._answer_start is None:
             marker = self._think_end or []
             if self._tokens[-len(marker) :] == marker:
@@ -191,7 +209,9 @@ class Constraint:
                 self._matcher.rollback(self._consumed - len(keep))
                 self._consumed = len(keep)
             if new_len < self._answer_start:
-                self._answer_start = None if self._think_end is not None else 0
+                self._answer_start = None
+        if new_len == 0:
+            self._answer_start = self._initial_answer_start()
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Bring the state to exactly the reply ``tokens``: roll back past their common prefix with
@@ -243,6 +263,8 @@ class Constraint:
                 allowed = bits[:vocab_size]
             else:  # logits wider than the tokenizer (padded embeddings): those ids are never allowed
                 allowed = np.concatenate([bits, np.zeros(vocab_size - bits.size, dtype=bool)])
+            if not self._tokens and self._think_start is not None and self._think_start < vocab_size:
+                allowed[self._think_start] = True  # or open a reasoning block first
         self.mask_seconds += time.perf_counter() - t0
         self.mask_count += 1
         return allowed
@@ -266,10 +288,15 @@ class Constraint:
 
 
 def constraint(
-    spec: OutputSpec, tokenizer: Any, *, think_end: Sequence[int] | str | None = None, overlap: bool = True
+    spec: OutputSpec,
+    tokenizer: Any,
+    *,
+    think_end: Sequence[int] | str | None = None,
+    think_start: int | str | None = None,
+    overlap: bool = True,
 ) -> Constraint:
     """A :class:`Constraint` for one reply of ``spec`` over ``tokenizer``."""
-    return Constraint(spec, tokenizer, think_end=think_end, overlap=overlap)
+    return Constraint(spec, tokenizer, think_end=think_end, think_start=think_start, overlap=overlap)
 
 
 __all__ = ["Constraint", "constraint"]

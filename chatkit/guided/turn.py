@@ -1,7 +1,9 @@
-"""Guided turns over a ``ChatSession``'s public API, until the session takes ``output=`` itself.
+"""Guided turns over a ``ChatSession``'s public API: what ``session.respond(prompt, output=...)``
+(and ``stream_respond``, ``arespond``, ``astream_respond``) call, and the same with more options.
 
-    person = guided.respond(session, "My name is Ada and I live in Oslo.", output=Person)
-    with guided.stream_respond(session, "...", output=Recipe) as stream:
+    person = session.respond("My name is Ada and I live in Oslo.", output=Person)
+    person = guided.respond(session, "...", output=Person, describe="none")   # the prompt as is
+    with session.stream_respond("...", output=Recipe) as stream:
         for chunk in stream:
             form.show(stream.partial)          # the complete fields so far
     recipe = stream.value                      # the validated Recipe
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Sequence
 
+from ..aio import AsyncResponseStream
 from ..errors import ChatKitError, InvalidOutputSpecError
 from .constraint import Constraint
 from .describe import instructions
@@ -59,6 +62,11 @@ class GuidedStream:
             raise ChatKitError("The stream has not ended yet: iterate it to the end (or close it) first.")
         return self.constraint.finish(self._stream.tokens)
 
+    def __getattr__(self, name: str) -> Any:  # the rest of ResponseStream: tokens, stats, closed...
+        if name.startswith("__") or name == "_stream":
+            raise AttributeError(name)
+        return getattr(self._stream, name)
+
     def __iter__(self) -> "GuidedStream":
         return self
 
@@ -77,34 +85,56 @@ class GuidedStream:
 
 def stream_respond(
     session: Any,
-    prompt: str,
+    prompt: Any,
     *,
     output: Any = None,
     regex: str | None = None,
     grammar: str | None = None,
+    role: Any = "user",
     describe: Describe = "prompt",
-    think_end: Sequence[int] | str | None = None,
 ) -> GuidedStream:
     """Send ``prompt`` to ``session`` and stream a reply constrained to ``output`` / ``regex`` /
     ``grammar`` (see :func:`output_spec`). ``describe="prompt"`` appends the spec's description
-    (:func:`instructions`) to the message, so the model knows the shape it must fill (the history
-    keeps it, as the model saw it); ``"none"`` sends the prompt as is. ``think_end`` starts the
-    constraint after a reasoning block (e.g. ``"</think>"`` when the template opens one).
+    (:func:`instructions`) to a text prompt, so the model knows the shape it must fill (the history
+    keeps it, as the model saw it); ``"none"`` sends the prompt as is.
 
-    Bad specs raise ``InvalidOutputSpecError`` before the session is touched.
+    Reasoning stays free: when the rendered prompt ends inside an open reasoning block (the
+    tokenizer's think markers), the constraint starts after its end marker; when the chat template
+    knows the markers, the reply may open a block first. Bad specs raise ``InvalidOutputSpecError``
+    before the session is touched.
     """
     spec = output_spec(output, regex=regex, grammar=grammar)
-    constraint = Constraint(spec, session.model.tokenizer, think_end=think_end)
     if describe == "prompt":
-        prompt = f"{prompt}\n\n{instructions(spec)}"
+        if isinstance(prompt, str):
+            prompt = f"{prompt}\n\n{instructions(spec)}"
     elif describe != "none":
         raise InvalidOutputSpecError(f"describe must be 'prompt' or 'none', got {describe!r}.")
+    think_start, think_end = _reasoning(session, prompt, role)
+    constraint = Constraint(spec, session.model.tokenizer, think_end=think_end, think_start=think_start)
     params = session.generate_params
     session.generate_params = params.copy(logits_processors=[*params.logits_processors, constraint])
     try:
-        return GuidedStream(session.stream_respond(prompt), constraint)
+        return GuidedStream(session.stream_respond(prompt, role=role), constraint)
     finally:
         session.generate_params = params  # the turn took its own copy
+
+
+def _reasoning(session: Any, prompt: Any, role: Any) -> tuple[int | None, list[int] | None]:
+    """(think_start, think_end) for the constraint: (None, None) without reasoning markers; (None,
+    end) when the rendered prompt opens the block; (start, end) when the template knows the markers
+    (the reply may open a block)."""
+    tok = session.model.tokenizer
+    start, end = getattr(tok, "think_start", None), getattr(tok, "think_end", None)
+    if not getattr(tok, "has_thinking", False) or not start or not end:
+        return None, None
+    end_ids = list(tok.encode(end, add_special_tokens=False))
+    rendered = session.render(prompt, role=role)
+    if rendered.rstrip().endswith(start):
+        return None, end_ids
+    template = getattr(tok, "chat_template", None)
+    if isinstance(template, str) and start in template and getattr(tok, "think_start_id", None) is not None:
+        return tok.think_start_id, end_ids
+    return None, None
 
 
 def respond(session: Any, prompt: str, **options: Any) -> Any:
@@ -115,4 +145,16 @@ def respond(session: Any, prompt: str, **options: Any) -> Any:
     return stream.value
 
 
-__all__ = ["GuidedStream", "respond", "stream_respond"]
+class AsyncGuidedStream(AsyncResponseStream):
+    """An ``AsyncResponseStream`` over a :class:`GuidedStream`: ``partial`` and ``value`` too."""
+
+    @property
+    def partial(self) -> Any:
+        return self._stream.partial
+
+    @property
+    def value(self) -> Any:
+        return self._stream.value
+
+
+__all__ = ["AsyncGuidedStream", "GuidedStream", "respond", "stream_respond"]
