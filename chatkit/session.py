@@ -37,6 +37,7 @@ from .turn import Prompting, Turn
 
 if TYPE_CHECKING:
     from .builder import ChatSessionBuilder
+    from .guided.turn import GuidedStream
 
 ProgressCallback = Callable[[int, int], None]
 STOPPING_TURN_WAIT = 60.0  # seconds; a stopping async turn may still be finishing a prefill chunk
@@ -275,7 +276,7 @@ class ChatSession:
     def stream_respond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
         output: Any = None, regex: str | None = None, grammar: str | None = None,
-    ) -> ResponseStream:
+    ) -> ResponseStream | GuidedStream:
         """Send ``prompt`` and return the reply as a :class:`ResponseStream` of text chunks.
 
         ``prompt`` is the text of a message from ``role`` (user by default; tool results with

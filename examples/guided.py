@@ -3,7 +3,8 @@
 Run: python examples/guided.py [--model demo|ID|PATH]
 
 1. A Lark grammar keeps the model in its own phrasing and fixes the shape; the slots it fills
-   become a Person.
+   become a Person. (chatkit.guided.respond with describe="none": the demo model cannot read a
+   description of the grammar; session.respond(..., grammar=...) appends one to the message.)
 2. output=Person streams a JSON object: the form fills in field by field (stream.partial), and
    stream.value is the validated Person. (The demo model never saw JSON in training, so the values
    it picks are guesses: the point is that the object is always valid.)
@@ -57,6 +58,10 @@ with guided.stream_respond(session, "Describe me as JSON.", output=Person, descr
 print(f"value: {stream.value!r}")
 print(f"committed reply: {session.history[-1].content}")
 session.undo()  # out of the demo model's world: keep it out of the history
+
+# The session's own keywords do the same, with the grammar described to the model in the message.
+NAME_GRAMMAR = f'start: "Your name is " {WORD} "."'
+print(f"> What is my name?  (session.respond(..., grammar=...))\n{session.respond('What is my name?', grammar=NAME_GRAMMAR)}")
 
 # 3. A regex, and a reply cut short.
 sum_reply = guided.respond(session, "What is 7 + 5?", regex=r"7 \+ 5 = [0-9]{1,3}\.", describe="none")

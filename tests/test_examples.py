@@ -55,5 +55,6 @@ def test_guided_example():
     assert set(json.loads(committed)) == {"name", "city"}
     partials = [line for line in out.splitlines() if line.startswith("  partial: ")]
     assert len(partials) >= 2, "the object fills in while it streams"
+    assert "(session.respond(..., grammar=...))\nYour name is Ada.\n" in out
     assert "7 + 5 = 12." in out and "IncompleteOutputError" in out
     assert out.rstrip().endswith("Your name is Ada."), "the session stays usable"
