@@ -217,11 +217,15 @@ class Constraint:
         """Bring the state to exactly the reply ``tokens``: roll back past their common prefix with
         what was seen, then advance through the rest."""
         tokens = [int(t) for t in tokens]
-        common = 0
-        for a, b in zip(self._tokens, tokens):
-            if a != b:
-                break
-            common += 1
+        n = len(self._tokens)
+        if len(tokens) >= n and tokens[:n] == self._tokens:  # the usual step: one more token
+            common = n
+        else:
+            common = 0
+            for a, b in zip(self._tokens, tokens):
+                if a != b:
+                    break
+                common += 1
         self.rollback(len(self._tokens) - common)
         for t in tokens[common:]:
             self.advance(t)
@@ -258,7 +262,12 @@ class Constraint:
             allowed[eos] = True
         else:
             self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
-            bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little").astype(bool)
+            if self._matcher.is_error():  # e.g. a parser limit: no mask to give (the logits would be all -inf)
+                raise InvalidOutputSpecError(
+                    f"The {self.spec.name} grammar failed while generating: "
+                    f"{self._matcher.get_error().strip().splitlines()[0]}. Simplify the schema or grammar."
+                )
+            bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little").view(bool)
             if bits.size >= vocab_size:
                 allowed = bits[:vocab_size]
             else:  # logits wider than the tokenizer (padded embeddings): those ids are never allowed
@@ -283,7 +292,7 @@ class Constraint:
             mx.async_eval(logits)  # the forward pass runs while the matcher works on the CPU
         if self._start is None:
             self._start = tokens.size
-        self.sync(tokens[self._start :].tolist() if tokens.size > self._start else [])
+        self.sync(tokens.tolist()[self._start :])
         return self.mask_logits(logits)
 
 
