@@ -13,10 +13,13 @@
     ├── ContextWindowExceededError     the prompt does not fit the model's context window
     ├── NothingToUndoError             no exchange to undo
     ├── NothingToRegenerateError       no reply to answer again
-    └── CacheError                     about a KV cache
-        ├── NoCacheAvailableError      there is no cache (yet) to save
-        ├── CacheFileError             a cache file is missing, unreadable or corrupt
-        └── IncompatibleCacheError     a saved cache belongs to another model or tokenizer
+    ├── CacheError                     about a KV cache
+    │   ├── NoCacheAvailableError      there is no cache (yet) to save
+    │   ├── CacheFileError             a cache file is missing, unreadable or corrupt
+    │   └── IncompatibleCacheError     a saved cache belongs to another model or tokenizer
+    ├── InvalidOutputSpecError         a guided output spec is unsupported or does not compile (also ValueError)
+    ├── IncompleteOutputError          a guided reply ended before its value was complete
+    └── OutputValidationError          a guided value matched its schema but its type's validators refused it
 
 A refused call changes nothing: the session is as it was before the call.
 """
@@ -89,6 +92,29 @@ class IncompatibleCacheError(CacheError):
     """A saved cache belongs to another model or tokenizer than the one it is restored into."""
 
 
+class InvalidOutputSpecError(ChatKitError, ValueError):
+    """A guided-output spec (type, JSON Schema, regex or grammar) is unsupported or does not compile."""
+
+
+class IncompleteOutputError(ChatKitError):
+    """Guided generation ended (``max_tokens``, a stop) before the value was complete.
+
+    ``text`` is the constrained text produced so far; ``partial`` the partial object parsed from it.
+    """
+
+    def __init__(self, message: str, *, text: str, partial: object = None) -> None:
+        super().__init__(message)
+        self.text = text
+        self.partial = partial
+
+
+class OutputValidationError(ChatKitError):
+    """A guided reply matched the schema but the type's own validators rejected it (``text`` has it)."""
+
+    def __init__(self, message: str, *, text: str) -> None:
+        super().__init__(message)
+        self.text = text
+
 __all__ = [
     "CacheError",
     "CacheFileError",
@@ -96,12 +122,15 @@ __all__ = [
     "ContextWindowExceededError",
     "IncompatibleCacheError",
     "IncompatibleDraftError",
+    "IncompleteOutputError",
     "InvalidMessageError",
+    "InvalidOutputSpecError",
     "InvalidParamsError",
     "ModelLoadError",
     "NoCacheAvailableError",
     "NothingToRegenerateError",
     "NothingToUndoError",
+    "OutputValidationError",
     "SessionBusyError",
     "SpeculativeCacheRestoreError",
     "TemplateError",

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from . import _tokenizer
-from .aio import AsyncResponseStream
+from .aio import AsyncGuidedStream, AsyncResponseStream
 from .cache import store
 from .cache.state import CacheInfo, CacheOptions, CacheState
 from .conversation import Conversation
@@ -29,9 +29,9 @@ from .errors import (
 )
 from .loading import LoadedModel
 from .messages import ChatMessage, MessageLike, Role, as_message, check_instructions
-from .params import GenerateParams
+from .params import GenerateParams, LogitsProcessor
 from .speculative import SpeculativeConfig, check_cache_options
-from .stream import ResponseStream, TurnResult, TurnStats
+from .stream import GuidedStream, ResponseStream, TurnResult, TurnStats
 from .template import ChatTemplate, check_tools
 from .turn import Prompting, Turn
 
@@ -260,34 +260,67 @@ class ChatSession:
             return other
 
     # -- turns --------------------------------------------------------------------------------
-    def respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> str:
-        """Send ``prompt`` and return the whole reply."""
-        with self.stream_respond(prompt, role=role) as stream:
+    def respond(
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
+    ) -> Any:
+        """Send ``prompt`` and return the whole reply. With ``output=`` (a type or a JSON Schema),
+        ``regex=`` or ``grammar=`` (Lark) the reply is constrained and its value is returned
+        (:mod:`chatkit.guided`; ``IncompleteOutputError`` if ``max_tokens`` cut it short)."""
+        with self.stream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar,
+                                  include_schema=include_schema) as stream:
             for _ in stream:
                 pass
-        return stream.text
+        return stream.value if _guided(output, regex, grammar) else stream.text
 
-    def stream_respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> ResponseStream:
+    def stream_respond(
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
+    ) -> ResponseStream | GuidedStream:
         """Send ``prompt`` and return the reply as a :class:`ResponseStream` of text chunks.
 
         ``prompt`` is the text of a message from ``role`` (user by default; tool results with
-        ``Role.TOOL``), or a ``ChatMessage``/dict. Nothing runs until the stream is iterated.
+        ``Role.TOOL``), or a ``ChatMessage``/dict. Nothing runs until the stream is iterated. With
+        ``output=`` / ``regex=`` / ``grammar=`` it is a ``GuidedStream`` with ``partial`` and ``value``;
+        ``include_schema`` appends the spec's description to a text prompt (the model then follows it
+        with fewer forced tokens).
         """
-        return self._open_turn(_prompt_message(prompt, role))
+        message = _prompt_message(prompt, role)
+        if not _guided(output, regex, grammar):
+            return self._open_turn(message)
+        from .guided.turn import guide  # the guided extra
 
-    def astream_respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> AsyncResponseStream:
+        message, constraint = guide(
+            message, self.model.tokenizer, self.render, output=output, regex=regex, grammar=grammar,
+            include_schema=include_schema,
+        )
+        return GuidedStream(self._open_turn(message, constraint), constraint)
+
+    def astream_respond(
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
+    ) -> AsyncResponseStream:
         """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread."""
         stop = threading.Event()  # stream_respond may still wait on the previous async turn's
-        stream = AsyncResponseStream(self.stream_respond(prompt, role=role), stop=stop)
+        inner = self.stream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar,
+                                  include_schema=include_schema)
+        if isinstance(inner, GuidedStream):
+            stream: AsyncResponseStream = AsyncGuidedStream(inner, stop=stop)
+        else:
+            stream = AsyncResponseStream(inner, stop=stop)
         self._async_stop = stop
         return stream
 
-    async def arespond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> str:
+    async def arespond(
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
+    ) -> Any:
         """As :meth:`respond`, without blocking the event loop. Cancelling it commits the reply so far."""
-        async with self.astream_respond(prompt, role=role) as stream:
+        async with self.astream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar,
+                                   include_schema=include_schema) as stream:
             async for _ in stream:
                 pass
-        return stream.text
+        return stream.value if _guided(output, regex, grammar) else stream.text
 
     def render(self, prompt: str | MessageLike | None = None, *, role: Role | str = Role.USER) -> str:
         """The prompt text the model would see if ``prompt`` were sent now (the template's output)."""
@@ -296,10 +329,13 @@ class ChatSession:
             return self._prompting().text(history, self._params, add_generation_prompt=False)
         return self._prompting().text([*history, _prompt_message(prompt, role)], self._params)
 
-    def _open_turn(self, message: ChatMessage | None) -> ResponseStream:
+    def _open_turn(self, message: ChatMessage | None, constraint: LogitsProcessor | None = None) -> ResponseStream:
         """Take the turn and prepare it: answer ``message`` after the history, or (``None``) answer the
-        last prompt again. The turn is held until the stream commits or aborts."""
+        last prompt again; ``constraint`` (guided output) masks every step after the session's own
+        processors. The turn is held until the stream commits or aborts."""
         params = self._params.copy()
+        if constraint is not None:
+            params = params.copy(logits_processors=[*params.logits_processors, constraint])
         params.validate()
         if not self._take_turn():
             raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")
@@ -378,6 +414,10 @@ class _Idle:
 
     def __exit__(self, *exc_info: object) -> None:
         self._session._turn.release()
+
+
+def _guided(output: Any, regex: str | None, grammar: str | None) -> bool:
+    return output is not None or regex is not None or grammar is not None
 
 
 def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:

@@ -1,5 +1,6 @@
 """Every example runs offline on the bundled demo pair."""
 
+import json
 import os
 import subprocess
 import sys
@@ -48,3 +49,16 @@ def test_app_integration():
     full = "I can do small sums, spell words, count letters, repeat after you and remember what you tell me."
     assert shown and kept.startswith(shown) and full.startswith(kept) and len(kept) < len(full), stopped
     assert "bot> Your name is Ada." in out and "worker thread bot> 2 + 3 = 5." in out
+
+
+def test_guided_example():
+    out = run("guided.py")
+    assert "Your name is Ada.\n" in out and "You live in Oslo.\n" in out
+    assert "from the guided replies: Person(name='Ada', city='Oslo')" in out
+    committed = out.split("committed reply: ")[1].splitlines()[0]
+    assert set(json.loads(committed)) == {"name", "city"}
+    partials = [line for line in out.splitlines() if line.startswith("  partial: ")]
+    assert len(partials) >= 2, "the object fills in while it streams"
+    assert "(session.respond(..., grammar=...))\nYour name is Ada.\n" in out
+    assert "7 + 5 = 12." in out and "IncompleteOutputError" in out
+    assert out.rstrip().endswith("Your name is Ada."), "the session stays usable"

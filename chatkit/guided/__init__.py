@@ -1,0 +1,44 @@
+"""Guided generation: replies that are valid values by construction.
+
+    from chatkit.guided import output_spec, Constraint, instructions
+
+    spec = output_spec(Person)                 # or a JSON Schema dict, regex="...", grammar="..."
+    c = Constraint(spec, lm.tokenizer)         # one per reply; masks every step through llguidance
+    # mlx-lm: generate_step(prompt, model, logits_processors=[c]) (or speculative_generate_step)
+    person = c.finish()                        # a validated Person, or IncompleteOutputError
+    c.partial()                                # while streaming: the complete fields so far
+
+``instructions(spec)`` is the text to show the model (it follows a schema it sees with fewer
+forced tokens). Needs the ``guided`` extra (llguidance, pydantic).
+"""
+
+try:
+    import llguidance  # noqa: F401
+    import pydantic  # noqa: F401
+except ImportError as e:  # an optional extra: say how to get it
+    raise ImportError(f"chatkit.guided needs the guided extra: pip install 'chatkit[guided]' ({e}).") from e
+
+from .constraint import Constraint, constraint
+from .describe import instructions, response_format
+from .partial import partial_json
+from .spec import OutputSpec, matches, output_spec, strict_schema
+from .tokenizer import llg_tokenizer
+from ..stream import GuidedStream
+from .turn import guide, respond, stream_respond
+
+__all__ = [
+    "Constraint",
+    "GuidedStream",
+    "guide",
+    "OutputSpec",
+    "constraint",
+    "instructions",
+    "llg_tokenizer",
+    "matches",
+    "output_spec",
+    "partial_json",
+    "respond",
+    "response_format",
+    "stream_respond",
+    "strict_schema",
+]
