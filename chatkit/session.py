@@ -200,6 +200,7 @@ class ChatSession:
         with self._idle("restore the cache"):
             saved = store.load(path)
             store.check_fingerprint(self._lm.fingerprint, saved.info.fingerprint, repr(str(path)))
+            store.check_layers(self._lm.model, saved, repr(str(path)))
             # A draft's cache is not saved: it is refilled from the ledger at the next turn.
             draft_model = self._speculative.draft.model if self._speculative is not None else None
             self._cache = CacheState.restored(

@@ -75,9 +75,10 @@ def copy_layer(layer: Any) -> Any:
     return type(layer).from_state(state)
 
 
-def layers_fit(model: Any, layers: Sequence[Any]) -> str | None:
-    """Why ``layers`` cannot be this model's cache (count, classes, KV heads and widths); ``None`` if they fit."""
-    fresh = make_prompt_cache(model)
+def layers_fit(model: Any, layers: Sequence[Any], max_kv_size: int | None = None) -> str | None:
+    """Why ``layers`` cannot be this model's cache (count, classes, batch, KV heads and widths, the
+    shapes of recurrent states); ``None`` if they fit. ``max_kv_size``: the layers are rotating."""
+    fresh = make_prompt_cache(model, max_kv_size=max_kv_size)
     if len(layers) != len(fresh):
         return f"it has {len(layers)} layers, the model {len(fresh)}"
     for i, (got, want) in enumerate(zip(layers, fresh)):
@@ -86,11 +87,24 @@ def layers_fit(model: Any, layers: Sequence[Any]) -> str | None:
             return f"layer {i} is a {type(got).__name__}, the model uses {type(want).__name__}"
     model(mx.array([[0]]), cache=fresh)  # one token shows the shapes the model writes
     for i, (got, want) in enumerate(zip(layers, fresh)):
-        keys, ref = getattr(got, "keys", None), getattr(want, "keys", None)
-        if isinstance(keys, mx.array) and isinstance(ref, mx.array):
-            if keys.shape[1] != ref.shape[1] or keys.shape[-1] != ref.shape[-1]:
-                return f"layer {i} holds keys of shape {tuple(keys.shape)}, the model writes {tuple(ref.shape)}"
+        have, need = _fixed_shapes(got), _fixed_shapes(want)
+        if have is not None and have != need:
+            return f"layer {i} holds arrays shaped {have}, the model writes {need} (the token axis aside)"
     return None
+
+
+def _fixed_shapes(layer: Any) -> list[Any] | None:
+    """The shapes of a layer's arrays that do not depend on how many tokens it holds (``None``: empty)."""
+    keys = getattr(layer, "keys", None)
+    if isinstance(layer, QuantizedKVCache) and keys is not None:
+        # Packed uint32 words of 32 // bits values: compare as the unquantized width.
+        return [(*a[0].shape[:-2], a[0].shape[-1] * 32 // layer.bits) for a in (layer.keys, layer.values)]
+    if isinstance(keys, mx.array):
+        return [(*a.shape[:-2], a.shape[-1]) for a in (layer.keys, layer.values)]
+    if hasattr(layer, "keys"):
+        return None  # an attention layer that holds nothing yet
+    state = layer.state
+    return [tuple(v.shape) if isinstance(v, mx.array) else None for v in (state if isinstance(state, (list, tuple)) else [state])]
 
 
 # Layers that rewind exactly at any time; a checkpoint needs only their offset.
