@@ -54,6 +54,10 @@ class IncompatibleCacheError(ChatKitError):
 
 
 
+class MissingDependencyError(ChatKitError, ImportError):
+    """An optional dependency (an extra such as ``chatkit[testing]``) is not installed."""
+
+
 class IncompatibleDraftError(ChatKitError):
     """The draft model does not share the target model's tokenizer, or its cache cannot rewind."""
 
@@ -75,5 +79,6 @@ __all__ = [
     "CacheFileError",
     "IncompatibleCacheError",
     "IncompatibleDraftError",
+    "MissingDependencyError",
     "SpeculativeCacheRestoreError",
 ]

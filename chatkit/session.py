@@ -27,7 +27,7 @@ from .errors import (
 )
 from .generation import generate_tokens, with_context
 from .loading import LoadedModel
-from .messages import ChatMessage, MessageLike, Role, as_message
+from .messages import ChatMessage, MessageLike, Role, as_message, check_text
 from .params import GenerateParams
 from .speculative import SpeculativeConfig
 from .stream import ResponseStream, TurnResult, TurnStats
@@ -230,7 +230,7 @@ class ChatSession:
     def stream_regenerate(self) -> ResponseStream:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
         params = self._params
-        params.validate()
+        params.validate(self._lm.vocab_size)
         if not self._take_turn():
             raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")
         try:
@@ -279,7 +279,7 @@ class ChatSession:
         """
         message = _prompt_message(prompt, role)
         params = self._params
-        params.validate()
+        params.validate(self._lm.vocab_size)
         if not self._take_turn():
             raise SessionBusyError(
                 "This session already has a turn in progress: finish or close its stream first."
@@ -488,6 +488,8 @@ def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:
 def _check_instructions(value: str | None) -> str | None:
     if value is not None and not isinstance(value, str):
         raise InvalidMessageError(f"Instructions must be a str or None, got {type(value).__name__}.")
+    if value is not None:
+        check_text("Instructions", value)
     return value
 
 

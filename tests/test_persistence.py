@@ -20,7 +20,6 @@ from chatkit import (
     SessionBusyError,
 )
 from chatkit.cache import store
-from chatkit.errors import InvalidParamsError
 from conftest import assert_ledger_matches_cache, session_for
 
 PARAMS = GenerateParams(max_tokens=10)

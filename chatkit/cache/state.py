@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from ..errors import InvalidParamsError
@@ -103,8 +103,7 @@ def _fixed_shapes(layer: Any) -> list[Any] | None:
         return [(*a.shape[:-2], a.shape[-1]) for a in (layer.keys, layer.values)]
     if hasattr(layer, "keys"):
         return None  # an attention layer that holds nothing yet
-    state = layer.state
-    return [tuple(v.shape) if isinstance(v, mx.array) else None for v in (state if isinstance(state, (list, tuple)) else [state])]
+    return [(name, tuple(v.shape) if isinstance(v, mx.array) else v) for name, v in tree_flatten(layer.state)]
 
 
 # Layers that rewind exactly at any time; a checkpoint needs only their offset.

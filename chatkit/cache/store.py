@@ -287,7 +287,7 @@ def _write_problem(where: str, folder: Path, exc: BaseException) -> str:
 
 
 def _crc_text(text: str) -> str:
-    return f"{zlib.crc32(text.encode('utf-8')):08x}"
+    return f"{zlib.crc32(text.encode('utf-8', 'surrogatepass')):08x}"
 
 
 def _state_digest(layers: Sequence[Any]) -> dict[str, Any]:
