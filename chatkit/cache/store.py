@@ -386,6 +386,8 @@ def _inspect(target: Path) -> tuple[CacheFileInfo, dict[str, Any] | None]:
     metadata, tensor_bytes, file_bytes = _read_header(target)
     classes = _classes(metadata, where)
     raw = metadata.get(f"0.{_KEY}")
+    if raw is None and f"0.{_SUM_KEY}" in metadata:
+        raise CacheFileError(f"{where} is damaged: it has a checksum of chatkit metadata but no metadata.")
     if raw is None:
         info = CacheFileInfo(
             path=str(target),
