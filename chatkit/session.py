@@ -230,7 +230,7 @@ class ChatSession:
     def stream_regenerate(self) -> ResponseStream:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
         params = self._params
-        params.validate(self._lm.vocab_size)
+        params.validate(_vocab_size(self._lm, self._speculative))
         if not self._take_turn():
             raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")
         try:
@@ -279,7 +279,7 @@ class ChatSession:
         """
         message = _prompt_message(prompt, role)
         params = self._params
-        params.validate(self._lm.vocab_size)
+        params.validate(_vocab_size(self._lm, self._speculative))
         if not self._take_turn():
             raise SessionBusyError(
                 "This session already has a turn in progress: finish or close its stream first."
@@ -483,6 +483,11 @@ def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:
     if message.role is Role.ASSISTANT:
         raise InvalidMessageError("A prompt cannot come from the assistant: use role user, tool or system.")
     return message
+
+
+def _vocab_size(lm: LoadedModel, speculative: SpeculativeConfig | None) -> int:
+    """Token ids must be below this in every model a turn runs (mlx-lm biases the draft's logits too)."""
+    return lm.vocab_size if speculative is None else min(lm.vocab_size, speculative.draft.vocab_size)
 
 
 def _check_instructions(value: str | None) -> str | None:

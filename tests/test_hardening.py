@@ -189,14 +189,22 @@ def test_pool_keeps_working_when_its_folder_is_gone(tiny, tmp_path):
     pool.session("b").respond("Hello")  # evicts a: saved to the folder
     assert pool.evicted("a")
     shutil.rmtree(folder)
-    # Evicting b now cannot save: the pool still releases it, and nobody sees an error.
-    reply_c = pool.session("c").respond("Hi there")
-    assert reply_c == talk(lm, turns=()).respond("Hi there")
-    # a's file is gone: a is restored from its transcript (a re-prefill) and answers as a fresh session.
-    session_a = pool.session("a")
-    assert [m.content for m in session_a.history] == ["My name is Ada.", first]
-    expected = session_for(lm, params=PARAMS, history=session_a.history).respond("What is my name?")
-    assert session_a.respond("What is my name?") == expected
+    # The folder is made again for the next eviction (b's); a's file is gone.
+    assert pool.session("c").respond("Hi there") == talk(lm, turns=()).respond("Hi there")
+    assert pool.evicted("b") and not pool.evicted("c")
+    shutil.rmtree(folder)
+    folder.write_text("now a file: every save fails")
+    # Evicting c cannot save: the pool releases its cache anyway and nobody sees an error.
+    d = pool.session("d")
+    assert d.respond("Hey") == talk(lm, turns=()).respond("Hey")
+    assert not pool.evicted("c") and pool.cache_bytes() == d.cache_info().nbytes  # c's memory was freed
+    # a and b lost their files: they come back from their transcripts and answer as fresh sessions.
+    for key, said in (("a", ["My name is Ada.", first]), ("b", None)):
+        session = pool.session(key)
+        if said:
+            assert [m.content for m in session.history] == said
+        expected = session_for(lm, params=PARAMS, history=session.history).respond("What is my name?")
+        assert session.respond("What is my name?") == expected
 
 
 # -- 2. metadata schema: always a CacheFileError naming the file ---------------------------------------
