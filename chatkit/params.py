@@ -53,7 +53,9 @@ class GenerateParams:
         return replace(base, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings as JSON-ready data (``logits_processors`` are code and are left out)."""
+        """The settings as JSON-ready data (``logits_processors`` are code and are left out).
+        ``InvalidParamsError`` if a setting is out of range (e.g. assigned but never used in a turn)."""
+        self.validate()
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,

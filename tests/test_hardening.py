@@ -137,6 +137,11 @@ def test_save_through_a_symlink_keeps_the_link(tiny, tmp_path):
     session.save_cache(link)
     assert link.is_symlink() and os.readlink(link) == str(real)
     assert len(ChatSession.builder(session.model).cache(real).build().history) == 4
+    blob = tmp_path / "store" / "blob"  # a link with the right name to a file without the suffix
+    blob.parent.mkdir()
+    (tmp_path / "named.safetensors").symlink_to(blob)
+    session.save_cache(tmp_path / "named.safetensors")
+    assert blob.is_file() and len(ChatSession.builder(session.model).cache(tmp_path / "named.safetensors").build().history) == 4
 
 
 def test_a_pipe_or_device_is_never_replaced(tiny, tmp_path):
@@ -468,3 +473,11 @@ def test_a_lone_surrogate_is_an_invalid_message_error(tiny):
     with pytest.raises(InvalidMessageError, match="surrogate"):
         session.instructions = "be \ud83d brief"
     assert session.history == [] and not session.busy
+
+
+def test_saving_with_params_that_were_never_checked_is_an_invalid_params_error(tiny, tmp_path):
+    session = talk(tiny())
+    session.generate_params = GenerateParams(logit_bias=[1, 2])  # assigned, never used in a turn
+    with pytest.raises(InvalidParamsError, match="logit_bias"):
+        session.save_cache(tmp_path / "chat.safetensors")
+    assert list(tmp_path.iterdir()) == []
