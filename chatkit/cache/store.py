@@ -217,11 +217,7 @@ def _save_target(path: Any) -> Path:
             f"{text}chat.safetensors."
         )
     target = Path(os.path.expanduser(text))
-    if target.suffix != ".safetensors":
-        raise CacheFileError(
-            f"{where}: a cache file's name must end in .safetensors (mlx-lm and MLX read it by "
-            f"its extension): save to {target.name}.safetensors instead."
-        )
+    name = target.name  # the name readers will open, also when it is a link
     try:
         if target.is_symlink():
             target = Path(os.path.realpath(target))  # replace the file the link points to, keep the link
@@ -232,6 +228,11 @@ def _save_target(path: Any) -> Path:
             raise CacheFileError(
                 f"{where} exists and is not a regular file (a device, pipe or socket): "
                 "chatkit only replaces regular files; save to another path."
+            )
+        if not name.endswith(".safetensors"):
+            raise CacheFileError(
+                f"{where}: a cache file's name must end in .safetensors (mlx-lm and MLX read it by "
+                f"its extension): save to {name}.safetensors instead."
             )
         folder = target.parent
         if not folder.exists():
