@@ -8,10 +8,11 @@ user messages) and answers one more message (greedy, up to 100 tokens), so that 
 about 4,400 tokens. Then, ``--reps`` times each (the full re-prefill ``--prefill-reps`` times),
 interleaved, after a warm-up:
 
-* save: ``session.save_cache(path)`` (atomic write, fsync, rename);
+* save: ``session.save_cache(path)`` (CRC-32 checksums, atomic write, fsync, rename);
 * load: ``ChatSession.builder(lm).cache(path).build()`` with the file in the OS page cache ("warm",
   e.g. saved a moment ago), and after ``posix_fadvise(DONTNEED)`` dropped the file's pages ("cold",
-  read from the disk);
+  read from the disk); also warm with ``verify=False`` (no tensor checksums, no layer check), and
+  the tensor checksums alone;
 * restore TTFT: on the restored session, ``stream_respond(NEXT)`` until its first chunk (only the
   new message is prefilled);
 * re-prefill TTFT: a fresh session built with the same instructions and history
@@ -38,6 +39,7 @@ from pathlib import Path
 from _common import MODEL_CONFIG, OtherLoad, describe, median, wait_until_quiet
 
 from chatkit import ChatSession, GenerateParams, Role, inspect_cache
+from chatkit.cache import store
 from chatkit.testing import tiny_model
 
 INSTRUCTIONS = (
@@ -188,11 +190,11 @@ def main() -> int:
     del uninterrupted, restored, rebuilt
     gc.collect()
 
-    def restore(cold: bool) -> tuple[float, float, int]:
+    def restore(cold: bool, verify: bool = True) -> tuple[float, float, int]:
         if cold:
             drop_page_cache(path)
         t = time.perf_counter()
-        s = ChatSession.builder(lm).cache(path).build()
+        s = ChatSession.builder(lm).cache(path, verify=verify).build()
         load = time.perf_counter() - t
         ttft, prefilled = first_token_time(s, NEXT)
         return load, ttft, prefilled
@@ -208,6 +210,7 @@ def main() -> int:
     gc.collect()
 
     save_s, warm_load, warm_ttft, cold_load, cold_ttft, re_ttft = [], [], [], [], [], []
+    unverified_load, digest_s = [], []
     restore_prefilled = re_prefilled = 0
     for rep in range(args.reps):
         t = time.perf_counter()
@@ -224,6 +227,13 @@ def main() -> int:
         load, ttft, _ = restore(True)
         cold_load.append(load), cold_ttft.append(ttft)
         gc.collect()
+        unverified_load.append(restore(False, verify=False)[0])
+        loaded = store.load(path, verify=False).layers
+        t = time.perf_counter()
+        store._state_digest(loaded)  # what verification adds: a CRC-32 of every tensor's bytes
+        digest_s.append(time.perf_counter() - t)
+        del loaded
+        gc.collect()
 
     # Sizes.
     file_info = inspect_cache(path)
@@ -234,6 +244,7 @@ def main() -> int:
     body = file_info.file_bytes - meta_bytes
 
     sv, wl, wt, cl, ct, rt = map(median, (save_s, warm_load, warm_ttft, cold_load, cold_ttft, re_ttft))
+    ul, dg = median(unverified_load), median(digest_s)
     rows = []
 
     def row(what, value, target="", ok=None):
@@ -251,6 +262,9 @@ def main() -> int:
     row("save_cache", f"{sv * 1e3:.1f} ms ({file_info.file_bytes / sv / 1e9:.2f} GB/s, incl. fsync)")
     row("load (builder.cache(path).build()), warm page cache", f"{wl * 1e3:.1f} ms")
     row("load, cold (file pages dropped)", f"{cl * 1e3:.1f} ms")
+    row("load, warm, verify=False (no tensor checksums, no layer check)", f"{ul * 1e3:.1f} ms")
+    row(f"  tensor checksums alone (CRC-32 of {mb(file_info.tensor_bytes)})",
+        f"{dg * 1e3:.1f} ms ({file_info.tensor_bytes / dg / 1e9:.2f} GB/s)")
     row(f"TTFT after restore ({restore_prefilled} tokens prefilled)", f"{wt * 1e3:.1f} ms (cold run: {ct * 1e3:.1f} ms)")
     row(f"TTFT re-prefill, fresh session ({re_prefilled} tokens prefilled)", f"{rt * 1e3:.1f} ms")
     row("re-prefill TTFT / (warm load + TTFT)", f"{rt / (wl + wt):.1f} x", ">= 10", rt / (wl + wt) >= 10)
@@ -270,6 +284,8 @@ def main() -> int:
           + " | warm load " + " ".join(f"{x * 1e3:.0f}" for x in warm_load)
           + " | restore TTFT " + " ".join(f"{x * 1e3:.0f}" for x in warm_ttft)
           + " | cold load " + " ".join(f"{x * 1e3:.0f}" for x in cold_load)
+          + " | unverified load " + " ".join(f"{x * 1e3:.0f}" for x in unverified_load)
+          + " | checksums " + " ".join(f"{x * 1e3:.0f}" for x in digest_s)
           + " | re-prefill TTFT " + " ".join(f"{x * 1e3:.0f}" for x in re_ttft))
     print(f"restored turn stats: reused {restored_stats.reused_tokens}, prefilled {restored_stats.prefilled_tokens}")
 

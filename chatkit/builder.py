@@ -11,7 +11,6 @@ from .cache._mlx import copy_layer, layer_offset
 from .cache.ledger import Ledger
 from .cache.state import CacheOptions, CacheState, layers_fit
 from .errors import (
-    IncompatibleCacheError,
     InvalidMessageError,
     InvalidParamsError,
     SpeculativeCacheRestoreError,
@@ -110,8 +109,9 @@ class ChatSessionBuilder:
         prompt cache (a file from ``save_prompt_cache`` or a list of cache layers).
 
         A raw cache becomes an opaque prefix: turns render the instructions and the session's messages
-        after it. Its layers are checked against the model unless ``verify=False``; chatkit files are
-        always checked against the model's fingerprint. Settings given to this builder win over the
+        after it. The layers are checked against the model, and a file's tensors against their
+        checksums, unless ``verify=False``; chatkit files are always checked against the model's
+        fingerprint. Settings given to this builder win over the
         file's (the transcript is the truth; the cache only saves work).
         """
         if not isinstance(source, (str, os.PathLike)) and not _is_layer_list(source):
@@ -191,7 +191,7 @@ class ChatSessionBuilder:
 
     def _load_cache(self, source: Any, verify: bool) -> store.LoadedCache:
         if isinstance(source, (str, os.PathLike)):
-            saved = store.load(source)
+            saved = store.load(source, verify=verify)
             where = repr(str(source))
         else:
             layers = [copy_layer(c) for c in source]
@@ -205,18 +205,9 @@ class ChatSessionBuilder:
             saved = store.LoadedCache(layers, Ledger((), offset), info)
             where = "The cache passed to cache()"
         if saved.info.kind == "chatkit":
-            if not verify:
-                raise InvalidParamsError(
-                    "verify=False applies to raw mlx-lm caches only; a chatkit file is always checked against the model."
-                )
             store.check_fingerprint(self._lm.fingerprint, saved.info.fingerprint, where)
-        elif verify:
-            problem = layers_fit(self._lm.model, saved.layers)
-            if problem is not None:
-                raise IncompatibleCacheError(
-                    f"{where} does not fit this model: {problem}. "
-                    "Restore it into the model it was made with (or pass verify=False if you are sure)."
-                )
+        if verify:
+            store.check_layers(self._lm.model, saved, where)
         return saved
 
 

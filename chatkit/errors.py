@@ -9,6 +9,7 @@
     ├── InvalidParamsError             settings out of range or inconsistent         (also ValueError)
     │   └── SpeculativeCacheRestoreError   a draft model together with a restored cache
     ├── IncompatibleDraftError         the draft model cannot serve the target model
+    ├── MissingDependencyError         an optional extra is not installed            (also ImportError)
     ├── SessionBusyError               a turn is in progress: close its stream first
     ├── ContextWindowExceededError     the prompt does not fit the model's context window
     ├── NothingToUndoError             no exchange to undo
@@ -108,6 +109,10 @@ class IncompleteOutputError(ChatKitError):
         self.partial = partial
 
 
+class MissingDependencyError(ChatKitError, ImportError):
+    """An optional dependency (an extra such as ``chatkit[testing]``) is not installed."""
+
+
 class OutputValidationError(ChatKitError):
     """A guided reply matched the schema but the type's own validators rejected it (``text`` has it)."""
 
@@ -126,6 +131,7 @@ __all__ = [
     "InvalidMessageError",
     "InvalidOutputSpecError",
     "InvalidParamsError",
+    "MissingDependencyError",
     "ModelLoadError",
     "NoCacheAvailableError",
     "NothingToRegenerateError",

@@ -58,6 +58,19 @@ class LoadedModel:
         return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
     @cached_property
+    def vocab_size(self) -> int:
+        """How many logits the model produces per token (token ids are below this)."""
+        for config in (self.config, self.config.get("text_config"), vars(getattr(self.model, "args", None) or object())):
+            value = config.get("vocab_size") if isinstance(config, Mapping) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        from mlx_lm.models.cache import make_prompt_cache
+
+        # No config says it: one token through the model shows the width of its logits.
+        logits = self.model(mx.array([[0]]), cache=make_prompt_cache(self.model))
+        return int(logits.shape[-1])
+
+    @cached_property
     def fingerprint(self) -> dict[str, str]:
         """What identifies this model for saved caches: see :func:`fingerprint`."""
         return fingerprint(self.model, self.tokenizer)
@@ -99,11 +112,19 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
     """
     from mlx_lm import load as mlx_load  # imported here: mlx_lm costs about a second to import
 
-    source = os.fspath(path_or_repo)
-    if not source:
+    try:
+        source = os.fspath(path_or_repo)
+    except TypeError:
+        raise ModelLoadError(
+            f"load() takes a Hugging Face repo id or a local folder, got {type(path_or_repo).__name__}."
+        ) from None
+    if isinstance(source, bytes):
+        source = os.fsdecode(source)
+    if not source.strip():
         raise ModelLoadError("load() needs a Hugging Face repo id or a local model folder, got ''.")
     if source in ("demo", "demo-draft"):
         source = str(demo.draft_path() if source == "demo-draft" else demo.path())
+    source = _local_or_repo(source)
     try:
         model, tokenizer, config = mlx_load(  # type: ignore[misc]  # 3 values with return_config
             source, tokenizer_config=tokenizer_config or None, return_config=True
@@ -117,6 +138,29 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
         raise ModelLoadError(f"Could not load model {source!r}: {exc} ({hint}).") from exc
     _tokenizer.silence_length_warning(tokenizer)
     return LoadedModel(model=model, tokenizer=tokenizer, config=dict(config), source=source)
+
+
+def _local_or_repo(source: str) -> str:
+    """``source`` with ``~`` expanded if it names a local path; ``ModelLoadError`` for a path that
+    does not exist (rather than a Hugging Face error about a repo id that is not one)."""
+    expanded = os.path.expanduser(source)
+    if os.path.exists(expanded):
+        if not os.path.isdir(expanded):
+            raise ModelLoadError(
+                f"{source!r} is a file: pass the model's folder (holding config.json, weights and tokenizer files)."
+            )
+        return expanded
+    # A Hugging Face repo id is "name" or "owner/name": no leading ".", "/" or "~", one "/" at most.
+    looks_like_path = (
+        source.startswith((".", "/", "~", "\\"))
+        or source.endswith(("/", "\\"))
+        or source.count("/") > 1
+        or "\\" in source
+        or (len(source) > 1 and source[1] == ":")  # C:...
+    )
+    if looks_like_path:
+        raise ModelLoadError(f"No model folder at {expanded!r}: check the path.")
+    return source
 
 
 __all__ = ["LoadedModel", "fingerprint", "load"]

@@ -47,6 +47,8 @@ class ChatMessage:
             )
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidMessageError(f"Message name must be a str, got {type(self.name).__name__}.")
+        for field, text in (("content", self.content), ("name", self.name or "")):
+            check_text(f"Message {field}", text)
 
     @classmethod
     def system(cls, content: str) -> "ChatMessage":
@@ -86,6 +88,17 @@ class ChatMessage:
         return cls(data["role"], data["content"], data.get("name"))
 
 
+def check_text(what: str, text: str) -> None:
+    """``InvalidMessageError`` for lone surrogates (a bad decode, JSON ``"\\ud800"``): no tokenizer takes them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidMessageError(
+            f"{what} holds an invalid character {text[exc.start]!r} at position {exc.start} "
+            "(a lone surrogate, not Unicode text): decode the text with errors='replace' first."
+        ) from None
+
+
 MessageLike = Union[ChatMessage, Mapping[str, Any]]
 
 
@@ -93,6 +106,8 @@ def check_instructions(value: str | None) -> str | None:
     """Instructions (a system prompt) are a str or ``None``; ``InvalidMessageError`` otherwise."""
     if value is not None and not isinstance(value, str):
         raise InvalidMessageError(f"Instructions must be a str or None, got {type(value).__name__}.")
+    if value is not None:
+        check_text("Instructions", value)
     return value
 
 
@@ -108,4 +123,4 @@ def as_messages(messages: Iterable[MessageLike]) -> list[ChatMessage]:
     return [as_message(m) for m in messages]
 
 
-__all__ = ["ChatMessage", "MessageLike", "Role", "as_message", "as_messages", "check_instructions"]
+__all__ = ["ChatMessage", "MessageLike", "Role", "as_message", "as_messages", "check_instructions", "check_text"]

@@ -53,7 +53,9 @@ class GenerateParams:
         return replace(base, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """The settings as JSON-ready data (``logits_processors`` are code and are left out)."""
+        """The settings as JSON-ready data (``logits_processors`` are code and are left out).
+        ``InvalidParamsError`` if a setting is out of range (e.g. assigned but never used in a turn)."""
+        self.validate()
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -70,21 +72,44 @@ class GenerateParams:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GenerateParams":
-        """Settings from :meth:`to_dict` output; unknown keys are ignored (newer files)."""
+        """Settings from :meth:`to_dict` output; unknown keys are ignored (newer files).
+        ``InvalidParamsError`` for data of the wrong shape (e.g. read from a damaged file)."""
+        if not isinstance(data, Mapping):
+            raise InvalidParamsError(f"Generate params must be a dict, got {type(data).__name__}.")
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__ and k != "logits_processors"}
-        if known.get("logit_bias"):
-            known["logit_bias"] = {int(k): float(v) for k, v in known["logit_bias"].items()}
+        bias = known.get("logit_bias")
+        if bias:
+            if not isinstance(bias, Mapping):
+                raise InvalidParamsError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}.")
+            try:
+                known["logit_bias"] = {int(k): v for k, v in bias.items()}
+            except (TypeError, ValueError):
+                raise InvalidParamsError("logit_bias keys must be token ids (ints).") from None
         if "stop" in known:
-            known["stop"] = tuple(known["stop"] or ())
+            stop = known["stop"]
+            # A lone string would become a tuple of its characters: keep it one stop string.
+            known["stop"] = (stop,) if isinstance(stop, str) else stop
+            if known["stop"] is None:
+                known["stop"] = ()
+            elif not isinstance(known["stop"], (list, tuple)):
+                raise InvalidParamsError(f"stop must be a list of strings, got {type(stop).__name__}.")
+            else:
+                known["stop"] = tuple(known["stop"])
+        if "template_kwargs" in known and known["template_kwargs"] is None:
+            known["template_kwargs"] = {}
         params = cls(**known)
         params.validate()
         return params
 
-    def validate(self) -> None:
-        """Raise ``InvalidParamsError`` naming the first setting out of range."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``InvalidParamsError`` naming the first setting out of range.
+
+        With ``vocab_size`` (the model's, e.g. ``LoadedModel.vocab_size``) also the settings that
+        index the vocabulary in native code: ``logit_bias`` ids and ``top_k``.
+        """
 
         def bad(name: str, rule: str) -> InvalidParamsError:
-            return InvalidParamsError(f"GenerateParams.{name}={getattr(self, name)!r}: {rule}.")
+            return InvalidParamsError(f"GenerateParams.{name}={_short(getattr(self, name))}: {rule}.")
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an int >= 1")
@@ -102,18 +127,31 @@ class GenerateParams:
             raise bad("repetition_penalty", "must be a number > 0 or None")
         if not _is_int(self.repetition_context_size) or self.repetition_context_size < 1:
             raise bad("repetition_context_size", "must be an int >= 1")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "must be an int or None")
-        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
-            raise bad("stop", "must be a list of non-empty strings")
-        if self.logit_bias is not None and not all(
-            _is_int(k) and k >= 0 and _is_number(v) for k, v in dict(self.logit_bias).items()
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
+            raise bad("seed", "must be an int in [0, 2**64) (what mx.random.seed takes) or None")
+        if (
+            isinstance(self.stop, (str, bytes))
+            or not isinstance(self.stop, (list, tuple))
+            or not all(isinstance(s, str) and s for s in self.stop)
         ):
-            raise bad("logit_bias", "must map token ids (int >= 0) to numbers")
+            raise bad("stop", "must be a list of non-empty strings")
+        if self.logit_bias is not None and (
+            not isinstance(self.logit_bias, Mapping)
+            or not all(_is_int(k) and k >= 0 and _is_number(v) for k, v in self.logit_bias.items())
+        ):
+            raise bad("logit_bias", "must map token ids (int >= 0) to finite numbers")
         if not isinstance(self.template_kwargs, Mapping):
             raise bad("template_kwargs", "must be a dict")
-        if not all(callable(p) for p in self.logits_processors):
+        if isinstance(self.logits_processors, (str, bytes)) or not all(callable(p) for p in self.logits_processors):
             raise bad("logits_processors", "must be a list of callables (tokens, logits) -> logits")
+        if vocab_size is not None:
+            # mlx-lm writes logit_bias into the logits by index and top_k partitions them: an id
+            # past the vocabulary corrupts memory in native code, so check before anything runs.
+            too_big = sorted(k for k in (self.logit_bias or {}) if k >= vocab_size)
+            if too_big:
+                raise bad("logit_bias", f"token id {too_big[0]} is outside the model's vocabulary (ids 0 to {vocab_size - 1})")
+            if self.top_k > vocab_size:
+                raise bad("top_k", f"is larger than the model's vocabulary ({vocab_size} tokens)")
 
     def make_sampler(self) -> Sampler:
         """mlx-lm's sampler for these settings."""
@@ -136,6 +174,11 @@ class GenerateParams:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _is_number(value: Any) -> bool:

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from .builder import ChatSessionBuilder
-from .errors import ChatKitError, InvalidParamsError
+from .cache import store
+from .errors import CacheFileError, ChatKitError, InvalidParamsError
 from .loading import LoadedModel
 from .session import ChatSession
 
@@ -36,8 +37,15 @@ class SessionPool:
         if isinstance(max_cache_bytes, bool) or not isinstance(max_cache_bytes, int) or max_cache_bytes < 0:
             raise InvalidParamsError(f"max_cache_bytes={max_cache_bytes!r}: must be an int >= 0.")
         self._lm = lm
-        self._folder = Path(folder)
-        self._folder.mkdir(parents=True, exist_ok=True)
+        self._folder = Path(os.path.expanduser(os.fspath(folder)))
+        try:
+            self._folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheFileError(
+                f"SessionPool cannot use the folder {str(self._folder)!r}: {exc.strerror or exc}. "
+                "Pass a folder it can create and write."
+            ) from exc
+        store.remove_stale_temps(self._folder)  # left by a process killed while it evicted
         self._budget = max_cache_bytes
         self._configure = configure
         self._sessions: OrderedDict[str, ChatSession] = OrderedDict()  # least recently used first
@@ -57,7 +65,10 @@ class SessionPool:
             self._sessions.move_to_end(key)
             if key in self._evicted:
                 self._evicted.discard(key)
-                session.restore_cache(self.path(key))
+                try:
+                    session.restore_cache(self.path(key))
+                except ChatKitError:
+                    pass  # file gone or damaged: the transcript is the truth, the next turn re-prefills
             self.enforce_budget(keep=key)
             return session
 
@@ -74,11 +85,21 @@ class SessionPool:
                 if key == keep or session.busy or _bytes(session) == 0:
                     continue
                 try:
+                    self._folder.mkdir(parents=True, exist_ok=True)  # it may have been removed
+                except OSError:
+                    pass  # then saving fails below, with a CacheFileError
+                try:
                     session.save_cache(self.path(key))
-                    session.release_cache()
+                    self._evicted.add(key)
+                except CacheFileError:
+                    pass  # the disk failed us: still free the memory; the transcript rebuilds the cache
                 except ChatKitError:
                     continue  # busy meanwhile, or nothing to save: try the next one
-                self._evicted.add(key)
+                try:
+                    session.release_cache()
+                except ChatKitError:
+                    self._evicted.discard(key)
+                    continue  # a turn started meanwhile
                 evicted.append(key)
         return evicted
 
@@ -96,7 +117,12 @@ class SessionPool:
         with self._lock:
             self._sessions.pop(key, None)
             self._evicted.discard(key)
-            self.path(key).unlink(missing_ok=True)
+            try:
+                self.path(key).unlink(missing_ok=True)
+            except OSError as exc:
+                raise CacheFileError(
+                    f"Could not delete {str(self.path(key))!r}: {exc.strerror or exc}. Delete it by hand."
+                ) from exc
 
     def path(self, key: str) -> Path:
         """Where ``key``'s cache is saved when evicted."""

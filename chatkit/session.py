@@ -204,6 +204,7 @@ class ChatSession:
         with self._idle("restore the cache"):
             saved = store.load(path)
             store.check_fingerprint(self._lm.fingerprint, saved.info.fingerprint, repr(str(path)))
+            store.check_layers(self._lm.model, saved, repr(str(path)))
             options = self.cache_options
             # A draft's cache is not saved: it is refilled from the ledger at the next turn.
             cache = CacheState.restored(
@@ -336,7 +337,7 @@ class ChatSession:
         params = self._params.copy()
         if constraint is not None:
             params = params.copy(logits_processors=[*params.logits_processors, constraint])
-        params.validate()
+        params.validate(_vocab_size(self._lm, self._speculative))
         if not self._take_turn():
             raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")
         try:
@@ -432,6 +433,11 @@ def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:
     if message.role is Role.ASSISTANT:
         raise InvalidMessageError("A prompt cannot come from the assistant: use role user, tool or system.")
     return message
+
+
+def _vocab_size(lm: LoadedModel, speculative: SpeculativeConfig | None) -> int:
+    """Token ids must be below this in every model a turn runs (mlx-lm biases the draft's logits too)."""
+    return lm.vocab_size if speculative is None else min(lm.vocab_size, speculative.draft.vocab_size)
 
 
 __all__ = ["ChatSession"]

@@ -14,7 +14,7 @@ PUBLIC = {
     "inspect_cache", "CacheFileInfo",
     # errors
     "ChatKitError", "ModelLoadError", "TemplateError", "InvalidMessageError", "InvalidParamsError",
-    "SpeculativeCacheRestoreError", "IncompatibleDraftError", "SessionBusyError", "ContextWindowExceededError",
+    "SpeculativeCacheRestoreError", "IncompatibleDraftError", "MissingDependencyError", "SessionBusyError", "ContextWindowExceededError",
     "NothingToUndoError", "NothingToRegenerateError", "CacheError", "NoCacheAvailableError", "CacheFileError",
     "IncompatibleCacheError",
 }

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import mlx.core as mx
-from mlx.utils import tree_map
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
@@ -30,6 +30,7 @@ __all__ = [
     "copy_layer",
     "cut_to_offset",
     "eval_layers",
+    "fixed_shapes",
     "held_tokens",
     "kinds_that_cannot_rewind",
     "layer_offset",
@@ -101,6 +102,19 @@ def cut_to_offset(layer: Any) -> Any:
         state = (layer.keys[..., :n, :], layer.values[..., :n, :], layer.offset, layer.keep, layer.max_size, n)
         return RotatingKVCache.from_state(state)
     return layer
+
+
+def fixed_shapes(layer: Any) -> list[Any] | None:
+    """The shapes of a layer's arrays that do not depend on how many tokens it holds (``None``: empty)."""
+    keys = getattr(layer, "keys", None)
+    if isinstance(layer, QuantizedKVCache) and keys is not None:
+        # Packed uint32 words of 32 // bits values: compare as the unquantized width.
+        return [(*a[0].shape[:-2], a[0].shape[-1] * 32 // layer.bits) for a in (layer.keys, layer.values)]
+    if isinstance(keys, mx.array):
+        return [(*a.shape[:-2], a.shape[-1]) for a in (layer.keys, layer.values)]
+    if hasattr(layer, "keys"):
+        return None  # an attention layer that holds nothing yet
+    return [(name, tuple(v.shape) if isinstance(v, mx.array) else v) for name, v in tree_flatten(layer.state)]
 
 
 def kinds_that_cannot_rewind(model: Any) -> list[str]:

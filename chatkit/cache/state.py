@@ -13,6 +13,7 @@ from ._mlx import (
     can_trim,
     copy_layer,
     eval_layers,
+    fixed_shapes,
     held_tokens,
     layer_offset,
     make_prompt_cache,
@@ -68,9 +69,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def layers_fit(model: Any, layers: Sequence[Any]) -> str | None:
-    """Why ``layers`` cannot be this model's cache (count, classes, KV heads and widths); ``None`` if they fit."""
-    fresh = make_prompt_cache(model)
+def layers_fit(model: Any, layers: Sequence[Any], max_kv_size: int | None = None) -> str | None:
+    """Why ``layers`` cannot be this model's cache (count, classes, batch, KV heads and widths, the
+    shapes of recurrent states); ``None`` if they fit. ``max_kv_size``: the layers are rotating."""
+    fresh = make_prompt_cache(model, max_kv_size=max_kv_size)
     if len(layers) != len(fresh):
         return f"it has {len(layers)} layers, the model {len(fresh)}"
     for i, (got, want) in enumerate(zip(layers, fresh)):
@@ -78,10 +80,9 @@ def layers_fit(model: Any, layers: Sequence[Any]) -> str | None:
             return f"layer {i} is a {type(got).__name__}, the model uses {type(want).__name__}"
     model(mx.array([[0]]), cache=fresh)  # one token shows the shapes the model writes
     for i, (got, want) in enumerate(zip(layers, fresh)):
-        keys, ref = getattr(got, "keys", None), getattr(want, "keys", None)
-        if isinstance(keys, mx.array) and isinstance(ref, mx.array):
-            if keys.shape[1] != ref.shape[1] or keys.shape[-1] != ref.shape[-1]:
-                return f"layer {i} holds keys of shape {tuple(keys.shape)}, the model writes {tuple(ref.shape)}"
+        have, need = fixed_shapes(got), fixed_shapes(want)
+        if have is not None and have != need:
+            return f"layer {i} holds arrays shaped {have}, the model writes {need} (the token axis aside)"
     return None
 
 

