@@ -208,7 +208,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatkit", description="Chat with a local model through chatkit.")
     commands = p.add_subparsers(dest="command")
     chat = commands.add_parser("chat", help="a streaming chat in the terminal (the default)")
-    chat.add_argument("--model", help="Hugging Face repo id, local folder, or 'demo' (the default)")
+    chat.add_argument("--model", help="Hugging Face repo id, local folder, GGUF file, 'smollm2', 'ollama:NAME', "
+                      "or 'demo' (the default); `chatkit models` lists what is found")
     chat.add_argument("--draft", help="a draft model for speculative decoding (id, folder, or 'demo')")
     chat.add_argument("--num-draft", type=int, default=4, help="draft tokens per step (default 4)")
     chat.add_argument("--system", help="the system prompt")
@@ -222,7 +223,19 @@ def parser() -> argparse.ArgumentParser:
                       help="values per quantization group with --kv-bits: 32, 64 (default) or 128")
     insp = commands.add_parser("inspect", help="show what a saved conversation holds")
     insp.add_argument("file")
+    commands.add_parser("models", help="list the models chatkit finds (bundled, smollm2, Ollama, LM Studio)")
     return p
+
+
+def list_models(out: Any = None) -> int:
+    """``chatkit models``: one line per model that ``--model NAME`` accepts."""
+    from .models import list_models as found
+
+    out = out or sys.stdout
+    for e in found():
+        size = f"{e.size / 2**20:,.0f} MiB" if e.size else ""
+        print(f"{e.name:<48} {e.kind:<22} {size:>10}  {e.path or ''}".rstrip(), file=out)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -233,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             return inspect(args.file)
+        if args.command == "models":
+            return list_models()
         return Repl(args).run()
     except ChatKitError as exc:
         print(f"error: {exc}", file=sys.stderr)

