@@ -7,7 +7,6 @@ so the result is an ordinary mlx-lm model folder (``model_type`` llama, qwen2 or
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -181,17 +180,6 @@ def quantization(weights: dict[str, mx.array]) -> dict[str, Any] | None:
     return {"group_size": 32, "bits": bits, **{k: q for k, q in layers.items() if q["bits"] != bits}}
 
 
-def float32_bytes(weights: dict[str, mx.array]) -> int:
-    """How many bytes the weights take once dequantized to float32."""
-    total = 0
-    for name, x in weights.items():
-        if name.endswith((".scales", ".biases")):
-            continue
-        scales = weights.get(name[: -len(".weight")] + ".scales") if name.endswith(".weight") else None
-        total += 4 * (math.prod(scales.shape) * 32 if scales is not None else x.size)
-    return total
-
-
 def dequantized(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
     """Every weight as ``dtype``; packed ones through ``mx.dequantize``."""
     out = {}
@@ -207,4 +195,4 @@ def dequantized(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.a
     return out
 
 
-__all__ = ["SUPPORTED", "dequantized", "float32_bytes", "hf_name", "map_weights", "model_config", "quantization"]
+__all__ = ["SUPPORTED", "dequantized", "hf_name", "map_weights", "model_config", "quantization"]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
@@ -61,12 +61,16 @@ def _physical_memory() -> int:
         return 0
 
 
-def _want_float32(dequantize: bool | None, weights: dict[str, mx.array]) -> bool:
+def _want_float32(dequantize: bool | None, path: Path) -> bool:
     """``dequantize`` if given; else float32 on a machine without Metal when it takes at most a quarter
-    of the memory (measured on SmolLM2-135M, 2-core x86: 16 vs 7 tok/s decode, see BENCHMARKS.md)."""
+    of the memory (SmolLM2-135M on 2 x86 cores: float32 decodes 2x and prefills 7x faster than the
+    packed weights; see BENCHMARKS.md). With Metal, packed weights are the faster ones."""
     if dequantize is not None:
         return dequantize
-    return not mx.metal.is_available() and arch.float32_bytes(weights) <= _physical_memory() // 4
+    if mx.metal.is_available():
+        return False
+    elements = sum(math.prod(dims) for name, (_, dims) in reader.tensor_info(path).items() if name != "rope_freqs.weight")
+    return 4 * elements <= _physical_memory() // 4
 
 
 def _publish(tmp: Path, target: Path) -> None:
@@ -87,7 +91,7 @@ def _tokenizer_digest(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def _with_tokenizer(base: Path, folder: Path, meta: dict[str, Any], cache: Path) -> Path:
+def _with_tokenizer(base: Path, folder: Path, gguf_path: Path, cache: Path) -> Path:
     """A folder of the converted weights (links) with the tokenizer files of ``folder``."""
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
         raise ModelLoadError(f"tokenizer={str(folder)!r} has no tokenizer.json or tokenizer.model: pass a folder with tokenizer files.")
@@ -102,12 +106,50 @@ def _with_tokenizer(base: Path, folder: Path, meta: dict[str, Any], cache: Path)
             shutil.copyfile(folder / name, tmp / name)
     config_file = tmp / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
-    template = reader.value(meta, "tokenizer.chat_template")
+    template = reader.value(reader.read(gguf_path)[1], "tokenizer.chat_template")
     if template and "chat_template" not in config and not (tmp / "chat_template.jinja").exists():
         config["chat_template"] = template  # the file's template, when the folder brings none
         config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
     _publish(tmp, target)
     return target
+
+
+def _convert(path: Path, sha: str, float32: bool, base: Path, cache: Path, need_tokenizer: bool) -> None:
+    """Write the mlx-lm folder ``base`` for the GGUF file ``path`` (atomically)."""
+    tensors, meta = reader.read(path)
+    config = arch.model_config(meta, tensors)
+    weights = arch.map_weights(tensors, config)
+    try:
+        own_tokenizer = build(meta)
+    except TokenizerUnavailable as exc:
+        if need_tokenizer:
+            raise ModelLoadError(
+                f"The tokenizer of GGUF file {path} cannot be built: {exc}. Pass a folder with the "
+                "model's tokenizer files: chatkit.load(path, tokenizer='path/to/folder')."
+            ) from exc
+        own_tokenizer = None
+    if float32:
+        weights = arch.dequantized(weights, mx.float32)
+    else:
+        # Weights stay as MLX read them: packed with float16 scales, norms float32. Casting the
+        # norms to float16 made SmolLM2 30x slower on CPU (0.24 vs 7.3 tok/s decode).
+        config["quantization"] = arch.quantization(weights)
+    config["eos_token_id"] = eos_token_ids(meta)
+    config["chatkit_gguf"] = {"sha256": sha, "file": path.name, "float32": float32, "version": CONVERTER_VERSION}
+    config = {k: v for k, v in config.items() if v is not None}
+    tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-"))
+    try:
+        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "source.json").write_text(json.dumps({"path": str(path.resolve()), "sha256": sha}, indent=2))
+        if own_tokenizer is not None:
+            tok, tok_config = own_tokenizer
+            tok.save(str(tmp / "tokenizer.json"))
+            (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
+        _publish(tmp, base)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def prepare(
@@ -122,7 +164,8 @@ def prepare(
     ``tokenizer``: a folder with tokenizer files, used instead of the file's own tokenizer (needed when
     the file's cannot be built, e.g. files written by ``mlx_lm.gguf``). ``dequantize``: True for
     float32 weights, False to keep MLX-readable quantizations packed, None to decide by machine.
-    ``cache_dir`` defaults to chatkit's user cache folder; folders are keyed by the file's sha256.
+    ``cache_dir`` defaults to chatkit's user cache folder; folders are keyed by the file's sha256, so
+    a second call reads only the file's header (and its hash, remembered by path, size and mtime).
     """
     path = Path(path).expanduser()
     if not reader.is_gguf(path):
@@ -130,51 +173,18 @@ def prepare(
     root = Path(cache_dir).expanduser() if cache_dir is not None else user_cache_dir()
     cache = root / "gguf"
     cache.mkdir(parents=True, exist_ok=True)
-    tensors, meta = reader.read(path)
-    config = arch.model_config(meta, tensors)
-    weights = arch.map_weights(tensors, config)
-    float32 = _want_float32(dequantize, weights)
     sha = file_sha256(path, root)
+    float32 = _want_float32(dequantize, path)
     base = cache / f"{sha[:24]}-{'f32' if float32 else 'q'}-v{CONVERTER_VERSION}"
-
-    own_tokenizer = None
-    if not (base / "config.json").exists() or tokenizer is None:
-        try:
-            own_tokenizer = build(meta)
-        except TokenizerUnavailable as exc:
-            if tokenizer is None:
-                raise ModelLoadError(
-                    f"The tokenizer of GGUF file {path} cannot be built: {exc}. Pass a folder with the "
-                    "model's tokenizer files: chatkit.load(path, tokenizer='path/to/folder')."
-                ) from exc
-
     if not (base / "config.json").exists():
-        if float32:
-            weights = arch.dequantized(weights, mx.float32)
-        else:
-            # Weights stay as MLX read them: packed with float16 scales, norms float32. Casting the
-            # norms to float16 made SmolLM2 30x slower on CPU (0.24 vs 7.3 tok/s decode).
-            config["quantization"] = arch.quantization(weights)
-        config["eos_token_id"] = eos_token_ids(meta)
-        config["chatkit_gguf"] = {"sha256": sha, "file": path.name, "float32": float32, "version": CONVERTER_VERSION}
-        config = {k: v for k, v in config.items() if v is not None}
-        tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".tmp-"))
-        try:
-            mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-            (tmp / "config.json").write_text(json.dumps(config, indent=2))
-            (tmp / "source.json").write_text(json.dumps({"path": str(path.resolve()), "sha256": sha}, indent=2))
-            if own_tokenizer is not None:
-                tok, tok_config = own_tokenizer
-                tok.save(str(tmp / "tokenizer.json"))
-                (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
-            _publish(tmp, base)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        _convert(path, sha, float32, base, cache, need_tokenizer=tokenizer is None)
     if tokenizer is not None:
-        return _with_tokenizer(base, Path(tokenizer).expanduser(), meta, cache)
-    if not (base / "tokenizer.json").exists():
-        raise ModelLoadError(f"The tokenizer of GGUF file {path} cannot be built: pass chatkit.load(path, tokenizer='path/to/folder').")
+        return _with_tokenizer(base, Path(tokenizer).expanduser(), path, cache)
+    if not (base / "tokenizer.json").exists():  # converted earlier with tokenizer=, its own unbuildable
+        raise ModelLoadError(
+            f"The tokenizer of GGUF file {path} cannot be built: pass a folder with the model's "
+            "tokenizer files: chatkit.load(path, tokenizer='path/to/folder')."
+        )
     return base
 
 

@@ -68,6 +68,11 @@ def tensor_types(path: str | Path) -> dict[str, str]:
     ``mx.load`` does not report the types it converted, and fails on those it cannot read without
     naming them; this small reader (the header layout of the GGUF spec) says which they are.
     """
+    return {name: kind for name, (kind, _) in tensor_info(path).items()}
+
+
+def tensor_info(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each tensor's ggml type name and element counts per dimension, from the file's header."""
     with open(path, "rb") as f:
         if f.read(4) != MAGIC:
             raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic bytes).")
@@ -78,10 +83,10 @@ def tensor_types(path: str | Path) -> dict[str, str]:
         types = {}
         for _ in range(n_tensors):
             name = _string(f)
-            f.seek(8 * _read(f, "I"), 1)
+            dims = tuple(_read(f, "Q") for _ in range(_read(f, "I")))
             kind = _read(f, "I")
             f.seek(8, 1)
-            types[name] = GGML_TYPES.get(kind, f"type {kind}")
+            types[name] = (GGML_TYPES.get(kind, f"type {kind}"), dims)
     return types
 
 
@@ -112,4 +117,4 @@ def read(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
         ) from exc
 
 
-__all__ = ["GGML_TYPES", "KEPT_QUANTIZED", "MAGIC", "is_gguf", "read", "tensor_types", "value"]
+__all__ = ["GGML_TYPES", "KEPT_QUANTIZED", "MAGIC", "is_gguf", "read", "tensor_info", "tensor_types", "value"]
