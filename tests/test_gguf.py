@@ -218,3 +218,102 @@ def test_cli_lists_models(capsys, tmp_path, monkeypatch):
     assert cli.main(["models"]) == 0
     out = capsys.readouterr().out
     assert "demo" in out and "smollm2" in out
+
+
+# -- qwen2 / qwen3 in llama.cpp's layout ----------------------------------------------------------
+# mlx-lm's writer only writes llama. These files are written here the way llama.cpp's
+# convert_hf_to_gguf.py lays out Qwen models (its tensor names, no Q/K permutation, per-architecture
+# metadata keys, a byte-level BPE with merges), to check the config mapping of each architecture.
+_LLAMA_CPP_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def _llama_cpp_name(name):
+    if name.startswith("model.layers."):
+        _, _, i, rest = name.split(".", 3)
+        module, suffix = rest.rsplit(".", 1)
+        return f"blk.{i}.{_LLAMA_CPP_NAMES[module]}.{suffix}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}[name]
+
+
+def _bpe_metadata(folder):
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in spec["added_tokens"]}
+    by_id = {i: tok for tok, i in {**spec["model"]["vocab"], **added}.items()}
+    tokens = [by_id[i] for i in range(len(by_id))]
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.merges": [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]],
+        "tokenizer.ggml.token_type": mx.array([3 if t in added else 1 for t in tokens], dtype=mx.int32),
+        "tokenizer.ggml.eos_token_id": mx.array(added["<|im_end|>"], dtype=mx.uint32),
+        "tokenizer.chat_template": json.loads((folder / "tokenizer_config.json").read_text())["chat_template"],
+    }
+
+
+def _write_llama_cpp_gguf(folder, path):
+    from mlx_lm.utils import load_model
+
+    model, c = load_model(folder)
+    a = c["model_type"]
+    meta = {
+        "general.architecture": a,
+        f"{a}.block_count": mx.array(c["num_hidden_layers"], dtype=mx.uint32),
+        f"{a}.context_length": mx.array(c["max_position_embeddings"], dtype=mx.uint32),
+        f"{a}.embedding_length": mx.array(c["hidden_size"], dtype=mx.uint32),
+        f"{a}.feed_forward_length": mx.array(c["intermediate_size"], dtype=mx.uint32),
+        f"{a}.attention.head_count": mx.array(c["num_attention_heads"], dtype=mx.uint32),
+        f"{a}.attention.head_count_kv": mx.array(c["num_key_value_heads"], dtype=mx.uint32),
+        f"{a}.rope.freq_base": mx.array(c["rope_theta"], dtype=mx.float32),
+        f"{a}.attention.layer_norm_rms_epsilon": mx.array(c["rms_norm_eps"], dtype=mx.float32),
+        **_bpe_metadata(folder),
+    }
+    if "head_dim" in c:
+        meta[f"{a}.attention.key_length"] = mx.array(c["head_dim"], dtype=mx.uint32)
+        meta[f"{a}.attention.value_length"] = mx.array(c["head_dim"], dtype=mx.uint32)
+    mx.save_gguf(str(path), {_llama_cpp_name(k): v for k, v in tree_flatten(model.parameters())}, meta)
+
+
+def _qwen2_folder(tmp):
+    """A tiny random Qwen2 (attention biases, no head_dim key) with the test BPE tokenizer."""
+    import shutil
+
+    from mlx_lm.utils import _get_classes, save_config, save_model
+
+    src = tiny_model_path("qwen3", "bpe", head_dim=32)
+    config = json.loads((src / "config.json").read_text())
+    config.update(model_type="qwen2", architectures=["Qwen2ForCausalLM"])
+    config.pop("head_dim")
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(3)
+    model = model_class(args_class.from_dict(config))
+    model.update(tree_map_with_path(lambda k, v: v * 8 if k.endswith("norm.weight") else v, model.parameters()))
+    folder = tmp / "qwen2"
+    folder.mkdir()
+    save_model(folder, model)
+    save_config(config, folder / "config.json")
+    for f in src.glob("tokenizer*"):
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
+from mlx.utils import tree_map_with_path  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_qwen_files_in_llama_cpp_layout_load_with_their_own_tokenizer(arch, tmp_path):
+    folder = tiny_model_path("qwen3", "bpe") if arch == "qwen3" else _qwen2_folder(tmp_path)
+    path = tmp_path / f"{arch}.gguf"
+    _write_llama_cpp_gguf(folder, path)
+    ref, lm = chatkit.load(folder), chatkit.load(path)
+    assert lm.config["model_type"] == arch
+    ids = mx.array([ref.tokenizer.encode("Hello there, how are you?")])
+    assert mx.allclose(ref.model(ids), lm.model(ids), atol=1e-5).item()
+    assert _turns(lm) == _turns(ref)
+    assert lm.tokenizer.chat_template == ref.tokenizer.chat_template
