@@ -317,3 +317,90 @@ def test_qwen_files_in_llama_cpp_layout_load_with_their_own_tokenizer(arch, tmp_
     assert mx.allclose(ref.model(ids), lm.model(ids), atol=1e-5).item()
     assert _turns(lm) == _turns(ref)
     assert lm.tokenizer.chat_template == ref.tokenizer.chat_template
+
+
+# -- files from llama.cpp's own writer (gguf-py), quantized ------------------------------------
+def _write_with_gguf_py(folder, path, qtype):
+    """The tiny llama as llama.cpp's converter writes it: gguf-py's GGUFWriter and quantizers, Q/K
+    rows permuted (as convert_hf_to_gguf.py does, here with mlx-lm's copy of that permutation)."""
+    gguf_py = pytest.importorskip("gguf")
+    from mlx_lm.gguf import permute_weights, translate_weight_names
+    from mlx_lm.utils import load_model
+
+    model, c = load_model(folder)
+    q = getattr(gguf_py.GGMLQuantizationType, qtype)
+    w = gguf_py.GGUFWriter(str(path), "llama")
+    w.add_block_count(c["num_hidden_layers"])
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(c["num_attention_heads"])
+    w.add_head_count_kv(c["num_key_value_heads"])
+    w.add_rope_dimension_count(c["hidden_size"] // c["num_attention_heads"])
+    w.add_rope_freq_base(c["rope_theta"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    meta = _bpe_metadata(folder)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"].tolist())
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"].item())
+    w.add_chat_template(meta["tokenizer.chat_template"])
+    expected = {}
+    for name, v in tree_flatten(model.parameters()):
+        if "q_proj" in name:
+            v = permute_weights(v, c["num_attention_heads"], c["num_attention_heads"])
+        elif "k_proj" in name:
+            v = permute_weights(v, c["num_attention_heads"], c["num_key_value_heads"])
+        a = np.array(v, dtype=np.float32)
+        if a.ndim == 2:
+            packed = gguf_py.quants.quantize(a, q)
+            w.add_tensor(translate_weight_names(name), packed, raw_dtype=q)
+            expected[name] = gguf_py.quants.dequantize(packed, q)  # llama.cpp's own reference
+        else:
+            w.add_tensor(translate_weight_names(name), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected, c
+
+
+import numpy as np  # noqa: E402
+
+
+@pytest.mark.parametrize("qtype,bits", [("Q8_0", 8), ("Q4_0", 4), ("Q4_1", 4)])
+def test_llama_cpp_quantized_file_packed_and_float32(qtype, bits, tmp_path):
+    from mlx_lm.gguf import permute_weights
+
+    folder = tiny_model_path("llama", "bpe", head_dim=32)
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    expected, c = _write_with_gguf_py(folder, path, qtype)
+    packed = chatkit.load(path, dequantize=False)
+    full = chatkit.load(path, dequantize=True)
+    assert packed.config["quantization"] == {"group_size": 32, "bits": bits}
+    assert "quantization" not in full.config
+    # float32 weights equal llama.cpp's own dequantization (Q/K permuted back to Hugging Face rows).
+    weights = dict(tree_flatten(full.model.parameters()))
+    for name, ref in expected.items():
+        if "q_proj" in name or "k_proj" in name:
+            heads = c["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            # permute_weights applied to the unpermuted weight gives the file's rows: compare there.
+            got = np.array(permute_weights(weights[name], c["num_attention_heads"], heads))
+        else:
+            got = np.array(weights[name])
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6, err_msg=name)
+    # The packed model computes the same function, up to float16 scales in the matmuls.
+    ids = mx.array([full.tokenizer.encode("Hello there, how are you?")])
+    a, b = full.model(ids), packed.model(ids).astype(mx.float32)
+    assert (mx.abs(a - b).max() / mx.abs(a).max()).item() < 2e-2
+    ref = chatkit.load(folder)
+    assert full.tokenizer.encode("Hi 123 café") == ref.tokenizer.encode("Hi 123 café")
+
+
+def test_tensor_type_mlx_cannot_read_is_named(tmp_path):
+    path = tmp_path / "tiny-Q5_0.gguf"
+    _write_with_gguf_py(tiny_model_path("llama", "bpe", head_dim=32), path, "Q5_0")
+    with pytest.raises(ModelLoadError, match=r"besides F32/F16/BF16/Q4_0/Q4_1/Q8_0: Q5_0\."):
+        chatkit.load(path)

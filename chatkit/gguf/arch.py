@@ -188,7 +188,8 @@ def dequantized(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.a
             continue
         prefix = name[: -len(".weight")] if name.endswith(".weight") else None
         if prefix is not None and f"{prefix}.scales" in weights:
-            scales, biases = weights[f"{prefix}.scales"], weights[f"{prefix}.biases"]
+            # In float32: with float16 scales MLX would round every dequantized value to float16.
+            scales, biases = (weights[f"{prefix}.{k}"].astype(mx.float32) for k in ("scales", "biases"))
             bits = x.shape[-1] * 32 // (scales.shape[-1] * 32)
             x = mx.dequantize(x, scales, biases, group_size=32, bits=bits)
         out[name] = x.astype(dtype)

@@ -18,7 +18,7 @@ from . import arch, reader
 from .tokenizer import TokenizerUnavailable, build, eos_token_ids
 
 # Bump when the conversion's output changes, so cached folders of older conversions are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
     "tokenizer.model", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",

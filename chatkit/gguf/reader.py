@@ -12,9 +12,9 @@ from ..errors import ModelLoadError
 
 MAGIC = b"GGUF"
 
-# ggml tensor type ids (ggml.h) and the ones MLX reads as they are: float types, and the three block
-# quantizations it turns into its own affine quantized weights (group 32). Others MLX dequantizes to
-# float16 while loading (gguflib's K-quants), or refuses.
+# ggml tensor type ids (ggml.h) and the block quantizations MLX turns into its own affine quantized
+# weights (group 32). Besides float types, MLX converts a few others to float16 while loading, and
+# refuses the rest (checked: Q5_0 is refused).
 GGML_TYPES = {
     0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
     10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
@@ -108,12 +108,12 @@ def read(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
             types = tensor_types(path)
         except Exception:
             raise ModelLoadError(f"Could not read GGUF file {path}: {exc} (is it complete?).") from exc
-        odd = sorted({t for t in types.values() if t not in KEPT_QUANTIZED | {"F32", "F16"}})
+        odd = sorted({t for t in types.values() if t not in KEPT_QUANTIZED | {"F32", "F16", "BF16"}})
         raise ModelLoadError(
-            f"MLX could not read GGUF file {path}: {exc}. Its tensor types besides F32/F16/Q4_0/Q4_1/"
-            f"Q8_0: {', '.join(odd) or 'none'}; MLX reads those three quantizations natively and "
-            "dequantizes some others (K-quants) but not all: use a file quantized as Q4_0, Q4_1, Q8_0, "
-            "Q4_K_M or F16."
+            f"MLX could not read GGUF file {path}: {exc}. Its tensor types besides F32/F16/BF16/Q4_0/"
+            f"Q4_1/Q8_0: {', '.join(odd) or 'none'}. MLX's GGUF reader handles those six (and converts a "
+            "few others to float16); use a Q4_0, Q4_1, Q8_0 or F16 file of the model (llama.cpp's "
+            "llama-quantize makes one), or convert the original model with mlx_lm.convert."
         ) from exc
 
 
