@@ -404,3 +404,47 @@ def test_tensor_type_mlx_cannot_read_is_named(tmp_path):
     _write_with_gguf_py(tiny_model_path("llama", "bpe", head_dim=32), path, "Q5_0")
     with pytest.raises(ModelLoadError, match=r"besides F32/F16/BF16/Q4_0/Q4_1/Q8_0: Q5_0\."):
         chatkit.load(path)
+
+
+def _llama_cpp_rope_factors(base, dim, factor, low, high, old_context):
+    """rope_freqs as llama.cpp's convert_hf_to_gguf.py computes it for Llama 3 (its formula, in NumPy)."""
+    import math
+
+    out = []
+    for freq in 1.0 / (base ** (np.arange(0, dim, 2) / dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context / high:
+            out.append(1.0)
+        elif wavelen > old_context / low:
+            out.append(factor)
+        else:
+            smooth = (old_context / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return mx.array(np.array(out, dtype=np.float32))
+
+
+def _llama_meta(head_dim=64):
+    return {
+        "general.architecture": "llama",
+        "llama.embedding_length": mx.array(2048), "llama.block_count": mx.array(16),
+        "llama.feed_forward_length": mx.array(8192), "llama.attention.head_count": mx.array(32),
+        "llama.attention.head_count_kv": mx.array(8), "llama.rope.freq_base": mx.array(500000.0),
+        "llama.attention.layer_norm_rms_epsilon": mx.array(1e-5), "llama.rope.dimension_count": mx.array(head_dim),
+    }
+
+
+def test_llama3_rope_scaling_is_recovered_from_rope_freqs():
+    from chatkit.gguf.arch import model_config
+
+    tensors = {"token_embd.weight": mx.zeros((128, 8)), "blk.0.attn_q.weight": mx.zeros((2048, 8))}
+    # Llama 3.2 1B's rope scaling.
+    tensors["rope_freqs.weight"] = _llama_cpp_rope_factors(500000.0, 64, 32.0, 1.0, 4.0, 8192)
+    config = model_config(_llama_meta(), tensors)
+    assert config["rope_scaling"] == {
+        "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    assert config["head_dim"] == 64 and config["tie_word_embeddings"]
+    tensors["rope_freqs.weight"] = _llama_cpp_rope_factors(500000.0, 64, 32.0, 2.0, 8.0, 8192)
+    with pytest.raises(ModelLoadError, match="rope_freqs"):
+        model_config(_llama_meta(), tensors)
