@@ -165,14 +165,19 @@ def restore(lm, session, reps: int) -> list[str]:
             s = ChatSession.builder(lm).generate_params(session.generate_params).history(session.history).build()
             fresh.append(chatkit_first_chunk(s, message))
     tokens = session.cache_info().tokens
-    return [
+    return _shown([
         f"restore: {tokens} cached tokens, file {size / 2**20:.1f} MiB: first token after restore "
         f"{median(restored) * 1e3:.0f} ms vs re-prefill {median(fresh) * 1e3:.0f} ms "
         f"({median(fresh) / median(restored):.1f}x), median of {reps}"
-    ]
+    ])
 
 
-def overhead(lm, rounds: int) -> list[str]:
+def _shown(lines: list[str]) -> list[str]:
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def overhead(lm, rounds: int, n: int = 64) -> list[str]:
     eos = sorted(int(e) for e in lm.tokenizer.eos_token_ids)
     bias = {e: -1e9 for e in eos}
     message = "Tell me a long story about a dragon."
@@ -180,16 +185,16 @@ def overhead(lm, rounds: int) -> list[str]:
     ck, raw = [], []
 
     def run_chatkit():
-        s = ChatSession.builder(lm).generate_params(GenerateParams(max_tokens=64, temperature=0.0, logit_bias=bias)).build()
+        s = ChatSession.builder(lm).generate_params(GenerateParams(max_tokens=n, temperature=0.0, logit_bias=bias)).build()
         with s.stream_respond(message) as stream:
             times = [time.perf_counter() for _ in stream]
-        assert len(stream.tokens) == 64
-        return 63 / (times[-1] - times[0])
+        assert len(stream.tokens) == n
+        return (n - 1) / (times[-1] - times[0])
 
     def run_raw():
         times = [time.perf_counter() for _ in stream_generate(
-            lm.model, lm.tokenizer, ids, max_tokens=64, logits_processors=make_logits_processors(logit_bias=bias))]
-        return 63 / (times[-1] - times[0])
+            lm.model, lm.tokenizer, ids, max_tokens=n, logits_processors=make_logits_processors(logit_bias=bias))]
+        return (n - 1) / (times[-1] - times[0])
 
     run_chatkit(), run_raw()
     for i in range(rounds):
@@ -197,10 +202,10 @@ def overhead(lm, rounds: int) -> list[str]:
         for f in pair:
             (ck if f is run_chatkit else raw).append(f())
     ratios = [a / b for a, b in zip(ck, raw)]
-    return [
+    return _shown([
         f"overhead: decode chatkit {median(ck):.1f} tok/s, raw mlx-lm {median(raw):.1f} tok/s, "
-        f"paired chatkit/raw {median(ratios):.3f} (median of {rounds} rounds, 64 tokens each)"
-    ]
+        f"paired chatkit/raw {median(ratios):.3f} (median of {rounds} rounds, {n} tokens each)"
+    ])
 
 
 def cold_start() -> list[str]:
@@ -224,6 +229,7 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--parts", default="12345")
+    ap.add_argument("--overhead-tokens", type=int, default=64)
     ap.add_argument("--max-wait", type=float, default=300, help="seconds to wait for an idle CPU")
     args = ap.parse_args()
     quiet = wait_until_quiet(args.max_wait)
@@ -238,7 +244,7 @@ def main() -> int:
         if "3" in args.parts:
             report += restore(lm, session, args.reps)
     if "4" in args.parts:
-        report += overhead(lm, 2 * args.reps + 1)
+        report += overhead(lm, 2 * args.reps + 1, args.overhead_tokens)
     if "5" in args.parts:
         report += cold_start()
     report.append(load.report())
