@@ -15,7 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from . import _tokenizer, demo
+from . import _tokenizer
 from .errors import ModelLoadError
 
 # Config keys that name a model's context window, most specific first.
@@ -73,7 +73,10 @@ class LoadedModel:
     @cached_property
     def fingerprint(self) -> dict[str, str]:
         """What identifies this model for saved caches: see :func:`fingerprint`."""
-        return fingerprint(self.model, self.tokenizer)
+        result = fingerprint(self.model, self.tokenizer)
+        if isinstance(gguf := self.config.get("chatkit_gguf"), Mapping):  # converted from a GGUF file
+            result["file"] = str(gguf.get("sha256", ""))[:16]
+        return result
 
 
 def _digest(value: Any) -> str:
@@ -102,13 +105,23 @@ def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
     }
 
 
-def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> LoadedModel:
+def load(
+    path_or_repo: str | os.PathLike[str],
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    dequantize: bool | None = None,
+    **tokenizer_config: Any,
+) -> LoadedModel:
     """Load a model and tokenizer with ``mlx_lm.load``.
 
     ``path_or_repo`` is a local folder (``config.json``, ``*.safetensors`` and tokenizer files), a
-    Hugging Face repo id, downloaded on first use (set ``HF_HUB_OFFLINE=1`` to forbid downloads), or
-    ``"demo"`` / ``"demo-draft"`` for the small chat model and draft that ship with chatkit.
-    Extra keyword arguments go to the tokenizer's config (e.g. ``eos_token``).
+    Hugging Face repo id, downloaded on first use (set ``HF_HUB_OFFLINE=1`` to forbid downloads),
+    ``"demo"`` / ``"demo-draft"`` for the small chat model and draft that ship with chatkit, a GGUF
+    file (converted once into chatkit's cache), ``"ollama:NAME"``, ``"lmstudio:PUBLISHER/MODEL"`` or
+    ``"smollm2"`` (see :mod:`chatkit.models`). For GGUF files, ``tokenizer`` is a folder of tokenizer
+    files to use instead of the file's own, and ``dequantize`` True/False forces float32 / packed
+    weights (default: float32 on machines without Metal). Extra keyword arguments go to the
+    tokenizer's config (e.g. ``eos_token``).
     """
     from mlx_lm import load as mlx_load  # imported here: mlx_lm costs about a second to import
 
@@ -122,9 +135,9 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
         source = os.fsdecode(source)
     if not source.strip():
         raise ModelLoadError("load() needs a Hugging Face repo id or a local model folder, got ''.")
-    if source in ("demo", "demo-draft"):
-        source = str(demo.draft_path() if source == "demo-draft" else demo.path())
-    source = _local_or_repo(source)
+    from .models import resolve  # demo, smollm2, ollama:, lmstudio:, GGUF files -> a model folder
+
+    source = _local_or_repo(resolve(source, tokenizer=tokenizer, dequantize=dequantize))
     try:
         model, tokenizer, config = mlx_load(  # type: ignore[misc]  # 3 values with return_config
             source, tokenizer_config=tokenizer_config or None, return_config=True

@@ -1,4 +1,5 @@
-"""The ``chatkit`` command: ``chatkit chat`` (a streaming REPL, the default) and ``chatkit inspect FILE``.
+"""The ``chatkit`` command: ``chatkit chat`` (a streaming REPL, the default), ``chatkit inspect FILE``
+and ``chatkit models``.
 
 The only package of chatkit that prints. ``args`` holds the flags and their rules, ``terminal`` line
 editing and Ctrl-C, ``repl`` the chat loop and its slash commands, ``inspect_cmd`` the inspect command.
@@ -7,7 +8,7 @@ editing and Ctrl-C, ``repl`` the chat loop and its slash commands, ``inspect_cmd
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..errors import ChatKitError
 from .args import UsageError, check_combination, parser
@@ -27,6 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "inspect":
             return inspect(args.file, show_all=args.all, model=args.model)
+        if args.command == "models":
+            return list_models()
         check_combination(args)
         return Repl(args).run()
     except UsageError as exc:
@@ -43,4 +46,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-__all__ = ["Repl", "inspect", "main", "parser"]
+def list_models(out: Any = None) -> int:
+    """``chatkit models``: one line per model that ``--model NAME`` accepts."""
+    from ..models import list_models as found
+
+    out = out or sys.stdout
+    for e in found():
+        size = f"{e.size / 2**20:,.0f} MiB" if e.size else ""
+        print(f"{e.name:<48} {e.kind:<22} {size:>10}  {e.path or ''}".rstrip(), file=out)
+    return 0
+
+
+__all__ = ["Repl", "inspect", "list_models", "main", "parser"]

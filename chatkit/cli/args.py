@@ -81,7 +81,7 @@ def parser() -> argparse.ArgumentParser:
         description="Chat with a local model through chatkit (mlx-lm). `chatkit` alone is `chatkit chat`.",
     )
     p.add_argument("--version", action="version", version=version())
-    commands = p.add_subparsers(dest="command", metavar="{chat,inspect}")
+    commands = p.add_subparsers(dest="command", metavar="{chat,inspect,models}")
     chat = commands.add_parser(
         "chat",
         help="a streaming chat in the terminal (the default)",
@@ -90,7 +90,8 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     chat.add_argument("--model", metavar="ID|PATH|demo",
-                      help="a Hugging Face repo id, a local model folder, or 'demo' (default: demo)")
+                      help="a Hugging Face repo id, a local model folder, a GGUF file, 'smollm2', 'ollama:NAME', "
+                           "'lmstudio:PUBLISHER/MODEL', or 'demo' (default: demo); `chatkit models` lists what is found")
     chat.add_argument("--draft", metavar="ID|PATH|demo",
                       help="a smaller model sharing the tokenizer, for speculative decoding (default: none). "
                            "With the demo pair on a CPU this is slower than without it (0.5x to 0.6x the "
@@ -127,6 +128,7 @@ def parser() -> argparse.ArgumentParser:
     insp.add_argument("--all", action="store_true", help="show every message (default: the last 6)")
     insp.add_argument("--model", metavar="ID|PATH|demo",
                       help="also check whether the file fits this model (loads it)")
+    commands.add_parser("models", help="list the models chatkit finds (bundled, smollm2, Ollama, LM Studio)")
     return p
 
 
