@@ -320,7 +320,6 @@ class ChatSession:
                 progress=self._progress,
                 detokenizer=_tokenizer.new_detokenizer(tokenizer),
                 eos_token_ids=frozenset(tokenizer.eos_token_ids),
-                num_draft_tokens=self._source.num_draft_tokens,
             )
             return ResponseStream(turn)
         except BaseException:
@@ -345,7 +344,8 @@ class ChatSession:
 
     @property
     def _draft_model(self) -> Any:
-        return self._speculative.draft.model if self._speculative is not None else None
+        draft = self._speculative.draft_model if self._speculative is not None else None
+        return draft.model if draft is not None else None
 
     def _use_cache(self, cache: CacheState) -> None:
         """Start from a restored cache (the builder's restore)."""
