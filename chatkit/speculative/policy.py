@@ -18,6 +18,7 @@ MARGIN = 1.05  # drafting must promise this speed-up over plain steps
 DECAY = 0.9  # weight of older acceptance evidence per drafting step
 SMOOTH = 0.2  # weight of a new time measurement
 PROBE_MIN, PROBE_MAX = 16, 256  # plain tokens between probes while drafting does not pay
+PRIOR = (1.0, 2.0)  # (hits, tries) before any evidence: an acceptance of one half
 REFRESH = 64  # drafting steps between plain steps that re-measure the plain step time
 
 
@@ -27,7 +28,7 @@ class DraftPolicy:
 
     fixed: int | None
     extra: float  # extra cost of one drafted token, in plain steps (a prior until measured)
-    hits: float = 1.0  # decayed count of accepted draft tokens
+    hits: float = 1.0  # decayed count of accepted draft tokens (the prior: PRIOR)
     tries: float = 2.0  # decayed count of draft tokens the target checked
     plain_time: float | None = None  # seconds of a plain step
     idle: int = 0  # plain tokens since the last drafting step
@@ -85,6 +86,8 @@ def record_plain(policy: DraftPolicy, seconds: float) -> None:
 def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: float, probe: bool = False) -> None:
     """A step checked ``drafted`` tokens (``drafted >= 1``), accepted ``accepted`` and took ``seconds``;
     ``probe``: it was a probe while drafting did not pay."""
+    if probe and accepted == drafted:
+        policy.hits, policy.tries = PRIOR  # a probe came through: start over from the prior
     policy.hits = policy.hits * DECAY + accepted
     policy.tries = policy.tries * DECAY + accepted + (accepted < drafted)
     if policy.plain_time:
