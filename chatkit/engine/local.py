@@ -95,13 +95,16 @@ def standard_tokens(
 class Drafter:
     """Proposes tokens for :func:`speculative_tokens`: a draft model or prompt lookup.
 
-    ``propose(y, k, held)``: up to ``k`` tokens to follow ``held`` (the tokens fed to the target in
-    this call after its prefill) and ``y`` (the next token, not fed yet), as an ``mx.array`` (maybe
-    lazy). ``rewind(n)``: only the first ``n`` tokens of ``held`` stand (drafts were rejected).
+    ``catch_up(held)``: take in ``held``, the tokens fed to the target in this call after its
+    prefill (a draft model feeds those it has not seen, e.g. after plain steps).
+    ``propose(y, k, held)``: up to ``k`` tokens to follow ``held`` and ``y`` (the next token, not fed
+    yet), as an ``mx.array`` (maybe lazy). ``rewind(n)``: only the first ``n`` tokens of ``held``
+    stand (drafts were rejected).
     """
 
-    def __init__(self, propose: Callable[[mx.array, int, list[int]], mx.array], rewind: Callable[[int], None]):
-        self.propose, self.rewind = propose, rewind
+    def __init__(self, catch_up: Callable[[list[int]], None], propose: Callable[[mx.array, int, list[int]], mx.array],
+                 rewind: Callable[[int], None]):
+        self.catch_up, self.propose, self.rewind = catch_up, propose, rewind
 
 
 def model_drafter(draft_model: Any, draft_layers: list[Any], processors: Sequence[LogitsProcessor],
@@ -116,8 +119,15 @@ def model_drafter(draft_model: Any, draft_layers: list[Any], processors: Sequenc
     base = (layer_offset(draft_layers) or 0) + len(prefix)
     fed = [0]  # tokens of ``held`` (or drafts past it) in the draft's cache
 
-    def propose(y: mx.array, k: int, held: list[int]) -> mx.array:
+    def catch_up(held: list[int]) -> None:
         lag = held[fed[0]:]  # the tokens decoded without drafting since the draft last ran
+        if lag:
+            draft_model(mx.array(lag, dtype=mx.uint32)[None], cache=draft_layers)
+            mx.eval([c.state for c in draft_layers])
+            fed[0] = len(held)
+
+    def propose(y: mx.array, k: int, held: list[int]) -> mx.array:
+        lag = held[fed[0]:]
         inp = mx.concatenate([mx.array(lag, dtype=mx.uint32), y]) if lag else y
         shown = mx.array([*prefix, *held], dtype=mx.uint32) if processors else None
         drafts: list[mx.array] = []
@@ -138,7 +148,7 @@ def model_drafter(draft_model: Any, draft_layers: list[Any], processors: Sequenc
             trim_layers(draft_layers, base + n)
             fed[0] = n
 
-    return Drafter(propose, rewind)
+    return Drafter(catch_up, propose, rewind)
 
 
 def lookup_drafter(index: NgramIndex, indexed: int) -> Drafter:
@@ -146,13 +156,17 @@ def lookup_drafter(index: NgramIndex, indexed: int) -> Drafter:
     tokens and the first ``indexed`` tokens that ``held`` will hold (the suffix)."""
     done = [indexed]
 
-    def propose(y: mx.array, k: int, held: list[int]) -> mx.array:
+    def catch_up(held: list[int]) -> None:
         index.extend(held[done[0]:])
+        done[0] = len(held)
+
+    def propose(y: mx.array, k: int, held: list[int]) -> mx.array:
+        catch_up(held)
         index.extend([y.item()])
-        done[0] = len(held) + 1  # y is fed next
+        done[0] += 1  # y is fed next
         return mx.array(index.propose(k), dtype=mx.uint32)
 
-    return Drafter(propose, lambda n: None)
+    return Drafter(catch_up, propose, lambda n: None)
 
 
 def speculative_tokens(
@@ -210,8 +224,9 @@ def speculative_tokens(
             while out < max_tokens:
                 k, probe = choose(policy)
                 k = min(k, max_tokens - out - 1)
-                if k > 0:
-                    mx.eval(y)  # the step that made y belongs to the last step's time
+                if k > 0:  # the step that made y belongs to the last step's time; a catch-up to none
+                    mx.eval(y)
+                    drafter.catch_up(held)
                 now = time.perf_counter()
                 if last is not None:
                     _record(policy, *last, now - t_last)

@@ -18,6 +18,7 @@ MARGIN = 1.05  # drafting must promise this speed-up over plain steps
 DECAY = 0.9  # weight of older acceptance evidence per drafting step
 SMOOTH = 0.2  # weight of a new time measurement
 PROBE_MIN, PROBE_MAX = 16, 256  # plain tokens between probes while drafting does not pay
+MAX_EXTRA = 1.0  # a drafted token that costs a whole plain step can never pay
 PRIOR = (1.0, 2.0)  # (hits, tries) before any evidence: an acceptance of one half
 REFRESH = 64  # drafting steps between plain steps that re-measure the plain step time
 
@@ -91,7 +92,8 @@ def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: floa
     policy.hits = policy.hits * DECAY + accepted
     policy.tries = policy.tries * DECAY + accepted + (accepted < drafted)
     if policy.plain_time:
-        extra = max(0.0, (seconds / policy.plain_time - 1.0) / drafted)
+        # Clipped: one step slowed down by something else must not switch drafting off for long.
+        extra = min(max(0.0, (seconds / policy.plain_time - 1.0) / drafted), MAX_EXTRA)
         policy.extra = _smooth(policy.extra, extra)
     policy.since_plain += 1
     if probe:
