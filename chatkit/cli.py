@@ -29,7 +29,7 @@ class Repl:
     def __init__(self, args: argparse.Namespace, out: Any = sys.stdout, err: Any = sys.stderr) -> None:
         self.args, self.out, self.err = args, out, err
         self.lm = _load_model(args.model)
-        self.draft = _load_model(args.draft, draft=True) if args.draft else None
+        self.draft = _load_model(args.draft, draft=True) if args.draft and args.draft != "prompt_lookup" else args.draft
         self.session = self._build(resume=args.resume)
 
     def _build(self, resume: str | None = None, instructions: str | None = None):
@@ -167,9 +167,14 @@ def _stats(session: Any) -> str:
             f"at {st.prompt_tps:.0f} tok/s), {st.generation_tokens} generated at {st.generation_tps:.1f} tok/s, "
             f"peak memory {st.peak_memory_bytes / 2**20:.0f} MiB, finish: {st.finish_reason}"
         )
-        if st.draft_tokens_proposed:
-            lines.append(f"draft: {st.draft_tokens_accepted}/{st.draft_tokens_proposed} proposed tokens accepted")
+        if session.speculative is not None:
+            lines.append(f"draft: {st.draft_tokens_accepted}/{st.draft_tokens_proposed} proposed tokens accepted, "
+                         f"{st.draft_length:.1f} drafted per step")
     return "\n".join(lines)
+
+
+def _num_draft(value: str) -> int | str:
+    return value if value == "auto" else int(value)
 
 
 def _load_model(name: str | None, draft: bool = False):
@@ -209,8 +214,9 @@ def parser() -> argparse.ArgumentParser:
     commands = p.add_subparsers(dest="command")
     chat = commands.add_parser("chat", help="a streaming chat in the terminal (the default)")
     chat.add_argument("--model", help="Hugging Face repo id, local folder, or 'demo' (the default)")
-    chat.add_argument("--draft", help="a draft model for speculative decoding (id, folder, or 'demo')")
-    chat.add_argument("--num-draft", type=int, default=4, help="draft tokens per step (default 4)")
+    chat.add_argument("--draft", help="speculative decoding: a draft model (id, folder, or 'demo'), or 'prompt_lookup'")
+    chat.add_argument("--num-draft", type=_num_draft, default="auto",
+                      help="draft tokens per step, or 'auto' (the default: tuned as it goes)")
     chat.add_argument("--system", help="the system prompt")
     chat.add_argument("--resume", metavar="FILE", help="continue a conversation saved with /save or --save")
     chat.add_argument("--save", metavar="FILE", help="save the conversation to FILE after every turn")
