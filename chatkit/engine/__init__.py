@@ -1,7 +1,7 @@
 """Token sources: what turns a prepared prompt into generated tokens.
 
 A turn hands a source its cache and a :class:`Request` (plain data) and reads back :data:`Token` s.
-``local.py`` is mlx-lm's ``generate_step`` / ``speculative_generate_step`` over one session's cache; a
+``local.py`` is mlx-lm's ``generate_step`` or chatkit's speculative loop over one session's cache; a
 batching engine, a sharded model or a constrained decoder stands in behind the same two names.
 """
 
