@@ -162,7 +162,7 @@ def lookup_drafter(index: NgramIndex, indexed: int) -> Drafter:
 
     def propose(y: mx.array, k: int, held: list[int]) -> mx.array:
         catch_up(held)
-        index.extend([y.item()])
+        index.extend([_int(y)])
         done[0] += 1  # y is fed next
         return mx.array(index.propose(k), dtype=mx.uint32)
 
@@ -236,7 +236,7 @@ def speculative_tokens(
                     if out + 1 < max_tokens:
                         next_y, next_logprobs = plain_step(y)  # queued before y is read, as generate_step does
                         mx.async_eval(next_y, next_logprobs)
-                    token = y.item()
+                    token = _int(y)
                     held.append(token)
                     last = (0, 0, False) if queued else None
                     out += 1
@@ -247,14 +247,13 @@ def speculative_tokens(
                 k = drafts.size
                 logits = model(mx.concatenate([y, drafts])[None], cache=layers)
                 mx.eval(logits, drafts)
-                first, proposed = y.item(), drafts.tolist()
-                line = prefix + held + [first] + proposed
-                seen = mx.array(line, dtype=mx.uint32) if processors else None
+                first, proposed = _int(y), [int(t) for t in drafts.tolist()]  # type: ignore[arg-type, union-attr]
+                line = mx.array(prefix + held + [first] + proposed if processors else [], dtype=mx.uint32)
                 n, step_logprobs = len(prefix) + len(held) + 1, [logprobs]
                 for i in range(k + 1):
-                    token_i, logprobs_i = sample(logits[:, i, :], lambda end=n + i, seen=seen: seen[:end])
+                    sampled, logprobs_i = sample(logits[:, i, :], lambda end=n + i, line=line: line[:end])  # type: ignore[misc]
                     step_logprobs.append(logprobs_i)
-                    token_i = token_i.item()
+                    token_i = _int(sampled)
                     if i == k or token_i != proposed[i]:
                         break
                 accepted = len(step_logprobs) - 2
@@ -281,6 +280,10 @@ def speculative_tokens(
             drafter.rewind(keep)
 
 
+def _int(a: mx.array) -> int:
+    return int(a.item())  # type: ignore[arg-type]
+
+
 def _record(policy: DraftPolicy, drafted: int, accepted: int, probe: bool, seconds: float) -> None:
     if drafted:
         record_draft(policy, drafted, accepted, seconds, probe)
@@ -297,7 +300,7 @@ def prefill(models: Sequence[tuple[Any, list[Any]]], tokens: Sequence[int], step
         progress(0, total)
     while done < len(tokens):
         n = min(step, len(tokens) - done)
-        chunk = mx.array(tokens[done : done + n], dtype=mx.uint32)[None]
+        chunk = mx.array(list(tokens[done : done + n]), dtype=mx.uint32)[None]
         for model, layers in models:
             model(chunk, cache=layers)
         mx.eval([c.state for _, layers in models for c in layers])
