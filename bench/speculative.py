@@ -1,6 +1,9 @@
 """Standard against speculative decoding: decode tokens/s, draft acceptance, identical output.
 
-    .venv/bin/python bench/speculative.py [--rounds 3] [--floor-rounds 2] [--tokens 128] [--max-draft 8] [--cases abc]
+    .venv/bin/python bench/speculative.py [--rounds 3] [--floor-rounds 2] [--tokens 128] [--lengths 1,2,...,8] [--cases abcde]
+
+Every case compares fixed draft lengths with the adaptive one (``num_draft_tokens="auto"``, row
+"auto"), each against standard decoding.
 
 The target is the benchmarks' ~29M-parameter Qwen3 model (hidden 512, 8 layers); the drafts are one
 layer deep (hidden 512, intermediate 256, 4/2 heads: ~5M parameters, 4.2M of them the embedding
@@ -15,7 +18,12 @@ shared in shape with the target's), about one sixth of the target. Cases:
 (b) random draft: the unmodified target with a random draft (another seed): the overhead floor.
 (c) the bundled demo pair (``chatkit.demo``: trained chat and draft models), when its files
     exist: the same forced-length runs on an in-world prompt, then a short scripted dialogue with
-    natural ends (num_draft 4) for the acceptance where the models know what to say.
+    natural ends (adaptive) for the acceptance where the models know what to say.
+(d) prompt lookup, copying: the benchmark model made to copy a ~150-token paragraph of its prompt
+    with one word changed (a logits processor forces the script's token at each step, on every path
+    alike; the model still runs every step): ``SpeculativeConfig("prompt_lookup")``, no draft model.
+(e) prompt lookup, text that does not repeat: the same, forced to write a paragraph that is not in
+    the prompt (English, so a few word pairs recur by chance).
 
 Every run: one fresh turn (``session.clear()``, then a fixed ~40-token prompt), greedy, ``--tokens``
 tokens (the EOS logits biased by -1e9 so no run ends early), timed per chunk. Decode tokens/s counts
@@ -91,12 +99,12 @@ def run_turn(session: ChatSession, prompt: str = PROMPT) -> tuple[list[int], flo
     return tokens, tps, acc
 
 
-def bench_case(name, target, draft, params, rounds, max_draft, prompt=PROMPT):
-    """Rows (k, std tok/s, spec tok/s, speedup, acceptance, identical) for one target/draft pair."""
+def bench_case(name, target, configs, params, rounds, prompt=PROMPT):
+    """Rows (label, std tok/s, spec tok/s, speedup, paired, acceptance, identical, draft length) for
+    one target and a list of (label, SpeculativeConfig)."""
     standard = ChatSession.builder(target).generate_params(params).build()
-    specs = {k: ChatSession.builder(target).generate_params(params)
-             .speculative(SpeculativeConfig(draft, num_draft_tokens=k)).build()
-             for k in range(1, max_draft + 1)}
+    specs = {label: ChatSession.builder(target).generate_params(params).speculative(config).build()
+             for label, config in configs}
     run = functools.partial(run_turn, prompt=prompt)
     reference, _, _ = run(standard)  # warm-up (the speculative sessions with fewer tokens)
     run(standard)
@@ -105,8 +113,8 @@ def bench_case(name, target, draft, params, rounds, max_draft, prompt=PROMPT):
         run(s)
         s.generate_params = params
     rows = []
-    for k, spec in specs.items():
-        std_tps, spec_tps, accs, identical = [], [], [], True
+    for label, spec in specs.items():
+        std_tps, spec_tps, accs, lengths, identical = [], [], [], [], True
         for r in range(rounds):
             order = [standard, spec] if r % 2 == 0 else [spec, standard]
             for s in order:
@@ -118,12 +126,62 @@ def bench_case(name, target, draft, params, rounds, max_draft, prompt=PROMPT):
                     identical &= tokens == reference
                     spec_tps.append(tps)
                     accs.append(acc)
+                    lengths.append(s.last_stats.draft_length)
         a, b = median(std_tps), median(spec_tps)
         paired = median([y / x for x, y in zip(std_tps, spec_tps)])  # the two runs of one round
-        rows.append((k, a, b, b / a, paired, median(accs), identical))
-        print(f"  {name} k={k}: standard {' '.join(f'{x:.1f}' for x in std_tps)} | "
-              f"speculative {' '.join(f'{x:.1f}' for x in spec_tps)} tok/s", flush=True)
+        rows.append((label, a, b, b / a, paired, median(accs), identical, median(lengths)))
+        print(f"  {name} {label}: standard {' '.join(f'{x:.1f}' for x in std_tps)} | "
+              f"speculative {' '.join(f'{x:.1f}' for x in spec_tps)} tok/s; draft length "
+              f"{' '.join(f'{x:.1f}' for x in lengths)}", flush=True)
     return rows, reference
+
+
+def with_auto(draft, lengths):
+    """(label, config) for fixed ``lengths`` and the adaptive length."""
+    return [*((str(k), SpeculativeConfig(draft, num_draft_tokens=k)) for k in lengths),
+            ("auto", SpeculativeConfig(draft))]
+
+
+PARAGRAPH = (
+    "The old lighthouse stood at the edge of the cliff, its white paint peeling in long strips after "
+    "forty winters of salt and wind. Every evening the keeper climbed the narrow stairs, counted the "
+    "steps out of habit, and lit the great lamp that swept its beam across the harbour. Fishermen "
+    "coming home in the dark trusted that light more than their own charts, and children in the "
+    "village believed the keeper could see every boat on the sea. When the council decided to "
+    "replace the lamp with an automatic beacon, the whole town came to the meeting to argue."
+)
+CHANGED = PARAGRAPH.replace("forty winters", "fifty winters")
+FRESH = (
+    "Bread dough needs patience more than skill: mix flour, water, salt and a pinch of yeast, then "
+    "leave it covered overnight in a cool kitchen. By morning bubbles show through the surface and "
+    "the smell turns slightly sour. Fold it gently a few times, shape a round loaf, let it rise "
+    "again for an hour, and bake it hot until the crust cracks when you tap it. Cooling matters "
+    "too; cutting too early leaves the crumb gummy. Most beginners rush one of these steps, and "
+    "their first loaves come out flat, dense or pale, which is exactly how everyone learns."
+)
+COPY_PROMPT = f"Repeat this paragraph with one word changed:\n\n{PARAGRAPH}"
+
+
+def scripted(target, prompt, reply, tokens):
+    """GenerateParams whose logits processor makes the reply ``reply``'s tokens (then EOS-free filler)."""
+    tok = target.tokenizer
+    probe = ChatSession.builder(target).generate_params(GenerateParams(max_tokens=1)).build()
+    probe.respond(prompt)
+    start = probe.last_stats.prompt_tokens  # the processor sees the whole conversation
+    script = tok.encode(reply, add_special_tokens=False)[:tokens]
+    assert len(script) >= tokens, f"the scripted reply has {len(script)} tokens, fewer than {tokens}"
+    vocab = target.model.args.vocab_size
+    force = mx.zeros((len(script), vocab))
+    force[mx.arange(len(script)), mx.array(script)] = 1e4
+    mx.eval(force)
+
+    def processor(seen, logits):
+        i = seen.shape[0] - start
+        return logits + force[i] if 0 <= i < len(script) else logits
+
+    eos = sorted(int(e) for e in tok.eos_token_ids)
+    return GenerateParams(max_tokens=tokens, temperature=0.0, logit_bias={e: -1e9 for e in eos},
+                          logits_processors=[processor]), script
 
 
 DEMO_PROMPT = "My name is Ada and I live in Lyon. What is 7 + 5?"
@@ -150,11 +208,10 @@ def load_demo_pair():
 
 
 def demo_dialogue(chat, draft) -> None:
-    """A scripted conversation, standard and speculative side by side: replies and acceptance."""
+    """A scripted conversation, standard and speculative (adaptive) side by side: replies and acceptance."""
     params = GenerateParams(max_tokens=64, temperature=0.0)
     standard = ChatSession.builder(chat).generate_params(params).build()
-    spec = (ChatSession.builder(chat).generate_params(params)
-            .speculative(SpeculativeConfig(draft, num_draft_tokens=4)).build())
+    spec = ChatSession.builder(chat).generate_params(params).speculative(SpeculativeConfig(draft)).build()
     proposed = accepted = same = 0
     t_std = t_spec = 0.0
     for prompt in DEMO_DIALOGUE:
@@ -180,10 +237,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--floor-rounds", type=int, default=2, help="rounds of the (slow) random-draft case")
     ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--max-draft", type=int, default=8)
+    ap.add_argument("--lengths", default="1,2,3,4,5,6,7,8", help="fixed draft lengths of the agreeing draft's table")
     ap.add_argument("--max-wait", type=float, default=300.0,
                     help="seconds to wait at most for other processes to leave the CPU idle")
-    ap.add_argument("--cases", default="abc", help="which cases to run, e.g. 'c' for the demo pair only")
+    ap.add_argument("--cases", default="abcde", help="which cases to run, e.g. 'c' for the demo pair only")
     args = ap.parse_args()
 
     target = tiny_model("qwen3", "bpe", 0, **MODEL_CONFIG)
@@ -208,14 +265,25 @@ def main() -> int:
     prompt_tokens = probe.last_stats.prompt_tokens
     print(f"decode  : greedy, {args.tokens} tokens per run (EOS {eos} biased -1e9), {prompt_tokens}-token "
           f"prompt, {args.rounds} rounds ({args.floor_rounds} with the random draft) standard/speculative "
-          "alternating per num_draft after a warm-up")
+          "alternating per configuration after a warm-up")
     print()
 
+    lookup = [("4", SpeculativeConfig("prompt_lookup", 4)), ("8", SpeculativeConfig("prompt_lookup", 8)),
+              ("auto", SpeculativeConfig("prompt_lookup"))]
     cases = [
-        ("(a) agreeing draft (blocks zeroed, shared embedding)", "a", zeroed_target, agreeing_draft, params, PROMPT,
-         args.rounds),
-        ("(b) random draft (seed 1)", "b", target, random_draft, params, PROMPT, args.floor_rounds),
+        ("(a) agreeing draft (blocks zeroed, shared embedding)", "a", zeroed_target,
+         with_auto(agreeing_draft, [int(k) for k in args.lengths.split(",")]), params, PROMPT, args.rounds),
+        ("(b) random draft (seed 1)", "b", target, with_auto(random_draft, [1, 2, 4]), params, PROMPT,
+         args.floor_rounds),
     ]
+    if "d" in args.cases:
+        copy_params, _ = scripted(target, COPY_PROMPT, CHANGED, args.tokens)
+        cases.append(("(d) prompt lookup, copying a paragraph with one word changed", "d", target, lookup,
+                      copy_params, COPY_PROMPT, args.rounds))
+    if "e" in args.cases:
+        fresh_params, _ = scripted(target, COPY_PROMPT, FRESH, args.tokens)
+        cases.append(("(e) prompt lookup, a paragraph that is not in the prompt", "e", target, lookup,
+                      fresh_params, COPY_PROMPT, args.rounds))
     cases = [case for case in cases if case[1] in args.cases]
     demo_pair, demo_note = load_demo_pair() if "c" in args.cases else (None, "not asked for (--cases)")
     if demo_pair is not None:
@@ -224,19 +292,19 @@ def main() -> int:
         demo_params = GenerateParams(max_tokens=args.tokens, temperature=0.0, logit_bias={e: -1e9 for e in demo_eos})
         print(f"demo    : chat {n_params(chat) / 1e6:.2f}M params, draft {n_params(chat_draft) / 1e6:.2f}M "
               f"params (chatkit.demo); prompt {DEMO_PROMPT!r}, EOS {demo_eos} biased -1e9")
-        cases.append(("(c) bundled demo pair (chatkit.demo)", "c", chat, chat_draft, demo_params, DEMO_PROMPT,
-                      args.rounds))
+        cases.insert(2, ("(c) bundled demo pair (chatkit.demo)", "c", chat, with_auto(chat_draft, [1, 2, 4]),
+                         demo_params, DEMO_PROMPT, args.rounds))
     print()
     results = {}
-    for title, short, t, d, p, prompt, rounds in cases:
+    for title, short, t, configs, p, prompt, rounds in cases:
         print(f"{title}: per-round decode tok/s", flush=True)
-        results[short] = (title, t.tokenizer, *bench_case(short, t, d, p, rounds, args.max_draft, prompt))
+        results[short] = (title, t.tokenizer, *bench_case(short, t, configs, p, rounds, prompt))
     print()
     if demo_pair is None:
         print(f"(c) bundled demo pair: {demo_note}: skipped")
     failed = 0
     if demo_pair is not None:
-        print("(c) bundled demo pair, in its own world (natural ends, no bias), num_draft=4:")
+        print("(c) bundled demo pair, in its own world (natural ends, no bias), adaptive draft length:")
         failed += demo_dialogue(*demo_pair)
     print()
     if not results:
@@ -247,28 +315,43 @@ def main() -> int:
         text = tokenizer.decode(reference[:12])
         print(f"{title}; reply starts {text!r}")
         print(f"{'num_draft':>9} {'tok/s standard':>15} {'tok/s speculative':>18} {'speedup':>8} "
-              f"{'paired':>7} {'acceptance':>11} {'identical':>10}")
-        for k, a, b, speedup, paired, acc, identical in rows:
-            print(f"{k:9d} {a:15.1f} {b:18.1f} {speedup:7.2f}x {paired:6.2f}x {acc:11.1%} "
-                  f"{'yes' if identical else 'NO':>10}")
-        best = max(rows, key=lambda r: r[4])
-        print(f"best (paired): num_draft={best[0]}, {best[4]:.2f}x (ratio of medians {best[3]:.2f}x)")
+              f"{'paired':>7} {'acceptance':>11} {'identical':>10} {'draft length':>13}")
+        for label, a, b, speedup, paired, acc, identical, length in rows:
+            print(f"{label:>9} {a:15.1f} {b:18.1f} {speedup:7.2f}x {paired:6.2f}x {acc:11.1%} "
+                  f"{'yes' if identical else 'NO':>10} {length:13.1f}")
+        fixed = [r for r in rows if r[0] != "auto"]
+        best = max(fixed, key=lambda r: r[4])
+        print(f"best fixed (paired): num_draft={best[0]}, {best[4]:.2f}x (ratio of medians {best[3]:.2f}x)")
         if not all(r[6] for r in rows):
             print("FAIL: speculative tokens differ from standard tokens")
             failed += 1
         print()
 
+    def auto(short):
+        return next(r for r in results[short][2] if r[0] == "auto")
+
     checks = [("speculative tokens == standard tokens (every run, every case)", "yes" if not failed else "no",
                not failed)]
     if "a" in results:
-        rows_a = results["a"][2]
+        rows_a = [r for r in results["a"][2] if r[0] != "auto"]
         best_a = max(rows_a, key=lambda r: r[4])
         min_acc = min(r[5] for r in rows_a)
-        checks[:0] = [
-            (f"agreeing draft, best paired speedup (num_draft={best_a[0]}) >= 1.8x", f"{best_a[4]:.2f}x "
+        checks += [
+            (f"agreeing draft, best fixed paired speedup (num_draft={best_a[0]}) >= 1.8x", f"{best_a[4]:.2f}x "
              f"(ratio of medians {best_a[3]:.2f}x)", best_a[4] >= 1.8),
             ("agreeing draft, acceptance ~100% (>= 99%) at every num_draft", f"min {min_acc:.1%}", min_acc >= 0.99),
+            ("agreeing draft, adaptive within 10% of the best fixed length (paired)",
+             f"{auto('a')[4]:.2f}x vs {best_a[4]:.2f}x", auto("a")[4] >= 0.9 * best_a[4]),
         ]
+    if "b" in results:
+        checks.append(("random draft, adaptive >= 0.95x standard (paired)", f"{auto('b')[4]:.2f}x",
+                       auto("b")[4] >= 0.95))
+    if "d" in results:
+        checks.append(("prompt lookup, copying, adaptive >= 1.5x standard (paired)", f"{auto('d')[4]:.2f}x",
+                       auto("d")[4] >= 1.5))
+    if "e" in results:
+        checks.append(("prompt lookup, text that does not repeat, adaptive >= 0.95x standard (paired)",
+                       f"{auto('e')[4]:.2f}x", auto("e")[4] >= 0.95))
     for what, value, ok in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {what}: {value}")
     print(other.report())

@@ -120,7 +120,8 @@ class ChatSessionBuilder:
         return self
 
     def speculative(self, config: SpeculativeConfig | None) -> "ChatSessionBuilder":
-        """Decode with a draft model (``None`` turns it off). Cannot be combined with :meth:`cache`."""
+        """Decode speculatively (``None`` turns it off). A draft model cannot be combined with
+        :meth:`cache`; prompt lookup can."""
         if config is not None and not isinstance(config, SpeculativeConfig):
             raise InvalidParamsError(f"speculative() takes a SpeculativeConfig, got {type(config).__name__}.")
         self._speculative = config
@@ -146,12 +147,15 @@ class ChatSessionBuilder:
                     "Both instructions() and a leading system message in history(): give the system prompt once."
                 )
             instructions, history = history[0].content, history[1:]
-        if self._speculative is not None and self._restore is not None:
+        if self._speculative is not None and self._speculative.draft_model is not None and self._restore is not None:
+            # A draft model's cache is not in the file and cannot be rebuilt for a raw cache's opaque
+            # prefix; prompt lookup has no cache of its own, so it restores like standard decoding.
             raise SpeculativeCacheRestoreError(
-                "Speculative decoding cannot start from a restored cache: drop .speculative(...) or .cache(...)."
+                "Speculative decoding with a draft model cannot start from a restored cache: drop "
+                ".speculative(...) or .cache(...), or use SpeculativeConfig(draft=\"prompt_lookup\")."
             )
         if self._speculative is not None:
-            check_draft(self._lm, self._speculative.draft)
+            check_draft(self._lm, self._speculative)
         options = CacheOptions(**self._cache_options)
         options.validate(self._lm.head_dim)
         params = self._params.copy() if self._params is not None else None

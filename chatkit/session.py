@@ -357,7 +357,6 @@ class ChatSession:
                 progress=self._progress,
                 detokenizer=_tokenizer.new_detokenizer(tokenizer),
                 eos_token_ids=frozenset(tokenizer.eos_token_ids),
-                num_draft_tokens=self._source.num_draft_tokens,
             )
             return ResponseStream(turn)
         except BaseException:
@@ -382,7 +381,8 @@ class ChatSession:
 
     @property
     def _draft_model(self) -> Any:
-        return self._speculative.draft.model if self._speculative is not None else None
+        draft = self._speculative.draft_model if self._speculative is not None else None
+        return draft.model if draft is not None else None
 
     def _use_cache(self, cache: CacheState) -> None:
         """Start from a restored cache (the builder's restore)."""
@@ -437,7 +437,8 @@ def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:
 
 def _vocab_size(lm: LoadedModel, speculative: SpeculativeConfig | None) -> int:
     """Token ids must be below this in every model a turn runs (mlx-lm biases the draft's logits too)."""
-    return lm.vocab_size if speculative is None else min(lm.vocab_size, speculative.draft.vocab_size)
+    draft = speculative.draft_model if speculative is not None else None
+    return lm.vocab_size if draft is None else min(lm.vocab_size, draft.vocab_size)
 
 
 __all__ = ["ChatSession"]

@@ -10,7 +10,7 @@ from typing import Any, Iterator, Protocol, Sequence
 import mlx.core as mx
 from mlx_lm.generate import TextStateMachine
 
-from .engine import Token
+from .engine import DraftCount, Token
 from .errors import ChatKitError
 
 
@@ -37,7 +37,8 @@ class TurnStats:
     ``generation_tps`` is generated tokens per second after the first one. ``finish_reason`` is
     ``"stop"``, ``"length"`` or ``"cancelled"`` (closed before the end). ``peak_memory_bytes`` is
     MLX's process-wide peak during the turn. With speculative decoding, ``draft_tokens_proposed``
-    counts the draft's proposals and ``draft_tokens_accepted`` those the target kept.
+    counts the drafted tokens, ``draft_tokens_accepted`` those the target kept, and ``draft_length``
+    is the mean number drafted per drafting step (0.0 when no step drafted).
     """
 
     prompt_tokens: int
@@ -50,6 +51,7 @@ class TurnStats:
     finish_reason: str | None
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    draft_length: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,7 +70,7 @@ class TurnSteps(Protocol):
     max_tokens: int
     stop: Sequence[str]
     eos_token_ids: frozenset[int]
-    num_draft_tokens: int
+    drafts: DraftCount
     detokenizer: Any
 
     def start(self) -> tuple[int, Iterator[Token]]:
@@ -111,9 +113,7 @@ class ResponseStream:
         self._settled = False  # the session was told the outcome (commit or abort), exactly once
         self._lock = threading.Lock()  # close() may come from the garbage collector or another thread
         self._t_start = self._t_first = 0.0
-        self._num_draft = turn.num_draft_tokens
-        self._in_round = False  # inside a speculative round (draft tokens accepted so far)
-        self._proposed = self._accepted = 0
+        self._drafts = turn.drafts  # filled by a speculative token source
 
     # -- public surface -----------------------------------------------------------------------
     @property
@@ -187,8 +187,6 @@ class ResponseStream:
         if not self._generated:
             self._t_first = time.perf_counter()
         self._generated.append(token)
-        if self._num_draft:
-            self._count_draft(from_draft)
         finish = None
         if token in self._eos:
             finish = "stop"
@@ -204,17 +202,6 @@ class ResponseStream:
             self._finish = finish
             self._commit()
         return chunk
-
-    def _count_draft(self, from_draft: bool) -> None:
-        # mlx-lm proposes min(num_draft, tokens left) per round; a round ends with a target token.
-        if not self._in_round:
-            left = self._max_tokens - (len(self._generated) - 1)
-            self._proposed += min(self._num_draft, left)
-            self._in_round = True
-        if from_draft:
-            self._accepted += 1
-        else:
-            self._in_round = False
 
     def _take_text(self, final: bool) -> tuple[str, bool]:
         """The next piece of text to hand out, and whether a stop string ended the reply."""
@@ -239,6 +226,7 @@ class ResponseStream:
         n = len(self._generated)
         prefill_time = (self._t_first - self._t_start) if n else 0.0
         decode_time = now - self._t_first if n else 0.0
+        drafts = self._drafts
         return TurnStats(
             prompt_tokens=self._prompt_tokens,
             reused_tokens=self._prompt_tokens - self._prefilled,
@@ -248,8 +236,9 @@ class ResponseStream:
             generation_tps=(n - 1) / decode_time if n > 1 and decode_time > 0 else 0.0,
             peak_memory_bytes=int(mx.get_peak_memory()),
             finish_reason=self._finish,
-            draft_tokens_proposed=self._proposed,
-            draft_tokens_accepted=self._accepted,
+            draft_tokens_proposed=drafts.drafted,
+            draft_tokens_accepted=drafts.accepted,
+            draft_length=drafts.drafted / drafts.steps if drafts.steps else 0.0,
         )
 
     def _close_source(self) -> None:

@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from .cache.planner import Plan
 from .conversation import Conversation
-from .engine import ProgressCallback, Request, Token, TokenSource
+from .engine import DraftCount, ProgressCallback, Request, Token, TokenSource
 from .errors import ContextWindowExceededError
 from .messages import ChatMessage
 from .params import GenerateParams
@@ -70,7 +70,7 @@ class Turn:
     detokenizer: Any
     eos_token_ids: frozenset[int]
     stop: Sequence[str] = ()
-    num_draft_tokens: int = 0
+    drafts: DraftCount = field(default_factory=DraftCount)  # what a speculative source drafted
     plan: Plan | None = None
     fed: list[int] = field(default_factory=list)
 
@@ -117,6 +117,7 @@ class Turn:
             logits_processors=self.params.make_logits_processors(),
             options=cache.options,
             progress=self._on_progress,
+            drafts=self.drafts,
         )
         return len(self.plan.suffix), self.source.generate(cache, request)
 

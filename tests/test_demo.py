@@ -174,6 +174,8 @@ def test_command_line_draft_save_resume_and_prefill_progress(tmp_path):
     assert "proposed tokens accepted" in first.stdout  # /stats reports the draft
     again = cli("--resume", str(saved), stdin="What is my name?\n")
     assert "Your name is Ada." in again.stdout
+    lookup = cli("--resume", str(saved), "--draft", "prompt_lookup", stdin="What is my name?\n/stats\n")
+    assert "Your name is Ada." in lookup.stdout and "drafted per step" in lookup.stdout  # no draft cache to restore
 
     long_system = " ".join(["Answer briefly."] * 90)  # ~270 tokens: long enough for a progress line
     progress = cli("--system", long_system, stdin="What is 2 + 2?\n")

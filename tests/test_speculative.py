@@ -1,5 +1,6 @@
 """Speculative decoding: exact greedy output, caches kept across turns, the exclusivity rules."""
 
+import mlx.core as mx
 import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -190,3 +191,139 @@ def test_logits_processors_see_the_whole_conversation_with_a_draft(tiny):
         prompt = cache_state(session).ledger.tokens[: session.last_stats.prompt_tokens]
         assert first_seen[name] == list(prompt), name
     assert replies["speculative"] == replies["standard"]
+
+
+# -- adaptive length and prompt lookup (issue 18) ---------------------------------------------------
+
+
+def copier(tokens, logits):
+    """A logits processor that makes a model copy its context: the token that followed the latest
+    earlier occurrence of the last two tokens gets a large bonus. A pure function of the tokens it
+    is shown, so any path that shows it the right tokens decodes the same."""
+    seen = tokens.tolist()
+    for end in range(len(seen) - 1, 1, -1):
+        if seen[end - 2 : end] == seen[-2:]:
+            return logits + 30.0 * (mx.arange(logits.shape[-1]) == seen[end])
+    return logits
+
+
+COPYING = GenerateParams(max_tokens=16, logits_processors=[copier])
+MODES = {
+    "model-auto": lambda tiny: SpeculativeConfig(tiny(arch="qwen3", tokenizer="bpe", seed=1)),
+    "lookup-auto": lambda tiny: SpeculativeConfig("prompt_lookup", ngram_min=1),
+    "lookup-1": lambda tiny: SpeculativeConfig("prompt_lookup", 1, ngram_min=1, ngram_max=2),
+    "lookup-5": lambda tiny: SpeculativeConfig("prompt_lookup", 5),
+}
+
+
+@pytest.mark.parametrize("params", [GenerateParams(max_tokens=16), COPYING], ids=["free", "copying"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_every_drafting_mode_decodes_as_standard_over_turns_breaks_undo_regenerate(tiny, mode, params):
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+    spec = session_for(lm, params=params, speculative=MODES[mode](tiny))
+    drafted = accepted = 0
+    prompts = ["Say: the red fox jumps over the lazy dog", "Again: the red fox jumps", "Go on", "the lazy dog"]
+    for i, prompt in enumerate(prompts):
+        expected = fresh_reply(spec, prompt)
+        got = run(spec, prompt, break_after=4 if i == 2 else None)
+        assert got == expected[: len(got)]
+        assert_draft_aligned(spec) if mode.startswith("model") else assert_ledger_matches_cache(spec)
+        drafted += spec.last_stats.draft_tokens_proposed
+        accepted += spec.last_stats.draft_tokens_accepted
+    spec.undo()
+    assert_ledger_matches_cache(spec)
+    expected = fresh_reply(spec, "After undo, the red fox")
+    assert run(spec, "After undo, the red fox") == expected
+    regen_expected = fresh_reply(session_for(lm, params=params, history=spec.history[:-2]), "After undo, the red fox")
+    with spec.stream_regenerate() as stream:
+        list(stream)
+    assert stream.tokens == regen_expected
+    assert_ledger_matches_cache(spec)
+    if mode != "model-auto":  # a random draft model may be switched off after its first misses
+        assert drafted > 0
+    if params is COPYING and mode.startswith("lookup"):
+        assert accepted > 0, "copied text is what prompt lookup drafts"
+
+
+def test_prompt_lookup_speeds_up_copying_in_tokens_per_target_step(tiny):
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+    spec = session_for(lm, params=COPYING.copy(max_tokens=40), speculative=SpeculativeConfig("prompt_lookup", 6))
+    run(spec, "Say: one two three four five six seven eight nine ten eleven twelve thirteen")
+    stats = spec.last_stats
+    assert 0 < stats.draft_length <= 6
+    # Once the reply falls into copying (after ~20 tokens here), whole runs come in one target step.
+    assert stats.draft_tokens_accepted >= 10
+
+
+def test_seeded_sampling_draws_as_standard_decoding_does(tiny):
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+    params = GenerateParams(max_tokens=24, temperature=1.0, seed=7)
+    expected = run(session_for(lm, params=params), "Hi there")
+    for config in (SpeculativeConfig(lm, 3), SpeculativeConfig(lm), SpeculativeConfig("prompt_lookup", 3, ngram_min=1)):
+        assert run(session_for(lm, params=params.copy(), speculative=config), "Hi there") == expected
+
+
+def test_adaptive_length_persists_across_turns_and_stays_on_for_an_agreeing_draft(tiny):
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+    # The target is its own draft: every draft token is accepted, whatever the length chosen.
+    session = session_for(lm, params=GenerateParams(max_tokens=24), speculative=SpeculativeConfig(lm))
+    for prompt in ("Hi", "More", "And more"):
+        run(session, prompt)
+        stats = session.last_stats
+        assert stats.draft_tokens_accepted == stats.draft_tokens_proposed
+    assert session._source.policy.acceptance > 0.5  # the session's evidence, carried from turn to turn
+
+
+def test_prompt_lookup_works_with_a_restored_cache_file_and_a_raw_cache(tiny, tmp_path):
+    lm = tiny()
+    plain = session_for(lm, params=COPYING)
+    run(plain, "Say: the red fox jumps over the lazy dog")
+    plain.save_cache(tmp_path / "c.safetensors")
+    lookup = SpeculativeConfig("prompt_lookup", ngram_min=1)
+    restored = ChatSession.builder(lm).cache(tmp_path / "c.safetensors").speculative(lookup).build()
+    reference = ChatSession.builder(lm).cache(tmp_path / "c.safetensors").build()
+    assert run(restored, "Again: the red fox") == run(reference, "Again: the red fox")
+    assert restored.last_stats.reused_tokens > 0
+    assert_ledger_matches_cache(restored)
+
+    raw = [c for c in cache_state(plain).layers]
+    opaque = ChatSession.builder(lm).cache(raw).generate_params(COPYING).speculative(lookup).build()
+    standard = ChatSession.builder(lm).cache(raw).generate_params(COPYING).build()
+    assert run(opaque, "the lazy dog") == run(standard, "the lazy dog")
+    assert_ledger_matches_cache(opaque)
+
+
+def test_prompt_lookup_with_stop_strings_and_tool_results(tiny):
+    lm = tiny()
+    params = COPYING.copy(max_tokens=24)
+    words = "alpha beta gamma delta epsilon zeta eta theta"
+    replies = []
+    for config in (None, SpeculativeConfig("prompt_lookup", ngram_min=1)):
+        session = session_for(lm, params=params, speculative=config)
+        first = session.respond(f"Say: {words}")
+        session.generate_params.stop = [first[len(first) // 2 : len(first) // 2 + 3]] if len(first) > 6 else ["gamma"]
+        second = session.respond(f"Tool says {words}", role="tool")
+        replies.append((first, second, session.history))
+    assert replies[0] == replies[1]
+
+
+def test_prompt_lookup_refuses_caches_that_cannot_rewind(tiny):
+    with pytest.raises(IncompatibleDraftError, match="rewind"):
+        ChatSession.builder(tiny(arch="qwen3_5", tokenizer="bpe")).speculative(SpeculativeConfig("prompt_lookup")).build()
+    with pytest.raises(InvalidParamsError, match="Speculative"):
+        ChatSession.builder(tiny()).max_kv_size(64).speculative(SpeculativeConfig("prompt_lookup")).build()
+
+
+@pytest.mark.parametrize("mode", ["model-auto", "lookup-auto"])
+def test_equivalence_state_machine_new_modes(tiny, mode):
+    from chatkit.testing import tiny_model
+
+    config = MODES[mode](tiny_model)
+    params = COPYING.copy(max_tokens=8) if mode.startswith("lookup") else GenerateParams(max_tokens=8)
+
+    class Speculative(Conversation):
+        def __init__(self):
+            super().__init__()
+            self.session = session_for(self.lm, params=params.copy(), speculative=config)
+
+    run_state_machine_as_test(Speculative, settings=settings(max_examples=5, stateful_step_count=8))

@@ -4,6 +4,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, strategies as st
 
+from chatkit.engine import DraftCount
 from chatkit.stream import ResponseStream
 
 EOS = 0
@@ -34,7 +35,7 @@ def make_stream(pieces, tokens, stop=(), max_tokens=100, fail_at=None):
     class ScriptedTurn:
         """A stand-in for chatkit.turn.Turn: the steps a stream drives, recorded."""
 
-        prompt_tokens, num_draft_tokens = 10, 0
+        prompt_tokens, drafts = 10, DraftCount()
         eos_token_ids = frozenset([EOS])
         detokenizer = PieceDetokenizer(pieces)
 

@@ -64,6 +64,10 @@ def _int_at_least(low: int, rule: str, high: int | None = None) -> Callable[[str
     return parse
 
 
+def _num_draft(text: str) -> int | str:
+    return "auto" if text == "auto" else _int_at_least(1, "use auto or 1 to 64", high=64)(text)
+
+
 def _temperature(text: str) -> float:
     try:
         value = float(text)
@@ -92,13 +96,15 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--model", metavar="ID|PATH|demo",
                       help="a Hugging Face repo id, a local model folder, a GGUF file, 'smollm2', 'ollama:NAME', "
                            "'lmstudio:PUBLISHER/MODEL', or 'demo' (default: demo); `chatkit models` lists what is found")
-    chat.add_argument("--draft", metavar="ID|PATH|demo",
-                      help="a smaller model sharing the tokenizer, for speculative decoding (default: none). "
+    chat.add_argument("--draft", metavar="ID|PATH|demo|prompt_lookup",
+                      help="speculative decoding: a smaller model sharing the tokenizer, or 'prompt_lookup' (drafts "
+                           "from the conversation itself, no model) (default: none). "
                            "With the demo pair on a CPU this is slower than without it (0.5x to 0.6x the "
                            "speed, measured): a draft pays off only when it is much cheaper than the "
                            "model and agrees with it. Cannot be combined with --max-kv-size or --kv-bits")
-    chat.add_argument("--num-draft", type=_int_at_least(1, "use 1 to 64", high=64), default=4, metavar="N",
-                      help="tokens the draft proposes per step, 1 to 64, with --draft (default: %(default)s)")
+    chat.add_argument("--num-draft", type=_num_draft, default="auto", metavar="auto|N",
+                      help="tokens drafted per step with --draft: 'auto' tunes it from the acceptance measured so "
+                           "far, down to not drafting while it does not pay; or 1 to 64 (default: %(default)s)")
     chat.add_argument("--system", metavar="TEXT", help="the system prompt (default: none, or the saved one with --resume)")
     chat.add_argument("--resume", metavar="FILE",
                       help="continue a conversation saved with /save or --save; --system, --temp, --max-tokens, "

@@ -29,7 +29,8 @@ class Repl:
         # Checked before loading anything: a bad path fails at once, not at every turn.
         self.save_path = check_save_path(args.save) if args.save else None
         self.lm = _load_model(args.model)
-        self.draft = _load_model(args.draft, draft=True) if args.draft else None
+        # A draft model, "prompt_lookup" (drafts from the conversation itself), or None.
+        self.draft = _load_model(args.draft, draft=True) if args.draft and args.draft != "prompt_lookup" else args.draft
         self.last = _LastTurn()
         self.session = self._build(resume=args.resume)
 
@@ -83,7 +84,7 @@ class Repl:
         the truth, so the conversation is restored from it and prefilled anew."""
         from ..cache.store import inspect as inspect_file
 
-        if self.draft is not None:  # the draft's cache would have to match a cache it never saw
+        if self.draft is not None and self.draft != "prompt_lookup":  # a draft model's cache would have to match
             return "with --draft the saved cache is not restored"
         saved = (inspect_file(path).cache_options or {}).get("max_kv_size")
         if self.args.max_kv_size is not None and self.args.max_kv_size != saved:
@@ -260,8 +261,9 @@ class Repl:
                 f"at {st.prompt_tps:.0f} tok/s), {st.generation_tokens} generated at {st.generation_tps:.1f} tok/s, "
                 f"peak memory {st.peak_memory_bytes / 2**20:.0f} MiB, finish: {st.finish_reason}"
             )
-            if st.draft_tokens_proposed:
-                lines.append(f"draft: {st.draft_tokens_accepted}/{st.draft_tokens_proposed} proposed tokens accepted")
+            if self.session.speculative is not None:
+                lines.append(f"draft: {st.draft_tokens_accepted}/{st.draft_tokens_proposed} proposed tokens accepted, "
+                             f"{st.draft_length:.1f} drafted per step")
         return "\n".join(lines)
 
 

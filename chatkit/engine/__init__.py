@@ -1,13 +1,13 @@
 """Token sources: what turns a prepared prompt into generated tokens.
 
 A turn hands a source its cache and a :class:`Request` (plain data) and reads back :data:`Token` s.
-``local.py`` is mlx-lm's ``generate_step`` / ``speculative_generate_step`` over one session's cache; a
+``local.py`` is mlx-lm's ``generate_step`` or chatkit's speculative loop over one session's cache; a
 batching engine, a sharded model or a constrained decoder stands in behind the same two names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol, Sequence
 
 import mlx.core as mx
@@ -19,6 +19,15 @@ Token = tuple[int, mx.array, bool]
 """One generated token: (token id, log-probabilities, proposed by a draft model)."""
 
 ProgressCallback = Callable[[int, int], None]
+
+
+@dataclass
+class DraftCount:
+    """What speculative decoding did in one turn: tokens drafted, accepted, and the steps that drafted."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -37,13 +46,12 @@ class Request:
     logits_processors: Sequence[LogitsProcessor]
     options: CacheOptions
     progress: ProgressCallback | None = None
+    drafts: DraftCount = field(default_factory=DraftCount)
+    """Where a speculative source counts its drafting (the turn reads it for its stats)."""
 
 
 class TokenSource(Protocol):
     """Generates a turn's tokens over a session's cache."""
-
-    num_draft_tokens: int
-    """Tokens drafted per step (0 when decoding is not speculative)."""
 
     def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
         """Feed ``request.suffix`` into ``cache`` (its layers updated in place) and yield tokens.
@@ -54,4 +62,4 @@ class TokenSource(Protocol):
         ...
 
 
-__all__ = ["ProgressCallback", "Request", "Token", "TokenSource"]
+__all__ = ["DraftCount", "ProgressCallback", "Request", "Token", "TokenSource"]

@@ -1,5 +1,8 @@
-"""Draft-model speculative decoding: the configuration and the draft's compatibility checks."""
+"""Speculative decoding: the configuration, the draft's checks, the draft-length policy, prompt lookup."""
 
-from .config import SpeculativeConfig, check_cache_options, check_draft
+from .config import PROMPT_LOOKUP, SpeculativeConfig, check_cache_options, check_draft
+from .lookup import NgramIndex
+from .policy import DraftPolicy, new_policy
 
-__all__ = ["SpeculativeConfig", "check_cache_options", "check_draft"]
+__all__ = ["DraftPolicy", "NgramIndex", "PROMPT_LOOKUP", "SpeculativeConfig", "check_cache_options", "check_draft",
+           "new_policy"]

@@ -1,10 +1,8 @@
-"""``SpeculativeConfig`` and the checks that a draft model can serve a target model exactly."""
+"""``SpeculativeConfig`` and the checks that a draft (a model or prompt lookup) can serve a target exactly."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 
 from ..cache._mlx import kinds_that_cannot_rewind
 from ..cache.state import CacheOptions
@@ -12,31 +10,80 @@ from ..errors import IncompatibleDraftError, InvalidParamsError
 from ..loading import LoadedModel
 
 _SAMPLE = 64  # token strings compared between the two vocabularies
+PROMPT_LOOKUP = "prompt_lookup"
+AUTO = "auto"
+MAX_DRAFT_TOKENS = 64
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Decode with a small ``draft`` model proposing ``num_draft_tokens`` tokens that the target checks.
+    """Speculative decoding: a ``draft`` proposes tokens, the target checks them all in one step.
 
-    Greedy output is the same as without a draft; a draft that often agrees with the target makes
-    decoding faster. The draft must use the target's tokenizer.
+    ``draft`` is a small model sharing the target's tokenizer (``chatkit.load(...)``), or
+    ``"prompt_lookup"``: the continuation of the latest earlier occurrence of the last n-gram
+    (``ngram_min`` to ``ngram_max`` tokens, longest first) in the conversation, no model needed.
+    ``num_draft_tokens="auto"`` (the default) tunes the draft length per step from the acceptance
+    and the costs measured in the session, down to not drafting while it does not pay; an int fixes
+    it. Greedy output is the same as without speculation.
     """
 
-    draft: LoadedModel
-    num_draft_tokens: int = 4
+    draft: LoadedModel | str
+    num_draft_tokens: int | str = AUTO
+    ngram_min: int = 2
+    ngram_max: int = 4
 
     def __post_init__(self) -> None:
-        if not isinstance(self.draft, LoadedModel):
+        if isinstance(self.draft, str):
+            if self.draft != PROMPT_LOOKUP:
+                raise InvalidParamsError(
+                    f"SpeculativeConfig.draft={self.draft!r}: pass a chatkit.load(...) draft model or "
+                    f"{PROMPT_LOOKUP!r}."
+                )
+        elif not isinstance(self.draft, LoadedModel):
             raise InvalidParamsError(
-                f"SpeculativeConfig.draft must be a chatkit.load(...) result, got {type(self.draft).__name__}."
+                f"SpeculativeConfig.draft must be a chatkit.load(...) result or {PROMPT_LOOKUP!r}, "
+                f"got {type(self.draft).__name__}."
             )
         n = self.num_draft_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
-            raise InvalidParamsError(f"num_draft_tokens={n!r}: must be an int from 1 to 64.")
+        if n != AUTO and (isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_DRAFT_TOKENS):
+            raise InvalidParamsError(
+                f"num_draft_tokens={n!r}: must be {AUTO!r} or an int from 1 to {MAX_DRAFT_TOKENS}."
+            )
+        for name in ("ngram_min", "ngram_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 16:
+                raise InvalidParamsError(f"{name}={v!r}: must be an int from 1 to 16.")
+        if self.ngram_min > self.ngram_max:
+            raise InvalidParamsError(
+                f"ngram_min={self.ngram_min} is above ngram_max={self.ngram_max}: give ngram_min <= ngram_max."
+            )
+
+    @property
+    def draft_model(self) -> LoadedModel | None:
+        """The draft model, or ``None`` for prompt lookup."""
+        return self.draft if isinstance(self.draft, LoadedModel) else None
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether the draft length is tuned as decoding goes (``num_draft_tokens="auto"``)."""
+        return self.num_draft_tokens == AUTO
 
 
-def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
-    """``IncompatibleDraftError`` unless ``draft`` shares ``target``'s tokenizer and both caches rewind."""
+def check_draft(target: LoadedModel, config: SpeculativeConfig | LoadedModel) -> None:
+    """``IncompatibleDraftError`` unless the target's cache can rewind and a draft model shares its tokenizer."""
+    draft = config.draft_model if isinstance(config, SpeculativeConfig) else config
+    if draft is not None:
+        _check_tokenizers(target, draft)
+    for role, lm in (("target", target), ("draft", draft)):
+        kinds = kinds_that_cannot_rewind(lm.model) if lm is not None else []
+        if kinds:
+            raise IncompatibleDraftError(
+                f"Speculative decoding needs caches that can rewind, but the {role} model uses {kinds}: "
+                "use models with plain attention caches, or drop .speculative(...)."
+            )
+
+
+def _check_tokenizers(target: LoadedModel, draft: LoadedModel) -> None:
     t, d = target.tokenizer, draft.tokenizer
     problems = []
     if len(t) != len(d):
@@ -57,19 +104,13 @@ def check_draft(target: LoadedModel, draft: LoadedModel) -> None:
             + "; ".join(problems)
             + ". Use a draft from the same model family (same tokenizer)."
         )
-    for role, lm in (("target", target), ("draft", draft)):
-        kinds = kinds_that_cannot_rewind(lm.model)
-        if kinds:
-            raise IncompatibleDraftError(
-                f"Speculative decoding needs caches that can rewind, but the {role} model uses {kinds}: "
-                "use models with plain attention caches, or drop .speculative(...)."
-            )
 
 
 def check_cache_options(speculative: SpeculativeConfig | None, options: CacheOptions) -> None:
-    """``InvalidParamsError`` if a draft model is combined with cache options it cannot be exact with."""
-    # mlx-lm's speculative loop rewinds rejected draft tokens by trimming: a full rotating cache keeps
-    # them, and kv_bits swaps cache objects inside a list we do not see. Neither can be made exact.
+    """``InvalidParamsError`` if speculative decoding is combined with cache options it cannot be exact with."""
+    # Rejected draft tokens are rewound by trimming the cache: a full rotating cache cannot trim and
+    # its multi-token updates see another window than one-token steps; a quantized cache starts
+    # quantizing at another step than standard decoding would. Neither stays token-exact.
     if speculative is not None and (options.max_kv_size is not None or options.kv_bits is not None):
         raise InvalidParamsError(
             "Speculative decoding cannot be exact with max_kv_size or kv_bits (rejected draft tokens "
@@ -77,4 +118,4 @@ def check_cache_options(speculative: SpeculativeConfig | None, options: CacheOpt
         )
 
 
-__all__ = ["SpeculativeConfig", "check_cache_options", "check_draft"]
+__all__ = ["AUTO", "PROMPT_LOOKUP", "SpeculativeConfig", "check_cache_options", "check_draft"]

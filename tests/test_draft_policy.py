@@ -1,0 +1,121 @@
+"""The adaptive draft-length policy and the prompt-lookup index, on their own (pure, no model)."""
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from chatkit import SpeculativeConfig
+from chatkit.errors import InvalidParamsError
+from chatkit.speculative import NgramIndex, new_policy
+from chatkit.speculative.policy import AUTO_MAX, PROBE_MAX, choose, expected_tokens, record_draft, record_plain
+
+
+def brute_force_proposal(tokens, k, ngram_min, ngram_max):
+    """What prompt lookup should propose, by scanning: the continuation of the latest earlier
+    occurrence of the longest n-gram (ngram_max down to ngram_min) that ends ``tokens``."""
+    for n in range(ngram_max, ngram_min - 1, -1):
+        if len(tokens) < n + 1:
+            continue
+        tail = tokens[-n:]
+        for end in range(len(tokens) - 1, n - 1, -1):  # ends of earlier occurrences, latest first
+            if tokens[end - n : end] == tail:
+                return tokens[end : end + k]
+    return []
+
+
+@given(
+    tokens=st.lists(st.integers(0, 4), max_size=60),
+    more=st.lists(st.integers(0, 4), max_size=20),
+    k=st.integers(1, 8),
+    sizes=st.tuples(st.integers(1, 4), st.integers(0, 3)),
+)
+def test_lookup_proposes_the_continuation_of_the_latest_earlier_occurrence(tokens, more, k, sizes):
+    ngram_min, ngram_max = sizes[0], sizes[0] + sizes[1]
+    index = NgramIndex(tokens, ngram_min, ngram_max)
+    assert index.propose(k) == brute_force_proposal(tokens, k, ngram_min, ngram_max)
+    index.extend(more)  # grows with the reply as it is built
+    assert index.propose(k) == brute_force_proposal(tokens + more, k, ngram_min, ngram_max)
+
+
+def test_lookup_prefers_the_longest_ngram():
+    #                 0  1  2  3  4  5  6  7  8
+    index = NgramIndex([1, 2, 3, 9, 5, 2, 3, 7, 2], 1, 3)
+    assert index.propose(3) == [3, 7, 2]  # only "2" recurs: its latest earlier occurrence (position 5)
+    index.extend([3])  # "2 3" now recurs; "7 2 3" and "1 2 3"/"5 2 3" do not
+    assert index.propose(2) == [7, 2]
+
+
+def simulate(policy, acceptance, extra, tokens=3000, seed=0):
+    """Decode ``tokens`` tokens with ``policy`` against a simulated draft: each draft token is accepted
+    with probability ``acceptance`` (until the first rejection); a plain step costs 1, a step that
+    drafts k tokens 1 + extra * k. Returns the speed relative to plain decoding (tokens per unit time)."""
+    rng = random.Random(seed)
+    done = elapsed = 0.0
+    while done < tokens:
+        k, probe = choose(policy)
+        if k == 0:
+            record_plain(policy, 1.0)
+            done, elapsed = done + 1, elapsed + 1
+            continue
+        accepted = 0
+        while accepted < k and rng.random() < acceptance:
+            accepted += 1
+        cost = 1.0 + extra * k
+        record_draft(policy, k, accepted, cost, probe)
+        done, elapsed = done + accepted + 1, elapsed + cost
+    return done / elapsed
+
+
+def best_fixed(acceptance, extra):
+    return max(simulate(new_policy(k, draft_model=True), acceptance, extra) for k in range(1, AUTO_MAX + 1))
+
+
+@pytest.mark.parametrize("extra", [0.05, 0.3, 0.6])
+def test_a_draft_that_never_agrees_costs_under_five_percent(extra):
+    speed = simulate(new_policy("auto", draft_model=True), 0.0, extra)
+    assert speed >= 0.95
+    assert best_fixed(0.0, extra) < speed  # every fixed length loses more
+
+
+@pytest.mark.parametrize("acceptance,extra", [(0.98, 0.05), (0.9, 0.2), (0.7, 0.2), (0.5, 0.05), (0.8, 0.5)])
+def test_the_adaptive_length_comes_within_ten_percent_of_the_best_fixed_one(acceptance, extra):
+    assert simulate(new_policy("auto", draft_model=True), acceptance, extra) >= 0.9 * best_fixed(acceptance, extra)
+
+
+def test_probes_grow_sparser_while_drafting_does_not_pay_and_drafting_resumes_when_it_does():
+    policy = new_policy("auto", draft_model=False)
+    simulate(policy, 0.0, 0.3, tokens=5000)
+    assert policy.probe_every == PROBE_MAX
+    assert choose(policy)[0] in (0, 1)
+    simulate(policy, 1.0, 0.05, tokens=PROBE_MAX + 50)  # the text starts repeating: the next probe succeeds
+    assert choose(policy) == (AUTO_MAX, False)
+
+
+def test_a_fixed_length_is_kept_whatever_happens():
+    policy = new_policy(3, draft_model=True)
+    simulate(policy, 0.0, 1.0, tokens=50)
+    assert choose(policy) == (3, False)
+
+
+def test_expected_tokens_matches_a_count():
+    rng = random.Random(1)
+    for a, k in [(0.0, 3), (0.5, 4), (0.9, 8), (1.0, 5)]:
+        runs = []
+        for _ in range(20000):
+            n = 0
+            while n < k and rng.random() < a:
+                n += 1
+            runs.append(n + 1)
+        assert abs(sum(runs) / len(runs) - expected_tokens(a, k)) < 0.05 * (k + 1)
+
+
+def test_config_rules(tiny):
+    lm = tiny()
+    assert SpeculativeConfig(lm, 4).num_draft_tokens == 4  # positional, as before
+    assert SpeculativeConfig(lm).adaptive and SpeculativeConfig("prompt_lookup").draft_model is None
+    for bad in (dict(draft="ngram"), dict(draft=lm, num_draft_tokens=0), dict(draft=lm, num_draft_tokens="fast"),
+                dict(draft="prompt_lookup", ngram_min=3, ngram_max=2), dict(draft="prompt_lookup", ngram_min=0)):
+        with pytest.raises(InvalidParamsError):
+            SpeculativeConfig(**bad)
