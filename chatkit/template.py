@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from . import _tokenizer
 from .errors import InvalidParamsError, TemplateError
@@ -83,8 +83,7 @@ class ChatTemplate:
                 "This tokenizer has no chat template: pass one with "
                 "ChatSession.builder(...).chat_template(text_or_path)."
             )
-        protect = self._encoder.protect
-        dicts = [{**m.to_dict(), "content": protect(m.content)} for m in messages]
+        dicts = [_template_dict(m, self._encoder.protect) for m in messages]
         try:
             text = _tokenizer.apply_chat_template(
                 self.tokenizer,
@@ -99,6 +98,32 @@ class ChatTemplate:
         if not isinstance(text, str):
             raise TemplateError(f"The chat template rendered a {type(text).__name__}, not text.")
         return text
+
+
+def _template_dict(message: ChatMessage, protect: Callable[[str], str]) -> dict[str, Any]:
+    """A message as chat templates read it, with every text the model sees protected (special-token
+    strings stay text). Reasoning goes under both names templates read: ``reasoning_content`` (Qwen3,
+    DeepSeek, MiniMax) and ``thinking`` (gpt-oss); empty fields are left out."""
+    d = message.to_dict()
+    d["content"] = protect(message.content)
+    if message.reasoning is not None:
+        d["reasoning_content"] = d["thinking"] = protect(message.reasoning)
+    if message.tool_calls:
+        d["tool_calls"] = [
+            {**c.to_dict(), "function": {"name": protect(c.name), "arguments": _protect_json(c.arguments, protect)}}
+            for c in message.tool_calls
+        ]
+    return d
+
+
+def _protect_json(value: Any, protect: Callable[[str], str]) -> Any:
+    if isinstance(value, str):
+        return protect(value)
+    if isinstance(value, Mapping):
+        return {protect(str(k)): _protect_json(v, protect) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_protect_json(v, protect) for v in value]
+    return value
 
 
 def check_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:

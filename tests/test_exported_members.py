@@ -9,7 +9,7 @@ PUBLIC = {
     # streaming
     "ResponseStream", "AsyncResponseStream", "StreamChunk", "TurnStats",
     # messages and settings
-    "ChatMessage", "Role", "GenerateParams", "CacheOptions", "CacheInfo", "SpeculativeConfig",
+    "ChatMessage", "Role", "ToolCall", "GenerateParams", "CacheOptions", "CacheInfo", "SpeculativeConfig",
     # persistence
     "inspect_cache", "CacheFileInfo",
     # errors
