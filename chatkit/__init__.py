@@ -39,6 +39,8 @@ from .errors import (
     SessionBusyError,
     SpeculativeCacheRestoreError,
     TemplateError,
+    ToolExecutionError,
+    ToolLoopLimitError,
 )
 from .loading import LoadedModel, load
 from .messages import ChatMessage, Role, ToolCall
@@ -81,6 +83,8 @@ __all__ = [
     "StreamChunk",
     "TemplateError",
     "ToolCall",
+    "ToolExecutionError",
+    "ToolLoopLimitError",
     "TurnStats",
     "inspect_cache",
     "load",

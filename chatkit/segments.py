@@ -95,6 +95,16 @@ class Segmenter:
         self.reasoning = ""
         self.tool_calls: list[ToolCall] = []
         self.stopped = False  # a stop string ended the reply
+        self._entered_reasoning = self.state == "reasoning"
+
+    def reply(self) -> tuple[str, str | None]:
+        """(answer, reasoning) as a reply is committed. When the reply had reasoning or tool calls, the
+        newlines next to their markers are template glue, not text (templates write ``</think>\n\n`` and
+        ``\n<tool_call>`` themselves): they are stripped so the template renders the reply back as the
+        model wrote it, and the next turn reuses the cache past it. A plain reply stays exact."""
+        if self._entered_reasoning or self.tool_calls:
+            return self.text.strip("\n"), self.reasoning.strip("\n")
+        return self.text, None
 
     @property
     def state(self) -> str | None:
@@ -125,6 +135,7 @@ class Segmenter:
 
     def _take(self, kind: str, text: str, closes_call: bool) -> Piece:
         if kind == REASONING:
+            self._entered_reasoning = True
             self.reasoning += text
         elif kind == TOOL_CALL:
             self._call_text += text

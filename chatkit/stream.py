@@ -110,7 +110,8 @@ class ResponseStream:
         self._prefilled = 0
         # Reasoning / tool-call markers and stop strings, in one mlx-lm TextStateMachine.
         self._segments = turn.segmenter
-        self._pending: list[StreamChunk] = []  # further chunks of the last token (one per kind)
+        self._pending: list[StreamChunk] = []
+        self._result: TurnResult | None = None  # further chunks of the last token (one per kind)
         self._detok_seen = 0  # characters of the detokenizer's text already passed on
         self._tokens: Iterator[Token] | None = None
         self._generated: list[int] = []
@@ -128,11 +129,13 @@ class ResponseStream:
     @property
     def text(self) -> str:
         """The answer so far (no reasoning, no tool calls); after the end, as committed."""
-        return self._segments.text
+        return self._result.text if self._result is not None else self._segments.text
 
     @property
     def reasoning(self) -> str:
-        """The reasoning so far (``""`` if the model did not reason)."""
+        """The reasoning so far (``""`` if the model did not reason); after the end, as committed."""
+        if self._result is not None:
+            return self._result.reasoning or ""
         return self._segments.reasoning
 
     @property
@@ -284,8 +287,9 @@ class ResponseStream:
         self._stats = self._stats_now()
         self._settled = True
         seg = self._segments
-        result = TurnResult(seg.text, tuple(self._generated), self._stats, seg.reasoning or None, tuple(seg.tool_calls))
-        self._turn.commit(result)
+        text, reasoning = seg.reply()
+        self._result = TurnResult(text, tuple(self._generated), self._stats, reasoning, tuple(seg.tool_calls))
+        self._turn.commit(self._result)
 
     def _abort(self, exc: BaseException | None) -> None:
         self._done = True

@@ -14,12 +14,13 @@ import mlx.core as mx
 
 
 class Scripted:
-    """Forces ``replies[0]`` (its tokens, then EOS) in the first turn it runs in, ``replies[1]`` in the
+    """Forces ``replies[0]`` (its tokens, then ``end_token``) in the first turn it runs in, ``replies[1]`` in the
     next, and so on; after the last reply the model samples freely. Use it as
     ``GenerateParams(logits_processors=[Scripted(tokenizer, [...])])``."""
 
-    def __init__(self, tokenizer: Any, replies: Sequence[str]) -> None:
-        self._eos = min(tokenizer.eos_token_ids)
+    def __init__(self, tokenizer: Any, replies: Sequence[str], *, end_token: int | None = None) -> None:
+        # The end of a reply: the tokenizer's own EOS (what its template writes after a reply), unless given.
+        self._eos = end_token if end_token is not None else tokenizer.eos_token_id
         self.replies = [list(tokenizer.encode(r, add_special_tokens=False)) + [self._eos] for r in replies]
         self.turn = 0  # the reply being forced
         self._at = 0  # its next token
