@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import signal
 import sys
 import threading
 from typing import Any, Callable, Sequence
 
-from .errors import ChatKitError, ContextWindowExceededError
+from .errors import ChatKitError, ContextWindowExceededError, InvalidParamsError
 
 HELP = """commands:
   /save FILE     save the conversation and its cache
@@ -49,6 +50,8 @@ class Repl:
             builder = builder.max_kv_size(a.max_kv_size)
         if a.kv_bits:
             builder = builder.kv_bits(a.kv_bits, group_size=a.kv_group_size)
+        if getattr(a, "tools", None):
+            builder = builder.tools([_import_function(spec) for spec in a.tools])
         if self.draft is not None:
             builder = builder.speculative(SpeculativeConfig(self.draft, num_draft_tokens=a.num_draft))
         return builder.build()
@@ -105,7 +108,7 @@ class Repl:
         try:
             with start() as stream:
                 for chunk in stream:
-                    self.say(chunk.text, end="")
+                    self.say(_shown(chunk, self.args, self.out), end="")
                     if stopped.is_set():
                         break
         finally:
@@ -150,6 +153,28 @@ class Repl:
         else:
             self.say(f"unknown command {name}; /help lists them")
         return None
+
+
+def _shown(chunk: Any, args: argparse.Namespace, out: Any) -> str:
+    """A chunk as the REPL prints it: reasoning dimmed (or hidden), tool calls and results on lines of their own."""
+    dim = (lambda t: f"\x1b[2m{t}\x1b[0m") if getattr(out, "isatty", lambda: False)() else (lambda t: t)
+    if chunk.kind == "reasoning":
+        return "" if getattr(args, "hide_thinking", False) else dim(chunk.text)
+    if chunk.kind == "tool_call":
+        call = chunk.tool_call
+        return "" if call is None else dim(f"\n[tool call] {call.name}({json.dumps(call.arguments)})\n")
+    if chunk.kind == "tool_result":
+        return dim(f"[tool result] {chunk.text}\n")
+    return chunk.text
+
+
+def _import_function(spec: str) -> Any:
+    """``module:function`` -> the function (``--tools``)."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise InvalidParamsError(f"--tools {spec!r}: cannot import it ({exc}); use module:function.") from exc
 
 
 def _need(value: str, usage: str) -> str:
@@ -212,6 +237,9 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--draft", help="a draft model for speculative decoding (id, folder, or 'demo')")
     chat.add_argument("--num-draft", type=int, default=4, help="draft tokens per step (default 4)")
     chat.add_argument("--system", help="the system prompt")
+    chat.add_argument("--tools", action="append", metavar="MODULE:FUNCTION",
+                      help="a Python function the model may call (repeat for more)")
+    chat.add_argument("--hide-thinking", action="store_true", help="do not show the model's reasoning")
     chat.add_argument("--resume", metavar="FILE", help="continue a conversation saved with /save or --save")
     chat.add_argument("--save", metavar="FILE", help="save the conversation to FILE after every turn")
     chat.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")

@@ -314,7 +314,7 @@ class ChatSession:
         history = self._conversation.messages
         if prompt is None:
             return self._prompting().text(history, self._params, add_generation_prompt=False)
-        return self._prompting().text([*history, _prompt_message(prompt, role)], self._params)
+        return self._prompting().text([*history, _prompt_message(prompt, role, history=history)], self._params)
 
     def _open_turn(self, message: ChatMessage | None, *, regenerate: bool = False) -> ResponseStream:
         """Take the turn and prepare it: answer ``message`` after the history, or (``None``) the
@@ -366,7 +366,8 @@ class ChatSession:
         if not generate:
             self._append([message])
         return ToolLoopStream(
-            self._open_turn, self._append, tools, message, execute=options.execution == "auto" and bool(tools),
+            self._open_turn, self._append, tools, message,
+            execute=options.execution == "auto" and any(t.function is not None for t in tools),
             max_rounds=options.max_rounds, raise_errors=options.errors == "raise", generate=generate,
         )
 

@@ -88,3 +88,38 @@ def test_commands_without_a_terminal_and_errors(model_dir, tmp_path):
     assert "error: There is no exchange to undo" in out.stderr and "Traceback" not in out.stderr
     bad = subprocess.run([sys.executable, "-m", "chatkit", "inspect", str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
+
+
+def test_chat_shows_reasoning_dimmed_or_hidden_and_tool_calls_and_results(tmp_path, monkeypatch):
+    import io
+
+    from chatkit import GenerateParams
+    from chatkit.cli import Repl, parser
+    from chatkit.testing import Scripted
+
+    (tmp_path / "weather_tools.py").write_text(
+        'def get_weather(city: str) -> str:\n    """The weather.\n\n    Args:\n        city: The city.\n    """\n'
+        '    return f"sunny in {city}"\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    folder = str(tiny_model_path(arch="qwen3", tokenizer="bpe-think"))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for flags, shows_reasoning in [((), True), (("--hide-thinking",), False)]:
+        out = io.StringIO()
+        args = parser().parse_args(["chat", "--model", folder, "--tools", "weather_tools:get_weather", *flags])
+        repl = Repl(args, out=out, err=io.StringIO())
+        script = Scripted(repl.lm.tokenizer, [f"<think>\nCheck Oslo.\n</think>\n\n{call}", "It is sunny."])
+        repl.session.generate_params = GenerateParams(max_tokens=60, logits_processors=[script])
+        repl.reply(lambda repl=repl: repl.session.stream_respond("Weather in Oslo?"))
+        shown = out.getvalue()
+        assert ("Check Oslo." in shown) is shows_reasoning and "<think>" not in shown and "<tool_call>" not in shown
+        assert '[tool call] get_weather({"city": "Oslo"})' in shown and "[tool result] sunny in Oslo" in shown
+        assert shown.rstrip().endswith("It is sunny.")
+
+
+def test_tools_flag_names_what_cannot_be_imported():
+    from chatkit import InvalidParamsError
+    from chatkit.cli import _import_function
+
+    with pytest.raises(InvalidParamsError, match="module:function"):
+        _import_function("no_such_module_here:f")

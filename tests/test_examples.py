@@ -48,3 +48,11 @@ def test_app_integration():
     full = "I can do small sums, spell words, count letters, repeat after you and remember what you tell me."
     assert shown and kept.startswith(shown) and full.startswith(kept) and len(kept) < len(full), stopped
     assert "bot> Your name is Ada." in out and "worker thread bot> 2 + 3 = 5." in out
+
+
+def test_tools_example():
+    out = run("tools.py")
+    assert "[call] get_weather({'city': 'Lisbon'})" in out and "[call] local_time({'city': 'Lisbon'})" in out
+    assert '[result] {"city": "Lisbon", "sky": "sunny", "temperature": 21}' in out and "[result] 14:05 in Lisbon" in out
+    assert "rounds: 2" in out and "tool      content='14:05 in Lisbon'" in out
+    assert "the model asks for get_weather({'city': 'Porto'})" in out and "bot> Porto is sunny too." in out
