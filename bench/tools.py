@@ -22,9 +22,8 @@ import argparse
 import gc
 import time
 
-from _common import OtherLoad, clone, describe, load_model, median, wait_until_quiet
-
 import mlx.core as mx
+from _common import OtherLoad, clone, describe, load_model, median, wait_until_quiet
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
