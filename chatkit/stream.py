@@ -44,7 +44,10 @@ class TurnStats:
     ``generation_tps`` is generated tokens per second after the first one. ``finish_reason`` is
     ``"stop"``, ``"length"`` or ``"cancelled"`` (closed before the end). ``peak_memory_bytes`` is
     MLX's process-wide peak during the turn. With speculative decoding, ``draft_tokens_proposed``
-    counts the draft's proposals and ``draft_tokens_accepted`` those the target kept.
+    counts the draft's proposals and ``draft_tokens_accepted`` those the target kept. ``plan`` is what
+    the cache did before the prefill: ``"append"`` (the prompt extended it), ``"trim"`` (rewound to the
+    common prefix, e.g. a template that drops old reasoning), ``"restore"`` (a checkpoint) or
+    ``"rebuild"`` (nothing reusable); ``None`` when the turn never started.
     """
 
     prompt_tokens: int
@@ -57,6 +60,7 @@ class TurnStats:
     finish_reason: str | None
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    plan: str | None = None
 
 
 @dataclass(frozen=True)
@@ -268,6 +272,7 @@ class ResponseStream:
             finish_reason=self._finish,
             draft_tokens_proposed=self._proposed,
             draft_tokens_accepted=self._accepted,
+            plan=_plan_name(getattr(self._turn, "plan", None)),
         )
 
     def _close_source(self) -> None:
@@ -300,6 +305,11 @@ class ResponseStream:
             self._close_source()
         finally:
             self._turn.abort(exc)
+
+
+def _plan_name(plan: Any) -> str | None:
+    action = getattr(plan, "action", None)
+    return None if action is None else str(getattr(action, "value", action))
 
 
 __all__ = ["ResponseStream", "StreamChunk", "TurnResult", "TurnStats", "TurnSteps"]

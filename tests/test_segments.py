@@ -123,6 +123,8 @@ def test_a_reply_with_reasoning_and_a_tool_call_fills_the_history_fields(tiny):
     # The model's own template renders the fields back: the reasoning and the call are in the prompt.
     rendered = session.render()
     assert "<think>\nIt asks for weather.\n</think>" in rendered and '"city": "Paris"' in rendered
+    session.respond("And tomorrow?")  # Qwen3 drops the earlier reasoning: the cache is trimmed, visibly
+    assert session.last_stats.plan == "trim"
     assert_ledger_matches_cache(session)
 
 

@@ -123,6 +123,7 @@ def test_a_tool_round_prefills_only_the_tool_result_and_the_templates_glue(lm):
     session.respond("sunny", role=Role.TOOL, tool_call_id=pending.id)
     stats = session.last_stats
     assert stats.reused_tokens == len(held)  # nothing trimmed: the reply renders back as it was written
+    assert stats.plan == "append"
     assert 0 < stats.prefilled_tokens <= 40  # "<|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n..." only
     assert session.history[-2] == ChatMessage.tool("sunny", name="get_weather", tool_call_id=pending.id)
 
