@@ -14,6 +14,7 @@ The segmenter starts in the state the prompt left: a generation prompt that ends
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import TextStateMachine
 
+from . import formats
 from .messages import ToolCall, new_tool_call_id
 
 TEXT, REASONING, TOOL_CALL, TOOL_RESULT = "text", "reasoning", "tool_call", "tool_result"
@@ -55,6 +57,10 @@ def transitions(tokenizer: Any, stop: Sequence[str] = ()) -> dict[str, list[tupl
         edges["normal"].append((marker, "normal"))
     for state, extra in (getattr(tokenizer, "response_transitions", None) or {}).items():
         edges.setdefault(state, []).extend(extra)
+    fmt = reply_format(tokenizer)
+    if fmt is not None:  # a format mlx-lm does not know (chatkit/formats.py)
+        for state, extra in fmt.transitions.items():
+            edges.setdefault(state, []).extend(extra)
     for state in list(edges):
         edges[state].extend((s, None) for s in stop)
     return edges
@@ -68,7 +74,31 @@ def initial_state(tokenizer: Any, prompt: Sequence[int]) -> str:
         ids = list(prompt)
         if tokenizer.rfind_think_start(ids) > tokenizer.rfind_think_end(ids):
             state = "reasoning"
+    fmt = reply_format(tokenizer)
+    if fmt is not None and fmt.initial_state != "normal":
+        state = fmt.initial_state
     return getattr(tokenizer, "response_initial_state", None) or state
+
+
+_FORMATS: weakref.WeakKeyDictionary[Any, formats.Format | None] = weakref.WeakKeyDictionary()
+
+
+def reply_format(tokenizer: Any) -> formats.Format | None:
+    """chatkit's own description of the tokenizer's reply format, when mlx-lm has no tool format for it
+    (detected once per tokenizer, from its special tokens)."""
+    if tokenizer is None or getattr(tokenizer, "has_tool_calling", False):
+        return None
+    try:
+        return _FORMATS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    fmt = formats.detect(get_vocab()) if callable(get_vocab) else None
+    try:
+        _FORMATS[tokenizer] = fmt
+    except TypeError:  # not weak-referenceable: detect again next time
+        pass
+    return fmt
 
 
 class Segmenter:
@@ -88,7 +118,9 @@ class Segmenter:
         self._machine = TextStateMachine(edges)
         self._state = self._machine.make_state(initial_state(tokenizer, prompt))
         self._markers = tuple(m for e in edges.values() for m, dst in e if dst is not None)
-        self._parser: Callable[..., Any] | None = getattr(tokenizer, "tool_parser", None)
+        fmt = reply_format(tokenizer)
+        self._parser: Callable[..., Any] | None = fmt.parse if fmt is not None else getattr(tokenizer, "tool_parser", None)
+        self._hidden = fmt.hidden if fmt is not None else frozenset()
         self._tools = list(tools) if tools else None
         self._call_text = ""
         self.text = ""
@@ -126,12 +158,14 @@ class Segmenter:
                 segments.append((self._state[0], rest))
         pieces: list[Piece] = []
         for i, (state, text) in enumerate(segments):
+            if state in self._hidden:
+                continue  # control text between messages (a harmony header)
             kind = _KIND.get(state or "normal", TEXT)
             closes_call = kind == TOOL_CALL and (i < len(segments) - 1 or final or self.stopped)
             piece = self._take(kind, text, closes_call)
             if piece.text or piece.tool_call is not None:
                 pieces.append(piece)
-        return pieces or [Piece(_KIND.get(self._state[0] or "normal", TEXT), "")]
+        return pieces or [Piece(_KIND.get(self._state[0] or "normal", REASONING if self._state[0] in self._hidden else TEXT), "")]
 
     def _take(self, kind: str, text: str, closes_call: bool) -> Piece:
         if kind == REASONING:

@@ -211,3 +211,47 @@ def fresh_reply_tool(session, lm):
         for _ in s:
             pass
     return s.tokens
+
+
+# -- formats mlx-lm does not parse (chatkit/formats.py), each as its family's model writes it ------------
+def family(*specials, thinking=False):
+    return SimpleNamespace(
+        has_thinking=thinking, think_start="<think>" if thinking else None, think_end="</think>" if thinking else None,
+        has_tool_calling=False, tool_parser=None, response_transitions={}, structural_markers=(),
+        response_initial_state=None, get_vocab=lambda: {s: i for i, s in enumerate(specials)},
+    )
+
+
+HARMONY = family("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>")
+FAMILY_REPLIES = [
+    (HARMONY, "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+              'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}', "", "Need the weather."),
+    (HARMONY, '<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary '
+              'json<|message|>{"city": "Paris"}', "", "Hmm."),
+    (family("<|python_tag|>", "<|eom_id|>"), '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "", ""),
+    (family("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", thinking=True),
+     "<think>R1 thinks.</think>Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+     '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me check.", "R1 thinks."),
+    (family("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", thinking=True),
+     '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "", ""),
+    (family("<|tool_call|>", "<|start_of_role|>"), '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", ""),
+    (family("<|START_ACTION|>", "<|END_ACTION|>"),
+     "<|START_THINKING|>Plan.<|END_THINKING|><|START_ACTION|>"
+     '[{"tool_call_id": "0", "tool_name": "get_weather", "parameters": {"city": "Paris"}}]<|END_ACTION|>', "", "Plan."),
+]
+
+
+@pytest.mark.parametrize("tokenizer, reply, text, reasoning", FAMILY_REPLIES)
+def test_formats_mlx_lm_does_not_parse_at_every_split_point(tokenizer, reply, text, reasoning):
+    for cut in range(1, len(reply)):
+        seg = Segmenter(tokenizer)
+        pieces = seg.feed(reply[:cut]) + seg.feed(reply[cut:], final=True)
+        assert (seg.text, seg.reasoning) == (text, reasoning), cut
+        assert [(c.name, c.arguments, c.error) for c in seg.tool_calls] == [("get_weather", {"city": "Paris"}, None)], cut
+        assert all("<|" not in p.text and "<｜" not in p.text for p in pieces if p.kind != "tool_call"), cut
+
+
+def test_a_harmony_final_answer_after_analysis():
+    seg = Segmenter(HARMONY)
+    seg.feed("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi there.", final=True)
+    assert (seg.reasoning, seg.text, seg.tool_calls) == ("Think.", "Hi there.", [])
