@@ -26,7 +26,9 @@ class Scripted:
         self._at = 0  # its next token
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        if self.turn >= len(self.replies) or (self._at == 0 and int(tokens[-1].item()) == self._eos):
+        if self.turn >= len(self.replies):
+            return logits
+        if self._at == 0 and self.turn > 0 and int(tokens[-1].item()) == self.replies[self.turn - 1][-1]:
             return logits  # mlx-lm computes one step past the end-of-turn token: not a new turn yet
         reply = self.replies[self.turn]
         token = reply[self._at]
