@@ -17,7 +17,7 @@ import json
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import TextStateMachine
@@ -240,7 +240,7 @@ class ThinkingBudget:
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self._calls:
-            self._see(int(tokens[-1].item()))
+            self._see(int(cast(int, tokens[-1].item())))
         self._calls += 1
         if self._in_reasoning and not self._forcing and self._spent >= self._budget:
             self._forcing = list(self._end)

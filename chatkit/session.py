@@ -295,16 +295,20 @@ class ChatSession:
             return self._open_turn(message)
         return self._tool_loop(message)  # type: ignore[return-value]  # a ResponseStream in all but name
 
-    def astream_respond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> AsyncResponseStream:
+    def astream_respond(
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None
+    ) -> AsyncResponseStream:
         """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread."""
         stop = threading.Event()  # stream_respond may still wait on the previous async turn's
-        stream = AsyncResponseStream(self.stream_respond(prompt, role=role), stop=stop)
+        stream = AsyncResponseStream(self.stream_respond(prompt, role=role, tool_call_id=tool_call_id), stop=stop)
         self._async_stop = stop
         return stream
 
-    async def arespond(self, prompt: str | MessageLike, *, role: Role | str = Role.USER) -> str:
+    async def arespond(
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None
+    ) -> str:
         """As :meth:`respond`, without blocking the event loop. Cancelling it commits the reply so far."""
-        async with self.astream_respond(prompt, role=role) as stream:
+        async with self.astream_respond(prompt, role=role, tool_call_id=tool_call_id) as stream:
             async for _ in stream:
                 pass
         return stream.text

@@ -117,7 +117,7 @@ class Turn:
             context=cache.ledger.tokens,
             max_tokens=self.max_tokens,
             sampler=self.params.make_sampler(),
-            logits_processors=self.params.make_logits_processors() + self._thinking_budget(),
+            logits_processors=[*self.params.make_logits_processors(), *self._thinking_budget()],
             options=cache.options,
             progress=self._on_progress,
         )

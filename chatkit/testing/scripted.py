@@ -8,7 +8,7 @@ rest of chatkit (segmenting, history, templates, cache reuse) runs on real forma
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -28,7 +28,7 @@ class Scripted:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self.turn >= len(self.replies):
             return logits
-        if self._at == 0 and self.turn > 0 and int(tokens[-1].item()) == self.replies[self.turn - 1][-1]:
+        if self._at == 0 and self.turn > 0 and int(cast(int, tokens[-1].item())) == self.replies[self.turn - 1][-1]:
             return logits  # mlx-lm computes one step past the end-of-turn token: not a new turn yet
         reply = self.replies[self.turn]
         token = reply[self._at]
