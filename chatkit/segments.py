@@ -165,7 +165,7 @@ class Segmenter:
             piece = self._take(kind, text, closes_call)
             if piece.text or piece.tool_call is not None:
                 pieces.append(piece)
-        return pieces or [Piece(_KIND.get(self._state[0] or "normal", REASONING if self._state[0] in self._hidden else TEXT), "")]
+        return pieces or [Piece(_KIND.get(self._state[0] or "normal", TEXT), "")]
 
     def _take(self, kind: str, text: str, closes_call: bool) -> Piece:
         if kind == REASONING:
