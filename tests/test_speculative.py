@@ -148,6 +148,9 @@ def test_equivalence_state_machine_speculative(num_draft):
     class Speculative(Conversation):
         def __init__(self):
             super().__init__()
+            # No tool turns here: the scripted processor that writes them forces one token per call,
+            # which speculative decoding's draft rounds do not follow.
+            self.tools, self.options = False, {}
             self.session = session_for(
                 self.lm,
                 params=GenerateParams(max_tokens=8),
