@@ -8,7 +8,7 @@ The whole public API is here (``chatkit.X``); submodules are implementation::
     session.arespond / .astream_respond                 -> async: str / AsyncResponseStream
     session.undo() .regenerate() .fork() .clear()       editing the conversation
     session.save_cache(path); builder.cache(path)       persistence (inspect_cache -> CacheFileInfo)
-    ChatMessage, Role                                   messages
+    ChatMessage, Role, ToolCall                         messages (reasoning and tool calls apart)
     GenerateParams, CacheOptions, SpeculativeConfig     settings;  TurnStats, CacheInfo: what it cost
     SessionPool                                         many sessions over one model, a memory budget
     ChatKitError and its subclasses                     every error chatkit raises (see chatkit.errors)
@@ -40,9 +40,11 @@ from .errors import (
     SessionBusyError,
     SpeculativeCacheRestoreError,
     TemplateError,
+    ToolExecutionError,
+    ToolLoopLimitError,
 )
 from .loading import LoadedModel, load
-from .messages import ChatMessage, Role
+from .messages import ChatMessage, Role, ToolCall
 from .params import GenerateParams
 from .pool import SessionPool
 from .session import ChatSession
@@ -82,6 +84,9 @@ __all__ = [
     "SpeculativeConfig",
     "StreamChunk",
     "TemplateError",
+    "ToolCall",
+    "ToolExecutionError",
+    "ToolLoopLimitError",
     "TurnStats",
     "inspect_cache",
     "load",

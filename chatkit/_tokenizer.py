@@ -82,7 +82,7 @@ def apply_chat_template(
     if template is not None:
         kwargs["chat_template"] = template
     return tokenizer.apply_chat_template(
-        list(messages), tools=list(tools) if tools else None, add_generation_prompt=add_generation_prompt,
+        list(messages), tools=list(tools) if tools is not None else None, add_generation_prompt=add_generation_prompt,
         tokenize=False, **kwargs,
     )
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Sequence
 
 from . import _tokenizer
 from .cache import store
@@ -20,7 +20,8 @@ from .messages import ChatMessage, MessageLike, Role, as_messages, check_instruc
 from .params import GenerateParams
 from .session import ChatSession, ProgressCallback
 from .speculative import SpeculativeConfig, check_draft
-from .template import check_tools, read_template
+from .template import read_template
+from .tools import DEFAULT_MAX_TOOL_ROUNDS, ToolOptions, as_tools
 
 CacheSource = "str | os.PathLike[str] | Sequence[Any]"
 
@@ -51,7 +52,8 @@ class ChatSessionBuilder:
         self._history: list[ChatMessage] = []
         self._params: GenerateParams | None = None
         self._template: str | None = None
-        self._tools: Sequence[Mapping[str, Any]] | None = None
+        self._tools: Sequence[Any] | None = None
+        self._tool_options = ToolOptions()
         self._cache_options: dict[str, Any] = {}
         self._progress: ProgressCallback | None = None
         self._restore: tuple[Any, bool] | None = None
@@ -79,9 +81,25 @@ class ChatSessionBuilder:
         self._template = read_template(template)
         return self
 
-    def tools(self, tools: Sequence[Mapping[str, Any]] | None) -> "ChatSessionBuilder":
-        """Tool JSON schemas, passed to the chat template as ``tools``."""
-        self._tools = check_tools(tools)
+    def tools(
+        self,
+        tools: Sequence[Any] | None,
+        *,
+        execution: str = "auto",
+        max_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
+        errors: str = "return",
+    ) -> "ChatSessionBuilder":
+        """Tools the model may call: Python functions (sync or async; the schema from the signature,
+        type hints and docstring) or OpenAI-style JSON schema dicts, passed to the template as ``tools``.
+
+        With ``execution="auto"`` ``respond`` calls them and gives the results back to the model until it
+        answers without calls (at most ``max_rounds`` rounds of results, then ``ToolLoopLimitError``);
+        ``"manual"`` leaves the calls to the app (``session.pending_tool_calls``). A failing call is told
+        to the model as its result unless ``errors="raise"`` (``ToolExecutionError``).
+        """
+        options = ToolOptions(execution, max_rounds, errors)
+        options.validate()
+        self._tools, self._tool_options = as_tools(tools), options
         return self
 
     def max_kv_size(self, tokens: int | None) -> "ChatSessionBuilder":
@@ -184,6 +202,7 @@ class ChatSessionBuilder:
             generate_params=params,
             chat_template=self._template,
             tools=self._tools,
+            tool_options=self._tool_options,
             cache_options=options,
             prefill_progress=self._progress,
             speculative=self._speculative,

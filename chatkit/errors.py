@@ -14,6 +14,8 @@
     ├── ContextWindowExceededError     the prompt does not fit the model's context window
     ├── NothingToUndoError             no exchange to undo
     ├── NothingToRegenerateError       no reply to answer again
+    ├── ToolLoopLimitError             the model kept calling tools past max_tool_rounds
+    ├── ToolExecutionError             a tool call failed and the session raises instead of telling the model
     ├── CacheError                     about a KV cache
     │   ├── NoCacheAvailableError      there is no cache (yet) to save
     │   ├── CacheFileError             a cache file is missing, unreadable or corrupt
@@ -75,6 +77,19 @@ class NothingToUndoError(ChatKitError):
 
 class NothingToRegenerateError(ChatKitError):
     """There is no reply to regenerate: the history does not end with a reply."""
+
+
+class ToolLoopLimitError(ChatKitError):
+    """The model still called tools after ``max_tool_rounds`` rounds; the history keeps every round."""
+
+
+class ToolExecutionError(ChatKitError):
+    """A tool call could not run (unknown tool, bad arguments, the tool raised) and the session was built
+    with ``tool_errors="raise"``; ``call`` is the ``ToolCall``."""
+
+    def __init__(self, message: str, call: object) -> None:
+        super().__init__(message)
+        self.call = call
 
 
 class CacheError(ChatKitError):
@@ -140,4 +155,6 @@ __all__ = [
     "SessionBusyError",
     "SpeculativeCacheRestoreError",
     "TemplateError",
+    "ToolExecutionError",
+    "ToolLoopLimitError",
 ]

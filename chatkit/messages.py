@@ -1,10 +1,13 @@
-"""Chat messages: ``Role``, ``ChatMessage`` and conversion from and to OpenAI-style dicts."""
+"""Chat messages: ``Role``, ``ChatMessage``, ``ToolCall`` and conversion from and to OpenAI-style dicts."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import secrets
+import string
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterable, Mapping, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 from .errors import InvalidMessageError
 
@@ -31,13 +34,77 @@ class Role(str, Enum):
         raise InvalidMessageError(f"Unknown role {value!r}: use one of {names}.")
 
 
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def new_tool_call_id() -> str:
+    """A fresh tool-call id: 9 alphanumeric characters, a form every chat template accepts (Mistral's
+    templates require exactly that)."""
+    return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A call of a tool by the model: ``name`` with JSON ``arguments``.
+
+    ``error`` is set when the model's call could not be read (not JSON, no name): the tool loop sends
+    it back to the model as the tool's result instead of calling anything.
+    """
+
+    id: str
+    name: str
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not isinstance(self.name, str):
+            raise InvalidMessageError("A tool call needs a str id and a str name.")
+        if not isinstance(self.arguments, Mapping):
+            raise InvalidMessageError(
+                f"Tool call arguments must be a dict, got {type(self.arguments).__name__}."
+            )
+        object.__setattr__(self, "arguments", dict(self.arguments))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The OpenAI / Hugging Face form: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": dict(self.arguments)}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ToolCall":
+        """Read the OpenAI form (``arguments`` as an object or a JSON string) or a flat ``{name, arguments}``."""
+        if not isinstance(data, Mapping):
+            raise InvalidMessageError(f"A tool call must be a dict, got {type(data).__name__}.")
+        function = data.get("function", data)
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise InvalidMessageError(
+                'A tool call dict needs {"function": {"name": ..., "arguments": ...}}, '
+                f"got keys {sorted(data)}."
+            )
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except json.JSONDecodeError as exc:
+                raise InvalidMessageError(f"Tool call arguments are not valid JSON: {exc}.") from exc
+        call_id = data.get("id") or new_tool_call_id()
+        return cls(str(call_id), function["name"], arguments if arguments is not None else {})
+
+
 @dataclass(frozen=True)
 class ChatMessage:
-    """One message of a conversation. ``name`` names a tool (for ``Role.TOOL``) or a speaker."""
+    """One message of a conversation. ``name`` names a tool (for ``Role.TOOL``) or a speaker.
+
+    An assistant message may carry ``reasoning`` (its thinking) and ``tool_calls`` apart from its
+    ``content`` (the answer), so the model's own template decides how earlier turns show them. A tool
+    message answers the call ``tool_call_id``.
+    """
 
     role: Role
     content: str
     name: str | None = None
+    reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
@@ -45,9 +112,17 @@ class ChatMessage:
             raise InvalidMessageError(
                 f"Message content must be a str, got {type(self.content).__name__}."
             )
-        if self.name is not None and not isinstance(self.name, str):
-            raise InvalidMessageError(f"Message name must be a str, got {type(self.name).__name__}.")
-        for field, text in (("content", self.content), ("name", self.name or "")):
+        for key in ("name", "reasoning", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, str):
+                raise InvalidMessageError(f"Message {key} must be a str, got {type(value).__name__}.")
+        calls = self.tool_calls
+        if isinstance(calls, (str, Mapping)) or not all(isinstance(c, ToolCall) for c in calls or ()):
+            raise InvalidMessageError("Message tool_calls must be a list of chatkit.ToolCall.")
+        object.__setattr__(self, "tool_calls", tuple(calls or ()))
+        if self.tool_calls and self.role is not Role.ASSISTANT:
+            raise InvalidMessageError("Only an assistant message can hold tool_calls.")
+        for field, text in (("content", self.content), ("name", self.name or ""), ("reasoning", self.reasoning or "")):
             check_text(f"Message {field}", text)
 
     @classmethod
@@ -59,33 +134,59 @@ class ChatMessage:
         return cls(Role.USER, content, name)
 
     @classmethod
-    def assistant(cls, content: str) -> "ChatMessage":
-        return cls(Role.ASSISTANT, content)
+    def assistant(
+        cls, content: str, *, reasoning: str | None = None, tool_calls: Sequence[ToolCall] = ()
+    ) -> "ChatMessage":
+        return cls(Role.ASSISTANT, content, reasoning=reasoning, tool_calls=tuple(tool_calls))
 
     @classmethod
-    def tool(cls, content: str, name: str | None = None) -> "ChatMessage":
-        return cls(Role.TOOL, content, name)
+    def tool(cls, content: str, name: str | None = None, tool_call_id: str | None = None) -> "ChatMessage":
+        return cls(Role.TOOL, content, name, tool_call_id=tool_call_id)
 
-    def to_dict(self) -> dict[str, str]:
-        """An OpenAI-style dict: ``{"role": ..., "content": ...}`` plus ``"name"`` when set."""
-        d = {"role": self.role.value, "content": self.content}
+    def to_dict(self) -> dict[str, Any]:
+        """An OpenAI-style dict with the field names Hugging Face chat templates read: ``role``,
+        ``content``, and when set ``name``, ``reasoning_content``, ``tool_calls``, ``tool_call_id``."""
+        d: dict[str, Any] = {"role": self.role.value, "content": self.content}
         if self.name is not None:
             d["name"] = self.name
+        if self.reasoning is not None:
+            d["reasoning_content"] = self.reasoning
+        if self.tool_calls:
+            d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
         return d
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "ChatMessage":
-        """Read an OpenAI-style dict with ``role``, ``content`` and optionally ``name``."""
+        """Read an OpenAI-style dict: ``role``, ``content`` (``None`` for a message that only calls
+        tools) and optionally ``name``, ``reasoning_content`` (or ``reasoning`` / ``thinking``),
+        ``tool_calls``, ``tool_call_id``."""
         if not isinstance(data, Mapping):
             raise InvalidMessageError(f"A message must be a ChatMessage or a dict, got {type(data).__name__}.")
-        unknown = set(data) - {"role", "content", "name"}
+        unknown = set(data) - _KEYS
         if unknown:
             raise InvalidMessageError(
-                f"Unsupported message keys {sorted(unknown)}: a message has role, content and name."
+                f"Unsupported message keys {sorted(unknown)}: a message has {', '.join(sorted(_KEYS))}."
             )
         if "role" not in data or "content" not in data:
             raise InvalidMessageError(f"A message dict needs 'role' and 'content', got keys {sorted(data)}.")
-        return cls(data["role"], data["content"], data.get("name"))
+        reasoning = next((data[k] for k in ("reasoning_content", "reasoning", "thinking") if data.get(k) is not None), None)
+        calls = data.get("tool_calls") or ()
+        if isinstance(calls, (str, Mapping)):
+            raise InvalidMessageError("A message's tool_calls must be a list.")
+        content = data["content"]
+        return cls(
+            data["role"],
+            "" if content is None else content,
+            data.get("name"),
+            reasoning=reasoning,
+            tool_calls=tuple(ToolCall.from_dict(c) for c in calls),
+            tool_call_id=data.get("tool_call_id"),
+        )
+
+
+_KEYS = {"role", "content", "name", "reasoning_content", "reasoning", "thinking", "tool_calls", "tool_call_id"}
 
 
 def check_text(what: str, text: str) -> None:
@@ -123,4 +224,14 @@ def as_messages(messages: Iterable[MessageLike]) -> list[ChatMessage]:
     return [as_message(m) for m in messages]
 
 
-__all__ = ["ChatMessage", "MessageLike", "Role", "as_message", "as_messages", "check_instructions", "check_text"]
+__all__ = [
+    "ChatMessage",
+    "MessageLike",
+    "Role",
+    "ToolCall",
+    "as_message",
+    "as_messages",
+    "check_instructions",
+    "check_text",
+    "new_tool_call_id",
+]

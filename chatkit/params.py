@@ -26,6 +26,9 @@ class GenerateParams:
     turn. ``stop`` strings end the reply (they are cut from it). ``logit_bias`` adds to the logits of
     token ids. ``template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``).
     ``logits_processors`` are extra mlx-lm-style callables ``(tokens, logits) -> logits``.
+    ``thinking`` turns the template's thinking switch on or off (``None``: the template's default;
+    mlx-lm names it for the template, e.g. ``enable_thinking``). ``max_thinking_tokens`` ends the
+    reasoning after that many tokens: the end-of-thinking marker is forced and the model answers.
     """
 
     max_tokens: int = 256
@@ -40,6 +43,8 @@ class GenerateParams:
     logit_bias: Mapping[int, float] | None = None
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     logits_processors: Sequence[LogitsProcessor] = ()
+    thinking: bool | None = None
+    max_thinking_tokens: int | None = None
 
     def copy(self, **changes: Any) -> "GenerateParams":
         """A copy with ``changes`` applied (containers are copied, not shared)."""
@@ -68,7 +73,16 @@ class GenerateParams:
             "stop": list(self.stop),
             "logit_bias": {str(k): v for k, v in (self.logit_bias or {}).items()} or None,
             "template_kwargs": json.loads(json.dumps(dict(self.template_kwargs), default=str)),
+            "thinking": self.thinking,
+            "max_thinking_tokens": self.max_thinking_tokens,
         }
+
+    def chat_template_kwargs(self) -> dict[str, Any]:
+        """What the chat template gets: ``template_kwargs`` plus the thinking switch when set."""
+        kwargs = dict(self.template_kwargs)
+        if self.thinking is not None:
+            kwargs["enable_thinking"] = self.thinking  # mlx-lm's wrapper renames it for its template
+        return kwargs
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "GenerateParams":
@@ -142,6 +156,10 @@ class GenerateParams:
             raise bad("logit_bias", "must map token ids (int >= 0) to finite numbers")
         if not isinstance(self.template_kwargs, Mapping):
             raise bad("template_kwargs", "must be a dict")
+        if self.thinking is not None and not isinstance(self.thinking, bool):
+            raise bad("thinking", "must be True, False or None")
+        if self.max_thinking_tokens is not None and (not _is_int(self.max_thinking_tokens) or self.max_thinking_tokens < 0):
+            raise bad("max_thinking_tokens", "must be an int >= 0 or None")
         if isinstance(self.logits_processors, (str, bytes)) or not all(callable(p) for p in self.logits_processors):
             raise bad("logits_processors", "must be a list of callables (tokens, logits) -> logits")
         if vocab_size is not None:

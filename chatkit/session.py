@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from . import _tokenizer
@@ -28,11 +28,12 @@ from .errors import (
     SessionBusyError,
 )
 from .loading import LoadedModel
-from .messages import ChatMessage, MessageLike, Role, as_message, check_instructions
+from .messages import ChatMessage, MessageLike, Role, ToolCall, as_message, check_instructions
 from .params import GenerateParams, LogitsProcessor
 from .speculative import SpeculativeConfig, check_cache_options
 from .stream import GuidedStream, ResponseStream, TurnResult, TurnStats
-from .template import ChatTemplate, check_tools
+from .template import ChatTemplate
+from .tools import ToolLoopStream, ToolOptions, as_tools, pending_calls
 from .turn import Prompting, Turn
 
 if TYPE_CHECKING:
@@ -57,7 +58,8 @@ class ChatSession:
         history: Sequence[ChatMessage] = (),
         generate_params: GenerateParams | None = None,
         chat_template: str | None = None,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[Any] | None = None,
+        tool_options: ToolOptions = ToolOptions(),
         cache_options: CacheOptions = CacheOptions(),
         prefill_progress: ProgressCallback | None = None,
         speculative: SpeculativeConfig | None = None,
@@ -72,7 +74,9 @@ class ChatSession:
         self._template = ChatTemplate(lm.tokenizer, chat_template, allow_special_in_content=allow_special_in_content)
         self._instructions = check_instructions(instructions)
         self._params = generate_params if generate_params is not None else GenerateParams()
-        self._tools = check_tools(tools)
+        self._tools = as_tools(tools)
+        tool_options.validate()
+        self._tool_options = tool_options
         self._speculative = speculative
         self._source: TokenSource = LocalSource(lm.model, speculative)
         self._conversation = Conversation(history, self._new_cache(cache_options))
@@ -121,13 +125,20 @@ class ChatSession:
 
     @property
     def tools(self) -> list[dict[str, Any]] | None:
-        """Tool JSON schemas passed to the chat template every turn."""
-        return None if self._tools is None else [dict(t) for t in self._tools]
+        """Tool JSON schemas passed to the chat template every turn (set functions or schema dicts)."""
+        return None if self._tools is None else [dict(t.schema) for t in self._tools]
 
     @tools.setter
-    def tools(self, value: Sequence[Mapping[str, Any]] | None) -> None:
+    def tools(self, value: Sequence[Any] | None) -> None:
+        tools = as_tools(value)
         with self._idle("change the tools"):
-            self._tools = check_tools(value)
+            self._tools = tools
+
+    @property
+    def pending_tool_calls(self) -> list[ToolCall]:
+        """The calls of the last reply that no tool message answers yet (answer them with
+        ``respond(result, role=Role.TOOL, tool_call_id=call.id)`` in manual mode)."""
+        return pending_calls(self._conversation.messages)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -236,7 +247,7 @@ class ChatSession:
 
     def stream_regenerate(self) -> ResponseStream:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
-        return self._open_turn(None)
+        return self._open_turn(None, regenerate=True)
 
     def fork(self) -> "ChatSession":
         """An independent session with the same conversation, settings and a copy of the cache.
@@ -251,6 +262,7 @@ class ChatSession:
                 generate_params=self._params.copy(),
                 chat_template=self._template.template,
                 tools=self._tools,
+                tool_options=self._tool_options,
                 cache_options=self.cache_options,
                 prefill_progress=self._progress,
                 speculative=self._speculative,
@@ -262,49 +274,55 @@ class ChatSession:
 
     # -- turns --------------------------------------------------------------------------------
     def respond(
-        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,
         output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
     ) -> Any:
-        """Send ``prompt`` and return the whole reply. With ``output=`` (a type or a JSON Schema),
-        ``regex=`` or ``grammar=`` (Lark) the reply is constrained and its value is returned
-        (:mod:`chatkit.guided`; ``IncompleteOutputError`` if ``max_tokens`` cut it short)."""
-        with self.stream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar,
-                                  include_schema=include_schema) as stream:
+        """Send ``prompt`` and return the whole reply (with tools, the answer after the last tool round).
+        With ``output=`` (a type or a JSON Schema), ``regex=`` or ``grammar=`` (Lark) the reply is
+        constrained and its value is returned (:mod:`chatkit.guided`; ``IncompleteOutputError`` if
+        ``max_tokens`` cut it short)."""
+        with self.stream_respond(prompt, role=role, tool_call_id=tool_call_id, output=output, regex=regex,
+                                 grammar=grammar, include_schema=include_schema) as stream:
             for _ in stream:
                 pass
         return stream.value if _guided(output, regex, grammar) else stream.text
 
     def stream_respond(
-        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,
         output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
     ) -> ResponseStream | GuidedStream:
         """Send ``prompt`` and return the reply as a :class:`ResponseStream` of text chunks.
 
         ``prompt`` is the text of a message from ``role`` (user by default; tool results with
-        ``Role.TOOL``), or a ``ChatMessage``/dict. Nothing runs until the stream is iterated. With
-        ``output=`` / ``regex=`` / ``grammar=`` it is a ``GuidedStream`` with ``partial`` and ``value``;
-        ``include_schema`` appends the spec's description to a text prompt (the model then follows it
-        with fewer forced tokens).
+        ``Role.TOOL`` and the ``tool_call_id`` they answer), or a ``ChatMessage``/dict. Nothing runs
+        until the stream is iterated. With tools, the stream is a ``chatkit.tools.ToolLoopStream``
+        over every round (see ``builder.tools``); a tool result while other calls of the same reply
+        are still unanswered is added to the history and nothing is generated. With ``output=`` /
+        ``regex=`` / ``grammar=`` it is one turn whose reply is a value (a ``GuidedStream`` with
+        ``partial`` and ``value``; no tool round); ``include_schema`` appends the spec's description
+        to a text prompt (the model then follows it with fewer forced tokens).
         """
-        message = _prompt_message(prompt, role)
-        if not _guided(output, regex, grammar):
-            return self._open_turn(message)
-        from .guided.turn import guide  # the guided extra
+        message = _prompt_message(prompt, role, tool_call_id, self._conversation.messages)
+        if _guided(output, regex, grammar):
+            from .guided.turn import guide  # the guided extra
 
-        message, constraint = guide(
-            message, self.model.tokenizer, self.render, output=output, regex=regex, grammar=grammar,
-            include_schema=include_schema,
-        )
-        return GuidedStream(self._open_turn(message, constraint), constraint)
+            message, constraint = guide(
+                message, self.model.tokenizer, self.render, output=output, regex=regex, grammar=grammar,
+                include_schema=include_schema,
+            )
+            return GuidedStream(self._open_turn(message, constraint=constraint), constraint)
+        if self._tools is None and message.role is not Role.TOOL:
+            return self._open_turn(message)
+        return self._tool_loop(message)  # type: ignore[return-value]  # a ResponseStream in all but name
 
     def astream_respond(
-        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,
         output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
     ) -> AsyncResponseStream:
         """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread."""
         stop = threading.Event()  # stream_respond may still wait on the previous async turn's
-        inner = self.stream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar,
-                                  include_schema=include_schema)
+        inner = self.stream_respond(prompt, role=role, tool_call_id=tool_call_id, output=output, regex=regex,
+                                    grammar=grammar, include_schema=include_schema)
         if isinstance(inner, GuidedStream):
             stream: AsyncResponseStream = AsyncGuidedStream(inner, stop=stop)
         else:
@@ -313,12 +331,12 @@ class ChatSession:
         return stream
 
     async def arespond(
-        self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
+        self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,
         output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
     ) -> Any:
         """As :meth:`respond`, without blocking the event loop. Cancelling it commits the reply so far."""
-        async with self.astream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar,
-                                   include_schema=include_schema) as stream:
+        async with self.astream_respond(prompt, role=role, tool_call_id=tool_call_id, output=output, regex=regex,
+                                        grammar=grammar, include_schema=include_schema) as stream:
             async for _ in stream:
                 pass
         return stream.value if _guided(output, regex, grammar) else stream.text
@@ -328,12 +346,15 @@ class ChatSession:
         history = self._conversation.messages
         if prompt is None:
             return self._prompting().text(history, self._params, add_generation_prompt=False)
-        return self._prompting().text([*history, _prompt_message(prompt, role)], self._params)
+        return self._prompting().text([*history, _prompt_message(prompt, role, history=history)], self._params)
 
-    def _open_turn(self, message: ChatMessage | None, constraint: LogitsProcessor | None = None) -> ResponseStream:
-        """Take the turn and prepare it: answer ``message`` after the history, or (``None``) answer the
-        last prompt again; ``constraint`` (guided output) masks every step after the session's own
-        processors. The turn is held until the stream commits or aborts."""
+    def _open_turn(
+        self, message: ChatMessage | None, *, regenerate: bool = False, constraint: LogitsProcessor | None = None
+    ) -> ResponseStream:
+        """Take the turn and prepare it: answer ``message`` after the history, or (``None``) the
+        history's last message (a tool round), or (``regenerate``) the last prompt again; ``constraint``
+        (guided output) masks every step after the session's own processors. The turn is held until
+        the stream commits or aborts."""
         params = self._params.copy()
         if constraint is not None:
             params = params.copy(logits_processors=[*params.logits_processors, constraint])
@@ -342,7 +363,11 @@ class ChatSession:
             raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")
         try:
             base = self._conversation.messages
-            if message is None:
+            if message is None and not regenerate:
+                if not base or base[-1].role is Role.ASSISTANT:
+                    raise NothingToRegenerateError("There is no message to answer: send a prompt.")
+                base, message = base[:-1], base[-1]
+            elif message is None:
                 if not self._conversation.ends_with_exchange():
                     raise NothingToRegenerateError(
                         "There is no reply to regenerate: the history does not end with a reply."
@@ -369,9 +394,28 @@ class ChatSession:
             self._last_stats = result.stats
         self._turn.release()
 
+    def _tool_loop(self, message: ChatMessage) -> ToolLoopStream:
+        """The rounds of a reply with tools (``chatkit.tools.loop``), over this session's turns."""
+        options, tools = self._tool_options, self._tools or []
+        waiting = [c for c in pending_calls(self._conversation.messages) if c.id != message.tool_call_id]
+        generate = not (message.role is Role.TOOL and waiting)
+        if not generate:
+            self._append([message])
+        return ToolLoopStream(
+            self._open_turn, self._append, tools, message,
+            execute=options.execution == "auto" and any(t.function is not None for t in tools),
+            max_rounds=options.max_rounds, raise_errors=options.errors == "raise", generate=generate,
+        )
+
+    def _append(self, messages: Sequence[ChatMessage]) -> None:
+        """Tool results enter the history (the next round prefills them)."""
+        with self._idle("add tool results"):
+            self._conversation.record([*self._conversation.messages, *messages], [])
+
     # -- internals ------------------------------------------------------------------------------
     def _prompting(self) -> Prompting:
-        return Prompting(self._template, self._instructions, self._tools)
+        schemas = None if self._tools is None else [t.schema for t in self._tools]
+        return Prompting(self._template, self._instructions, schemas)
 
     def _rendered_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
         """The ids of ``messages`` as a finished conversation (no generation prompt)."""
@@ -421,9 +465,11 @@ def _guided(output: Any, regex: str | None, grammar: str | None) -> bool:
     return output is not None or regex is not None or grammar is not None
 
 
-def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:
+def _prompt_message(
+    prompt: str | MessageLike, role: Role | str, tool_call_id: str | None = None, history: Sequence[ChatMessage] = ()
+) -> ChatMessage:
     if isinstance(prompt, str):
-        message = ChatMessage(Role.parse(role), prompt)
+        message = ChatMessage(Role.parse(role), prompt, tool_call_id=tool_call_id)
     elif isinstance(prompt, (ChatMessage, Mapping)):
         message = as_message(prompt)
     else:
@@ -432,6 +478,8 @@ def _prompt_message(prompt: str | MessageLike, role: Role | str) -> ChatMessage:
         raise InvalidMessageError("The prompt is empty: send some text.")
     if message.role is Role.ASSISTANT:
         raise InvalidMessageError("A prompt cannot come from the assistant: use role user, tool or system.")
+    if message.role is Role.TOOL:
+        message = _answering(message, pending_calls(history))
     return message
 
 
@@ -439,6 +487,25 @@ def _vocab_size(lm: LoadedModel, speculative: SpeculativeConfig | None) -> int:
     """Token ids must be below this in every model a turn runs (mlx-lm biases the draft's logits too)."""
     draft = speculative.draft_model if speculative is not None else None
     return lm.vocab_size if draft is None else min(lm.vocab_size, draft.vocab_size)
+
+
+def _answering(message: ChatMessage, pending: list[ToolCall]) -> ChatMessage:
+    """A tool result with the id and name of the call it answers (the only pending call, if not given)."""
+    if message.tool_call_id is None:
+        if len(pending) > 1:
+            raise InvalidMessageError(
+                f"The last reply made {len(pending)} tool calls: say which one this answers with tool_call_id= "
+                f"(one of {[c.id for c in pending]})."
+            )
+        if not pending:
+            return message
+        return replace(message, tool_call_id=pending[0].id, name=message.name or pending[0].name)
+    call = next((c for c in pending if c.id == message.tool_call_id), None)
+    if call is None:
+        raise InvalidMessageError(
+            f"No pending tool call has id {message.tool_call_id!r}: the pending ones are {[c.id for c in pending]}."
+        )
+    return replace(message, name=message.name or call.name)
 
 
 __all__ = ["ChatSession"]

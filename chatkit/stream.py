@@ -8,18 +8,24 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Protocol, Sequence
 
 import mlx.core as mx
-from mlx_lm.generate import TextStateMachine
 
 from .engine import DraftCount, Token
 from .errors import ChatKitError
+from .messages import ToolCall
+from .segments import Piece, Segmenter
 
 
 @dataclass(frozen=True)
 class StreamChunk:
     """One generated token and the text it completed (possibly ``""`` while a character is partial).
 
-    ``finish_reason`` is set on the last chunk: ``"stop"`` (end of turn or a stop string) or
-    ``"length"`` (``max_tokens`` or the context window reached).
+    ``kind`` says what the text is: ``"text"`` (the answer), ``"reasoning"``, ``"tool_call"`` (the
+    call's own text as it streams; the chunk that completes a call carries it in ``tool_call``) or,
+    between the rounds of a tool loop, ``"tool_result"`` (``tool_call`` names the call answered).
+    Markers (``<think>``, ``<tool_call>`` ...) are never part of a chunk's text. A token whose text
+    spans two kinds gives one chunk per kind, with the same ``token``. ``finish_reason`` is set on
+    the last chunk: ``"stop"`` (end of turn or a stop string) or ``"length"`` (``max_tokens`` or the
+    context window reached).
     """
 
     text: str
@@ -27,6 +33,8 @@ class StreamChunk:
     finish_reason: str | None = None
     from_draft: bool = False
     logprobs: mx.array | None = None
+    kind: str = "text"
+    tool_call: ToolCall | None = None
 
 
 @dataclass(frozen=True)
@@ -39,6 +47,10 @@ class TurnStats:
     MLX's process-wide peak during the turn. With speculative decoding, ``draft_tokens_proposed``
     counts the drafted tokens, ``draft_tokens_accepted`` those the target kept, and ``draft_length``
     is the mean number drafted per drafting step (0.0 when no step drafted).
+    ``plan`` is what
+    the cache did before the prefill: ``"append"`` (the prompt extended it), ``"trim"`` (rewound to the
+    common prefix, e.g. a template that drops old reasoning), ``"restore"`` (a checkpoint) or
+    ``"rebuild"`` (nothing reusable); ``None`` when the turn never started.
     """
 
     prompt_tokens: int
@@ -52,15 +64,18 @@ class TurnStats:
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
     draft_length: float = 0.0
+    plan: str | None = None
 
 
 @dataclass(frozen=True)
 class TurnResult:
     """What a stream hands back to its session when it closes."""
 
-    text: str
+    text: str  # the answer
     tokens: tuple[int, ...]  # every token the model produced, end-of-turn token included
     stats: TurnStats
+    reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class TurnSteps(Protocol):
@@ -72,6 +87,7 @@ class TurnSteps(Protocol):
     eos_token_ids: frozenset[int]
     drafts: DraftCount
     detokenizer: Any
+    segmenter: Segmenter
 
     def start(self) -> tuple[int, Iterator[Token]]:
         """Plan and prefill; (tokens prefilled, the generated tokens)."""
@@ -100,13 +116,13 @@ class ResponseStream:
         self._max_tokens = turn.max_tokens
         self._prompt_tokens = turn.prompt_tokens
         self._prefilled = 0
-        # Stop strings end the text (mlx-lm's matcher holds back what may start one); None = stopped.
-        self._machine = TextStateMachine({"normal": [(s, None) for s in turn.stop]}) if turn.stop else None
-        self._state = self._machine.make_state() if self._machine is not None else None
+        # Reasoning / tool-call markers and stop strings, in one mlx-lm TextStateMachine.
+        self._segments = turn.segmenter
+        self._pending: list[StreamChunk] = []
+        self._result: TurnResult | None = None  # further chunks of the last token (one per kind)
         self._detok_seen = 0  # characters of the detokenizer's text already passed on
         self._tokens: Iterator[Token] | None = None
         self._generated: list[int] = []
-        self._text = ""  # text handed out so far
         self._finish: str | None = None
         self._stats: TurnStats | None = None
         self._done = False
@@ -118,8 +134,20 @@ class ResponseStream:
     # -- public surface -----------------------------------------------------------------------
     @property
     def text(self) -> str:
-        """The reply so far; after the end, the whole reply as committed."""
-        return self._text
+        """The answer so far (no reasoning, no tool calls); after the end, as committed."""
+        return self._result.text if self._result is not None else self._segments.text
+
+    @property
+    def reasoning(self) -> str:
+        """The reasoning so far (``""`` if the model did not reason); after the end, as committed."""
+        if self._result is not None:
+            return self._result.reasoning or ""
+        return self._segments.reasoning
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """The tool calls completed so far."""
+        return list(self._segments.tool_calls)
 
     @property
     def tokens(self) -> list[int]:
@@ -144,6 +172,8 @@ class ResponseStream:
 
     def __next__(self) -> StreamChunk:
         with self._lock:
+            if self._pending:
+                return self._pending.pop(0)
             if self._done:
                 raise StopIteration
             try:
@@ -194,32 +224,26 @@ class ResponseStream:
             self._detok.add_token(token)
             if len(self._generated) >= self._max_tokens:
                 finish = "length"
-        text, hit_stop = self._take_text(final=finish is not None)
-        if hit_stop:
+        pieces = self._take_pieces(final=finish is not None)
+        if self._segments.stopped:
             finish = "stop"
-        chunk = StreamChunk(text, token, finish, from_draft, logprobs)
+        chunks = [
+            StreamChunk(p.text, token, finish if i == len(pieces) - 1 else None, from_draft, logprobs, p.kind, p.tool_call)
+            for i, p in enumerate(pieces)
+        ]
         if finish is not None:
             self._finish = finish
             self._commit()
-        return chunk
+        self._pending.extend(chunks[1:])
+        return chunks[0]
 
-    def _take_text(self, final: bool) -> tuple[str, bool]:
-        """The next piece of text to hand out, and whether a stop string ended the reply."""
+    def _take_pieces(self, final: bool) -> list[Piece]:
+        """The text the detokenizer completed, cut into pieces of one kind each (at least one)."""
         if final:
             self._detok.finalize()
         full = self._detok.text
         new, self._detok_seen = full[self._detok_seen :], len(full)
-        if self._machine is None:
-            self._text += new
-            return new, False
-        self._state, segments = TextStateMachine.split(self._state, new)
-        piece = "".join(text for _, text in segments)
-        hit = self._state[0] is None
-        if final and not hit:
-            self._state, rest, _ = TextStateMachine.flush(self._state)
-            piece += rest
-        self._text += piece
-        return piece, hit
+        return self._segments.feed(new, final=final)
 
     def _stats_now(self) -> TurnStats:
         now = time.perf_counter()
@@ -239,6 +263,7 @@ class ResponseStream:
             draft_tokens_proposed=drafts.drafted,
             draft_tokens_accepted=drafts.accepted,
             draft_length=drafts.drafted / drafts.steps if drafts.steps else 0.0,
+            plan=_plan_name(getattr(self._turn, "plan", None)),
         )
 
     def _close_source(self) -> None:
@@ -257,7 +282,10 @@ class ResponseStream:
         self._close_source()
         self._stats = self._stats_now()
         self._settled = True
-        self._turn.commit(TurnResult(self._text, tuple(self._generated), self._stats))
+        seg = self._segments
+        text, reasoning = seg.reply()
+        self._result = TurnResult(text, tuple(self._generated), self._stats, reasoning, tuple(seg.tool_calls))
+        self._turn.commit(self._result)
 
     def _abort(self, exc: BaseException | None) -> None:
         self._done = True
@@ -322,6 +350,12 @@ class GuidedStream:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stream.close()
+
+
+
+def _plan_name(plan: Any) -> str | None:
+    action = getattr(plan, "action", None)
+    return None if action is None else str(getattr(action, "value", action))
 
 
 __all__ = ["GuidedStream", "ResponseStream", "StreamChunk", "TurnResult", "TurnStats", "TurnSteps", "ValueReader"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from . import _tokenizer
+from .capabilities import Capabilities, adapt, probe, warn_dropped_tool_messages, warn_ignored_tools
 from .errors import InvalidParamsError, TemplateError
 from .messages import ChatMessage
 
@@ -48,6 +49,7 @@ class ChatTemplate:
         self.template = template
         self.allow_special_in_content = allow_special_in_content
         self._encoder = _tokenizer.PromptEncoder(tokenizer, allow_special_in_content=allow_special_in_content)
+        self._warned: set[str] = set()
 
     def render(
         self,
@@ -71,6 +73,10 @@ class ChatTemplate:
         """The prompt's token ids; the template writes its own special tokens (BOS included)."""
         return self._encoder.encode(self._render(messages, tools, add_generation_prompt, template_kwargs))
 
+    def capabilities(self) -> Capabilities:
+        """What this template renders (probed once per template text; see ``chatkit.capabilities``)."""
+        return _probe_for(self.tokenizer, self.template)
+
     def _render(
         self,
         messages: Sequence[ChatMessage],
@@ -83,13 +89,16 @@ class ChatTemplate:
                 "This tokenizer has no chat template: pass one with "
                 "ChatSession.builder(...).chat_template(text_or_path)."
             )
-        protect = self._encoder.protect
-        dicts = [{**m.to_dict(), "content": protect(m.content)} for m in messages]
+        dicts = [_template_dict(m, self._encoder.protect) for m in messages]
+        caps = self.capabilities()
+        warn_ignored_tools(caps, tools, self._warned)
+        warn_dropped_tool_messages(caps, dicts, self._warned)
+        dicts = adapt(dicts, caps)
         try:
             text = _tokenizer.apply_chat_template(
                 self.tokenizer,
                 dicts,
-                tools=tools,
+                tools=list(tools) if tools else caps.no_tools,
                 add_generation_prompt=add_generation_prompt,
                 template=self.template,
                 template_kwargs=template_kwargs or {},
@@ -99,6 +108,48 @@ class ChatTemplate:
         if not isinstance(text, str):
             raise TemplateError(f"The chat template rendered a {type(text).__name__}, not text.")
         return text
+
+
+_CAPABILITIES: dict[Any, Capabilities] = {}  # per template text: probing renders a few small conversations
+
+
+def _probe_for(tokenizer: Any, template: str | None) -> Capabilities:
+    key = template or _tokenizer.chat_template(tokenizer) or id(tokenizer)
+    if key not in _CAPABILITIES:
+
+        def render(dicts: list[dict[str, Any]], tools: Any) -> str:
+            return _tokenizer.apply_chat_template(
+                tokenizer, dicts, tools=tools, add_generation_prompt=False, template=template, template_kwargs={}
+            )
+
+        _CAPABILITIES[key] = probe(render)
+    return _CAPABILITIES[key]
+
+
+def _template_dict(message: ChatMessage, protect: Callable[[str], str]) -> dict[str, Any]:
+    """A message as chat templates read it, with every text the model sees protected (special-token
+    strings stay text). Reasoning goes under both names templates read: ``reasoning_content`` (Qwen3,
+    DeepSeek, MiniMax) and ``thinking`` (gpt-oss); empty fields are left out."""
+    d = message.to_dict()
+    d["content"] = protect(message.content)
+    if message.reasoning is not None:
+        d["reasoning_content"] = d["thinking"] = protect(message.reasoning)
+    if message.tool_calls:
+        d["tool_calls"] = [
+            {**c.to_dict(), "function": {"name": protect(c.name), "arguments": _protect_json(c.arguments, protect)}}
+            for c in message.tool_calls
+        ]
+    return d
+
+
+def _protect_json(value: Any, protect: Callable[[str], str]) -> Any:
+    if isinstance(value, str):
+        return protect(value)
+    if isinstance(value, Mapping):
+        return {protect(str(k)): _protect_json(v, protect) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_protect_json(v, protect) for v in value]
+    return value
 
 
 def check_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:

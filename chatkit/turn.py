@@ -22,6 +22,7 @@ from .engine import DraftCount, ProgressCallback, Request, Token, TokenSource
 from .errors import ContextWindowExceededError
 from .messages import ChatMessage
 from .params import GenerateParams
+from .segments import Segmenter, ThinkingBudget
 from .stream import TurnResult
 from .template import ChatTemplate
 
@@ -38,14 +39,14 @@ class Prompting:
         """The prompt ids of ``messages`` after the instructions."""
         return self.template.encode(
             self._with_system(messages), tools=self.tools, add_generation_prompt=add_generation_prompt,
-            template_kwargs=params.template_kwargs,
+            template_kwargs=params.chat_template_kwargs(),
         )
 
     def text(self, messages: Sequence[ChatMessage], params: GenerateParams, *, add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` after the instructions."""
         return self.template.render(
             self._with_system(messages), tools=self.tools, add_generation_prompt=add_generation_prompt,
-            template_kwargs=params.template_kwargs,
+            template_kwargs=params.chat_template_kwargs(),
         )
 
     def _with_system(self, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
@@ -69,6 +70,7 @@ class Turn:
     progress: ProgressCallback | None
     detokenizer: Any
     eos_token_ids: frozenset[int]
+    segmenter: Segmenter
     stop: Sequence[str] = ()
     drafts: DraftCount = field(default_factory=DraftCount)  # what a speculative source drafted
     plan: Plan | None = None
@@ -97,9 +99,10 @@ class Turn:
                 context_length=context_length,
             )
         room = params.max_tokens if context_length is None else min(params.max_tokens, context_length - needed)
+        segmenter = Segmenter(prompting.template.tokenizer, stop=params.stop, prompt=prompt, tools=prompting.tools)
         return cls(
             conversation, base=tuple(base), message=message, params=params, prompt=prompt,
-            prompt_tokens=needed, max_tokens=room, stop=tuple(params.stop), **rest,
+            prompt_tokens=needed, max_tokens=room, stop=tuple(params.stop), segmenter=segmenter, **rest,
         )
 
     def start(self) -> tuple[int, Iterator[Token]]:
@@ -114,7 +117,7 @@ class Turn:
             context=cache.ledger.tokens,
             max_tokens=self.max_tokens,
             sampler=self.params.make_sampler(),
-            logits_processors=self.params.make_logits_processors(),
+            logits_processors=[*self.params.make_logits_processors(), *self._thinking_budget()],
             options=cache.options,
             progress=self._on_progress,
             drafts=self.drafts,
@@ -124,7 +127,7 @@ class Turn:
     def commit(self, result: TurnResult) -> None:
         """The conversation takes the message and the reply; the cache what was fed and generated."""
         try:
-            reply = ChatMessage.assistant(result.text)
+            reply = ChatMessage.assistant(result.text, reasoning=result.reasoning, tool_calls=result.tool_calls)
             self.conversation.record([*self.base, self.message, reply], [*self.fed, *result.tokens])
         finally:
             self.settle(result)
@@ -135,6 +138,13 @@ class Turn:
             self.conversation.keep_cache(self.fed)
         finally:
             self.settle(None)
+
+    def _thinking_budget(self) -> list[ThinkingBudget]:
+        """The end-of-thinking forcer when ``max_thinking_tokens`` is set and the model thinks."""
+        budget, tokenizer = self.params.max_thinking_tokens, self.segmenter.tokenizer
+        if budget is None or not getattr(tokenizer, "has_thinking", False) or not tokenizer.think_end_tokens:
+            return []
+        return [ThinkingBudget(tokenizer, budget, start_in_reasoning=self.segmenter.state == "reasoning")]
 
     def _on_progress(self, done: int, total: int) -> None:
         if done == total - 1:  # the whole prompt but its last token is in: a rewind point

@@ -347,3 +347,36 @@ def test_the_readme_says_which_phrasings_the_demo_understands():
             if reply != answer:
                 wrong.append((phrasing, reply, answer))
     assert not wrong
+
+
+def test_chat_shows_reasoning_dimmed_or_hidden_and_tool_calls_and_results(tmp_path, monkeypatch):
+    import io
+
+    from chatkit import GenerateParams
+    from chatkit.cli import Repl, parser
+    from chatkit.testing import Scripted
+
+    (tmp_path / "weather_tools.py").write_text(
+        'def get_weather(city: str) -> str:\n    """The weather.\n\n    Args:\n        city: The city.\n    """\n'
+        '    return f"sunny in {city}"\n'
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    folder = str(tiny_model_path(arch="qwen3", tokenizer="bpe-think"))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for flags, shows_reasoning in [((), True), (("--hide-thinking",), False)]:
+        out = io.StringIO()
+        args = parser().parse_args(["chat", "--model", folder, "--tools", "weather_tools:get_weather", *flags])
+        repl = Repl(args, out=out, err=io.StringIO())
+        script = Scripted(repl.lm.tokenizer, [f"<think>\nCheck Oslo.\n</think>\n\n{call}", "It is sunny."])
+        repl.session.generate_params = GenerateParams(max_tokens=60, logits_processors=[script])
+        repl.reply(lambda repl=repl: repl.session.stream_respond("Weather in Oslo?"), "Weather in Oslo?")
+        shown = out.getvalue()
+        assert ("Check Oslo." in shown) is shows_reasoning and "<think>" not in shown and "<tool_call>" not in shown
+        assert '[tool call] get_weather({"city": "Oslo"})' in shown and "[tool result] sunny in Oslo" in shown
+        assert shown.rstrip().endswith("It is sunny.")
+
+
+def test_tools_flag_names_what_cannot_be_imported():
+    out = run("--tools", "no_such_module_here:f", stdin="Hi\n")
+    assert out.returncode == 2 and "--tools" in out.stderr and "module:function" in out.stderr
+    assert "Traceback" not in out.stderr

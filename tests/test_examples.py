@@ -62,3 +62,11 @@ def test_guided_example():
     assert "(session.respond(..., grammar=...))\nYour name is Ada.\n" in out
     assert "7 + 5 = 12." in out and "IncompleteOutputError" in out
     assert out.rstrip().endswith("Your name is Ada."), "the session stays usable"
+
+
+def test_tools_example():
+    out = run("tools.py")
+    assert "[call] get_weather({'city': 'Lisbon'})" in out and "[call] local_time({'city': 'Lisbon'})" in out
+    assert '[result] {"city": "Lisbon", "sky": "sunny", "temperature": 21}' in out and "[result] 14:05 in Lisbon" in out
+    assert "rounds: 2" in out and "tool      content='14:05 in Lisbon'" in out
+    assert "the model asks for get_weather({'city': 'Porto'})" in out and "bot> Porto is sunny too." in out

@@ -9,14 +9,14 @@ PUBLIC = {
     # streaming
     "ResponseStream", "AsyncResponseStream", "StreamChunk", "TurnStats",
     # messages and settings
-    "ChatMessage", "Role", "GenerateParams", "CacheOptions", "CacheInfo", "SpeculativeConfig",
+    "ChatMessage", "Role", "ToolCall", "GenerateParams", "CacheOptions", "CacheInfo", "SpeculativeConfig",
     # persistence
     "inspect_cache", "CacheFileInfo",
     # errors
     "ChatKitError", "ModelLoadError", "TemplateError", "InvalidMessageError", "InvalidParamsError",
     "SpeculativeCacheRestoreError", "IncompatibleDraftError", "MissingDependencyError", "SessionBusyError", "ContextWindowExceededError",
     "NothingToUndoError", "NothingToRegenerateError", "CacheError", "NoCacheAvailableError", "CacheFileError",
-    "IncompatibleCacheError",
+    "IncompatibleCacheError", "ToolLoopLimitError", "ToolExecutionError",
 }
 
 

@@ -28,7 +28,7 @@ def test_message_constructors_and_dict_round_trip():
         {"role": "user"},
         {"content": "x"},
         {"role": "user", "content": 3},
-        {"role": "user", "content": "x", "tool_calls": []},
+        {"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]},  # only an assistant calls
         "user: hi",
     ],
 )

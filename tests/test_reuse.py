@@ -2,6 +2,7 @@
 
 import mlx.core as mx
 import pytest
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
@@ -13,9 +14,11 @@ from chatkit import (
     NothingToUndoError,
     SessionBusyError,
 )
-from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
+from chatkit.testing import Scripted
 
 HYBRID = "qwen3_5"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 
 
 def run(session, prompt):
@@ -54,7 +57,7 @@ def test_thinking_template_rewinds_only_to_the_start_of_the_previous_reply(tiny,
     for prompt in ["Hi", "How are you?", "Why?"]:
         forcer.generated = 0
         stream = run(session, prompt)
-        assert stream.text.startswith("<think>")
+        assert stream.reasoning == "Let me think about it carefully." and "<think>" not in stream.text
         stats = session.last_stats
         if previous_prompt is not None:
             # The template drops the earlier <think> block: everything up to the reply is reused.
@@ -179,21 +182,23 @@ class Conversation(RuleBasedStateMachine):
         from chatkit.testing import tiny_model
 
         self.lm = tiny_model(arch=self.arch, tokenizer=self.tok)
-        self.session = session_for(self.lm, params=GenerateParams(max_tokens=8))
+        # ChatML templates render tools, tool calls and tool results: there the machine also holds tool turns.
+        self.tools = self.tok.startswith("bpe")
+        self.options = {"tools": [WEATHER]} if self.tools else {}
+        self.session = session_for(self.lm, params=GenerateParams(max_tokens=8), **self.options)
         self.turns = 0
 
     def turn(self, prompt, break_after=None):
         s = self.session
         ledger = cache_state(s).ledger
         prompt_ids = self.lm.tokenizer.encode(s.render(prompt), add_special_tokens=False)
-        expected = fresh_reply(s, prompt)
+        expected = fresh_reply(s, prompt, **self.options)
         stream = s.stream_respond(prompt)
-        got = []
-        for k, chunk in enumerate(stream):
-            got.append(chunk.token)
+        for k, _chunk in enumerate(stream):
             if break_after is not None and k == break_after:
                 break
         stream.close()
+        got = stream.tokens  # a token whose text spans two kinds (e.g. </think> + text) gives two chunks
         assert got == expected[: len(got)]
         stats = s.last_stats
         extends = len(ledger.tokens) < len(prompt_ids) and tuple(prompt_ids[: len(ledger.tokens)]) == ledger.tokens
@@ -223,10 +228,31 @@ class Conversation(RuleBasedStateMachine):
     def regenerate(self):
         s = self.session
         expected = fresh_reply(session_for(s.model, params=s.generate_params.copy(), instructions=s.instructions,
-                                           history=s.history[:-2]), s.history[-2].content)
+                                           history=s.history[:-2], **self.options), s.history[-2], **self.options)
         with s.stream_regenerate() as stream:
             list(stream)
         assert stream.tokens == expected
+
+    @precondition(lambda self: self.tools)
+    @rule(reasoning=st.sampled_from(["", "The user wants the weather."]), city=st.sampled_from(["Paris", "Rome"]),
+          text=st.sampled_from(["", "Let me check."]))
+    def tool_exchange(self, reasoning, city, text):
+        """A reply with reasoning and a tool call (forced: random weights never write one), then the
+        tool's result, answered exactly as a fresh session replaying that history answers it."""
+        s = self.session
+        params = s.generate_params
+        think = f"<think>\n{reasoning}\n</think>\n\n" if reasoning else ""
+        call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "' + city + '"}}\n</tool_call>'
+        reply = think + (f"{text}\n" if text else "") + call
+        s.generate_params = params.copy(max_tokens=80, logits_processors=[Scripted(self.lm.tokenizer, [reply])])
+        try:
+            s.respond("What is the weather?")
+        finally:
+            s.generate_params = params
+        (pending,) = s.pending_tool_calls
+        assert (pending.name, pending.arguments) == ("get_weather", {"city": city})
+        assert (s.history[-1].reasoning or "") == reasoning and s.history[-1].content == text
+        self.turn(ChatMessage.tool("Sunny, 21 C", name="get_weather", tool_call_id=pending.id))
 
     @rule()
     def fork(self):

@@ -149,6 +149,9 @@ def test_equivalence_state_machine_speculative(num_draft):
     class Speculative(Conversation):
         def __init__(self):
             super().__init__()
+            # No tool turns here: the scripted processor that writes them forces one token per call,
+            # which speculative decoding's draft rounds do not follow.
+            self.tools, self.options = False, {}
             self.session = session_for(
                 self.lm,
                 params=GenerateParams(max_tokens=8),
@@ -324,6 +327,7 @@ def test_equivalence_state_machine_new_modes(tiny, mode):
     class Speculative(Conversation):
         def __init__(self):
             super().__init__()
+            self.tools, self.options = False, {}  # no tool turns: see test_equivalence_state_machine_speculative
             self.session = session_for(self.lm, params=params.copy(), speculative=config)
 
     run_state_machine_as_test(Speculative, settings=settings(max_examples=5, stateful_step_count=8))

@@ -5,6 +5,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from chatkit.engine import DraftCount
+from chatkit.segments import Segmenter
 from chatkit.stream import ResponseStream
 
 EOS = 0
@@ -41,6 +42,7 @@ def make_stream(pieces, tokens, stop=(), max_tokens=100, fail_at=None):
 
         def __init__(self):
             self.max_tokens, self.stop = max_tokens, stop
+            self.segmenter = Segmenter(None, stop=stop)
 
         def start(self):
             events.append("start")

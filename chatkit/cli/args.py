@@ -105,6 +105,10 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--num-draft", type=_num_draft, default="auto", metavar="auto|N",
                       help="tokens drafted per step with --draft: 'auto' tunes it from the acceptance measured so "
                            "far, down to not drafting while it does not pay; or 1 to 64 (default: %(default)s)")
+    chat.add_argument("--tools", action="append", metavar="MODULE:FUNCTION",
+                      help="a Python function the model may call (repeat for more); its schema comes from its "
+                           "signature, type hints and docstring")
+    chat.add_argument("--hide-thinking", action="store_true", help="do not show the model's reasoning")
     chat.add_argument("--system", metavar="TEXT", help="the system prompt (default: none, or the saved one with --resume)")
     chat.add_argument("--resume", metavar="FILE",
                       help="continue a conversation saved with /save or --save; --system, --temp, --max-tokens, "

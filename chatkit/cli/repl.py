@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -62,6 +64,8 @@ class Repl:
                     lambda: _from_transcript(builder, resume, keep_instructions=a.system is None), resume)
             else:
                 builder = builder.cache(resume)
+        if a.tools:
+            builder = builder.tools([_import_function(spec) for spec in a.tools])
         if self.draft is not None:
             builder = builder.speculative(SpeculativeConfig(self.draft, num_draft_tokens=a.num_draft))
         session = _unreadable_as_file_error(builder.build, resume) if resume is not None else builder.build()
@@ -151,7 +155,7 @@ class Repl:
             try:
                 with start() as stream:
                     for chunk in stream:
-                        self.say(chunk.text, end="")
+                        self.say(_shown(chunk, self.args, self.out), end="")
                         printed = printed or bool(chunk.text)
                         if keys.pressed.is_set():
                             break
@@ -296,6 +300,28 @@ def _from_transcript(builder: Any, path: str, keep_instructions: bool) -> Any:
     if info.generate_params is not None:
         builder = builder.generate_params(GenerateParams.from_dict(info.generate_params))
     return builder
+
+
+def _shown(chunk: Any, args: argparse.Namespace, out: Any) -> str:
+    """A chunk as the REPL prints it: reasoning dimmed (or hidden), tool calls and results on lines of their own."""
+    dim = (lambda t: f"\x1b[2m{t}\x1b[0m") if getattr(out, "isatty", lambda: False)() else (lambda t: t)
+    if chunk.kind == "reasoning":
+        return "" if args.hide_thinking else dim(chunk.text)
+    if chunk.kind == "tool_call":
+        call = chunk.tool_call
+        return "" if call is None else dim(f"\n[tool call] {call.name}({json.dumps(call.arguments)})\n")
+    if chunk.kind == "tool_result":
+        return dim(f"[tool result] {chunk.text}\n")
+    return chunk.text
+
+
+def _import_function(spec: str) -> Any:
+    """``module:function`` -> the function (``--tools``)."""
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise UsageError(f"--tools {spec!r}: cannot import it ({exc}); use module:function.") from exc
 
 
 def _need(value: str, usage: str) -> str:

@@ -1,0 +1,148 @@
+"""Tools: Python callables (sync or async) or OpenAI-style JSON schema dicts, and calling them.
+
+A callable's schema comes from its signature, type hints and docstring through transformers'
+``get_json_schema`` (the same function ``apply_chat_template(tools=[fn])`` uses). A call's arguments
+are checked against the schema before the function runs; whatever goes wrong (an unknown tool,
+arguments that do not fit, the function raising) becomes text the model reads as the tool's result,
+unless the session was asked to raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidParamsError, ToolExecutionError
+from ..messages import ChatMessage, ToolCall
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One tool: its JSON schema (``{"type": "function", "function": {...}}``) and, when chatkit may
+    call it, the function."""
+
+    schema: dict[str, Any]
+    function: Callable[..., Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return str(self.schema["function"]["name"])
+
+
+def as_tool(item: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
+    """A ``Tool`` from a callable or a schema dict (``{"type": "function", "function": {...}}`` or the
+    bare ``{"name", "description", "parameters"}``); ``InvalidParamsError`` for anything else."""
+    if isinstance(item, Tool):
+        return item
+    if isinstance(item, Mapping):
+        function = item.get("function", item)
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
+            raise InvalidParamsError(
+                'A tool schema needs a name: {"type": "function", "function": {"name": ..., "parameters": {...}}}.'
+            )
+        return Tool({"type": "function", "function": dict(function)})
+    if callable(item):
+        from transformers.utils import get_json_schema  # imported on use: transformers is slow to import
+
+        try:
+            schema = get_json_schema(item)
+        except Exception as exc:  # transformers' DocstringParsingException / TypeHintParsingException
+            name = getattr(item, "__name__", repr(item))
+            raise InvalidParamsError(
+                f"Cannot make a tool schema from {name}: {exc} Give it type hints and a docstring with an "
+                "Args: section (one line per parameter), or pass its JSON schema dict instead."
+            ) from exc
+        return Tool(schema, item)
+    raise InvalidParamsError(f"A tool is a Python function or a JSON schema dict, got {type(item).__name__}.")
+
+
+def as_tools(items: Sequence[Any] | None) -> list[Tool] | None:
+    """``as_tool`` over a list (``None`` for no tools); names must be unique."""
+    if items is None:
+        return None
+    if isinstance(items, (str, bytes, Mapping)) or callable(items):
+        raise InvalidParamsError("tools takes a list of functions or JSON schema dicts.")
+    tools = [as_tool(t) for t in items]
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise InvalidParamsError(f"Tool names must be unique, got {names}.")
+    return tools
+
+
+def call_tool(tools: Sequence[Tool], call: ToolCall, *, raise_errors: bool = False) -> ChatMessage:
+    """Run ``call`` and return the tool message answering it (``tool_call_id`` and ``name`` set).
+
+    Errors become the message's text, so the model can correct itself; with ``raise_errors`` they raise
+    ``ToolExecutionError`` instead."""
+
+    def answer(text: str) -> ChatMessage:
+        return ChatMessage.tool(text, name=call.name or None, tool_call_id=call.id)
+
+    def fail(text: str, cause: BaseException | None = None) -> ChatMessage:
+        if raise_errors:
+            raise ToolExecutionError(f"{text} (raised because the session was built with tool_errors='raise')", call) from cause
+        return answer(f"Error: {text}")
+
+    if call.error is not None:
+        return fail(call.error)
+    tool = next((t for t in tools if t.name == call.name), None)
+    if tool is None or tool.function is None:
+        known = ", ".join(t.name for t in tools if t.function is not None) or "none"
+        return fail(f"There is no tool named {call.name!r}; the tools are: {known}.")
+    problem = check_arguments(tool.schema, call.arguments)
+    if problem is not None:
+        return fail(f"Invalid arguments for {call.name}: {problem}")
+    try:
+        result = _run(tool.function, call.arguments)
+    except Exception as exc:  # the tool's own failure is the model's to read
+        return fail(f"{call.name} raised {type(exc).__name__}: {exc}", exc)
+    return answer(result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str))
+
+
+def check_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> str | None:
+    """Why ``arguments`` do not fit the tool's parameters schema, or ``None`` when they do."""
+    parameters = schema.get("function", {}).get("parameters") or {"type": "object"}
+    try:
+        import jsonschema
+    except ImportError:  # the `tools` extra is not installed: check the required keys only
+        missing = [k for k in parameters.get("required", []) if k not in arguments]
+        return f"missing required arguments {missing}." if missing else None
+    errors = sorted(jsonschema.Draft202012Validator(parameters).iter_errors(dict(arguments)), key=lambda e: list(e.path))
+    if not errors:
+        return None
+    first = errors[0]
+    where = "/".join(str(p) for p in first.path)
+    return f"{where + ': ' if where else ''}{first.message}."
+
+
+def _run(function: Callable[..., Any], arguments: Mapping[str, Any]) -> Any:
+    """Call a sync or async function; an async one runs on its own event loop (on a worker thread when
+    this thread already runs a loop)."""
+    if not inspect.iscoroutinefunction(function):
+        return function(**arguments)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(function(**arguments))
+    box: dict[str, Any] = {}
+
+    def worker() -> None:
+        try:
+            box["value"] = asyncio.run(function(**arguments))
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=worker, name="chatkit-tool")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+__all__ = ["Tool", "as_tool", "as_tools", "call_tool", "check_arguments"]

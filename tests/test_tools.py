@@ -1,0 +1,204 @@
+"""Tools: schemas from functions, the automatic loop (parallel calls, results in order, errors fed
+back, async tools, the round limit), manual mode, and exact cache reuse across tool rounds. The model's
+output is forced with a script (random weights cannot write a tool call)."""
+
+import asyncio
+import json
+
+import pytest
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply
+
+from chatkit import (
+    ChatMessage,
+    ChatSession,
+    GenerateParams,
+    InvalidMessageError,
+    InvalidParamsError,
+    Role,
+    ToolExecutionError,
+    ToolLoopLimitError,
+)
+from chatkit.testing import Scripted
+from chatkit.tools import as_tool
+
+
+def get_weather(city: str, unit: str = "celsius") -> dict:
+    """The current weather of a city.
+
+    Args:
+        city: The city's name.
+        unit: "celsius" or "fahrenheit".
+    """
+    return {"city": city, "sky": "sunny" if city == "Paris" else "rain", "unit": unit}
+
+
+async def local_time(city: str) -> str:
+    """The local time of a city.
+
+    Args:
+        city: The city's name.
+    """
+    await asyncio.sleep(0)
+    return f"12:00 in {city}"
+
+
+def explode(reason: str) -> str:
+    """Always fails.
+
+    Args:
+        reason: Why.
+    """
+    raise RuntimeError(f"broken: {reason}")
+
+
+def call(name, **arguments):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+def scripted(lm, replies, tools=(get_weather, local_time, explode), max_tokens=80, **tool_options):
+    script = Scripted(lm.tokenizer, replies)
+    params = GenerateParams(max_tokens=max_tokens, logits_processors=[script])
+    return ChatSession.builder(lm).tools(list(tools), **tool_options).generate_params(params).build(), script
+
+
+@pytest.fixture
+def lm(tiny):
+    return tiny(tokenizer="bpe-think")
+
+
+def test_a_functions_schema_comes_from_its_signature_and_docstring():
+    schema = as_tool(get_weather).schema["function"]
+    assert schema["name"] == "get_weather" and schema["description"] == "The current weather of a city."
+    assert schema["parameters"]["required"] == ["city"]
+    assert schema["parameters"]["properties"]["city"] == {"type": "string", "description": "The city's name."}
+    assert as_tool({"name": "f", "parameters": {"type": "object"}}).schema == {
+        "type": "function", "function": {"name": "f", "parameters": {"type": "object"}}
+    }
+
+
+def test_tools_that_cannot_be_described_are_refused_with_what_to_do(lm):
+    def undocumented(x: int):
+        return x
+
+    with pytest.raises(InvalidParamsError, match="docstring"):
+        ChatSession.builder(lm).tools([undocumented])
+    with pytest.raises(InvalidParamsError, match="unique"):
+        ChatSession.builder(lm).tools([get_weather, get_weather])
+    with pytest.raises(InvalidParamsError, match="needs a name"):
+        ChatSession.builder(lm).tools([{"type": "function", "function": {}}])
+    with pytest.raises(InvalidParamsError, match="manual"):
+        ChatSession.builder(lm).tools([get_weather], execution="later")
+
+
+def test_the_loop_runs_parallel_calls_in_order_and_the_model_answers(lm):
+    both = call("get_weather", city="Paris") + "\n" + call("local_time", city="Rome")
+    session, _ = scripted(lm, [f"<think>\nTwo things.\n</think>\n\n{both}", "Sunny, and noon."])
+    with session.stream_respond("Weather in Paris, time in Rome?") as stream:
+        chunks = list(stream)
+    assert stream.text == "Sunny, and noon." and stream.rounds == 2
+    user, asked, weather, time, answer = session.history
+    assert [c.name for c in asked.tool_calls] == ["get_weather", "local_time"] and asked.reasoning == "Two things."
+    assert (weather.role, weather.name, weather.tool_call_id) == (Role.TOOL, "get_weather", asked.tool_calls[0].id)
+    assert json.loads(weather.content) == get_weather("Paris")
+    assert (time.name, time.tool_call_id, time.content) == ("local_time", asked.tool_calls[1].id, "12:00 in Rome")
+    assert answer == ChatMessage.assistant("Sunny, and noon.")
+    # Chunks: round 1 ends with "tool_calls", then one tool_result per call (in order), then round 2.
+    kinds = [c.kind for c in chunks]
+    first_result = kinds.index("tool_result")
+    assert chunks[first_result - 1].finish_reason == "tool_calls"
+    assert [c.tool_call for c in chunks if c.kind == "tool_result"] == list(asked.tool_calls)
+    assert [c.text for c in chunks if c.kind == "tool_result"] == [weather.content, time.content]
+    assert chunks[-1].finish_reason == "stop" and "tool_result" not in kinds[first_result + 2 :]
+    # The schemas reached the template through its tools variable.
+    assert '"name": "get_weather"' in session.render() and '"name": "local_time"' in session.render()
+    assert_ledger_matches_cache(session)
+
+
+def test_a_tool_round_prefills_only_the_tool_result_and_the_templates_glue(lm):
+    session, _ = scripted(lm, [f"<think>\nLook it up.\n</think>\n\n{call('get_weather', city='Paris')}", "Sunny."],
+                          execution="manual")
+    session.respond("Weather?")
+    held = cache_state(session).ledger.tokens  # the prompt and the reply with its call, as generated
+    (pending,) = session.pending_tool_calls
+    session.respond("sunny", role=Role.TOOL, tool_call_id=pending.id)
+    stats = session.last_stats
+    assert stats.reused_tokens == len(held)  # nothing trimmed: the reply renders back as it was written
+    assert stats.plan == "append"
+    assert 0 < stats.prefilled_tokens <= 40  # "<|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n..." only
+    assert session.history[-2] == ChatMessage.tool("sunny", name="get_weather", tool_call_id=pending.id)
+
+
+def test_the_next_turn_equals_a_fresh_session_replaying_a_history_with_tool_rounds(lm):
+    session, _ = scripted(lm, [f"<think>\nHmm.\n</think>\n\n{call('get_weather', city='Rome')}", "Rain in Rome."])
+    assert session.respond("Weather in Rome?") == "Rain in Rome."
+    session.generate_params = GenerateParams(max_tokens=10)  # the script is spent: free greedy decoding
+    expected = fresh_reply(session, "And tomorrow?", tools=[get_weather, local_time, explode])
+    with session.stream_respond("And tomorrow?") as stream:
+        for _ in stream:
+            pass
+    assert stream.tokens == expected
+    assert_ledger_matches_cache(session)
+
+
+@pytest.mark.parametrize(
+    "bad_call, error",
+    [
+        (call("get_forecast", city="Paris"), "There is no tool named 'get_forecast'"),
+        (call("get_weather", city=7), "Invalid arguments for get_weather: city: 7 is not of type 'string'"),
+        (call("get_weather"), "Invalid arguments for get_weather: 'city' is a required property"),
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\n</tool_call>', "The tool call is not valid"),
+        (call("explode", reason="test"), "explode raised RuntimeError: broken: test"),
+    ],
+)
+def test_a_failing_call_is_told_to_the_model_and_nothing_is_lost(lm, bad_call, error):
+    session, _ = scripted(lm, [bad_call, "Sorry."])
+    assert session.respond("Go.") == "Sorry."
+    user, asked, result, answer = session.history
+    assert len(asked.tool_calls) == 1 and result.tool_call_id == asked.tool_calls[0].id
+    assert result.content.startswith("Error: " + error), result.content
+
+
+def test_errors_raise_when_the_app_asks_and_the_call_stays_in_the_history(lm):
+    session, _ = scripted(lm, [call("explode", reason="x"), "Never."], errors="raise")
+    with pytest.raises(ToolExecutionError, match="broken: x") as info:
+        session.respond("Go.")
+    assert info.value.call.name == "explode"
+    assert session.history[-1].tool_calls == (info.value.call,) and not session.busy
+
+
+def test_async_tools_run_also_under_a_running_event_loop(lm):
+    session, _ = scripted(lm, [call("local_time", city="Oslo"), "Noon."])
+
+    async def main():
+        return await session.arespond("Time in Oslo?")
+
+    assert asyncio.run(main()) == "Noon."
+    assert session.history[2].content == "12:00 in Oslo"
+
+
+def test_the_round_limit_raises_and_the_session_stays_usable(lm):
+    again = call("get_weather", city="Paris")
+    session, _ = scripted(lm, [again, again, again, "Done."], max_rounds=2)
+    with pytest.raises(ToolLoopLimitError, match="after 2 rounds"):
+        session.respond("Loop.")
+    roles = [m.role for m in session.history]
+    assert roles == [Role.USER, Role.ASSISTANT, Role.TOOL, Role.ASSISTANT, Role.TOOL, Role.ASSISTANT]
+    assert session.pending_tool_calls == list(session.history[-1].tool_calls) and not session.busy
+    assert session.respond("Stop calling tools.") == "Done."
+
+
+def test_manual_mode_returns_the_calls_and_waits_for_every_result(lm):
+    both = call("get_weather", city="Paris") + "\n" + call("get_weather", city="Rome")
+    session, _ = scripted(lm, [both, "Paris sunny, Rome rain."], execution="manual")
+    with session.stream_respond("Both cities?") as stream:
+        for _ in stream:
+            pass
+    assert stream.finish_reason == "tool_calls" and len(stream.tool_calls) == 2
+    first, second = session.pending_tool_calls
+    with pytest.raises(InvalidMessageError, match="tool_call_id"):
+        session.respond("sunny", role=Role.TOOL)  # two calls wait: which one?
+    assert session.respond("sunny", role=Role.TOOL, tool_call_id=first.id) == ""  # another call still waits
+    assert session.pending_tool_calls == [second] and session.history[-1].role is Role.TOOL
+    assert session.respond("rain", role=Role.TOOL, tool_call_id=second.id) == "Paris sunny, Rome rain."
+    assert [m.tool_call_id for m in session.history[2:4]] == [first.id, second.id]
+    assert [m.name for m in session.history[2:4]] == ["get_weather", "get_weather"]
