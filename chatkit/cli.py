@@ -227,6 +227,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # the OpenAI-compatible server: its own options (chatkit/server/run.py)
+        return _serve(argv[1:])
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["chat", *argv]
     args = parser().parse_args(argv)
@@ -239,6 +241,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _serve(argv: Sequence[str]) -> int:
+    try:
+        from .server.run import main as serve
+    except ImportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return serve(argv)
 
 
 if __name__ == "__main__":
