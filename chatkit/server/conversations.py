@@ -102,6 +102,9 @@ class Conversations:
             key = conversation_key(instructions, history)
             conv = self._index.get(key)
             created = False
+            if conv is not None and not history and self._sessions.get(conv, None) is not None \
+                    and self._sessions[conv].busy:
+                conv = None  # a new conversation: independent of another one that starts the same way
             if conv is not None:
                 session = await self._run(self._session, conv)
                 if session.busy:

@@ -187,9 +187,9 @@ def _message(data: Any, where: str) -> ChatMessage:
     if role not in ("system", "user", "assistant"):
         raise BadRequestError(f"{where}: unknown role {role!r}: use system, user or assistant.", param=where)
     name = data.get("name")
+    content = _text(data.get("content"), f"{where}.content")
     try:
-        return ChatMessage(Role(role), _text(data.get("content"), f"{where}.content"),
-                           name if isinstance(name, str) else None)
+        return ChatMessage(Role(role), content, name if isinstance(name, str) else None)
     except ChatKitError as exc:
         raise BadRequestError(f"{where}: {exc}", param=where) from exc
 
