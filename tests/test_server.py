@@ -97,7 +97,7 @@ def test_ten_turns_re_sent_pay_only_for_the_new_message(demo):
         replies, usages = conversation(client(running), prompts)
     assert replies == replies_in_process(demo, prompts, params=params)
     assert usages[0].prompt_tokens_details.cached_tokens == 0
-    for before, now in zip(usages, usages[1:]):
+    for before, now in zip(usages[:-1], usages[1:], strict=True):
         # everything the previous turn saw and produced is reused; only the new message is prefilled
         assert now.prompt_tokens_details.cached_tokens == before.prompt_tokens + before.completion_tokens
     assert "Ada" in replies[8] and "Paris" in replies[7]
