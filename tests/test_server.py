@@ -310,3 +310,39 @@ def test_api_key(lm):
             client(running, api_key="wrong").models.list()
         assert httpx.get(f"{running.url}/models", timeout=60).status_code == 401
         assert [m.id for m in client(running, api_key="sesame").models.list()] == ["chatkit"]
+
+
+@pytest.mark.slow
+def test_chatkit_serve_command(tmp_path):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = tmp_path / "store"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "chatkit", "serve", "--port", str(port), "--store", str(store),
+                             "--max-tokens", "16", "--log-level", "warning"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        for _ in range(1200):  # up to two minutes for the process to import and load
+            try:
+                models = c.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.1)
+        assert [m.id for m in models] == ["demo"]
+        r = chat(c, [{"role": "user", "content": "What is 2 + 3?"}])
+        assert "5" in r.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert len(json.loads((store / "conversations.json").read_text())["conversations"]) == 1
