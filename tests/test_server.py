@@ -4,6 +4,7 @@ restart, errors are OpenAI-style JSON with the right status and leave conversati
 
 import json
 import threading
+import time
 
 import httpx
 import openai
@@ -175,6 +176,24 @@ def no_eos(lm):
     return {str(t): -100 for t in lm.tokenizer.eos_token_ids}
 
 
+class Gate:
+    """A logits processor that holds every turn at its first token until ``open()``: a request is
+    then deterministically in the middle of generating."""
+
+    def __init__(self):
+        self._open = threading.Event()
+
+    def __call__(self, tokens, logits):
+        self._open.wait(60)
+        return logits
+
+    def open(self):
+        self._open.set()
+
+    def close(self):
+        self._open.clear()
+
+
 def test_a_client_that_disconnects_stops_generation_and_the_turn_commits(lm):
     params = GenerateParams(max_tokens=400, temperature=0.0)
     with start(lm, ServerConfig(defaults=params, parallel=1)) as running:
@@ -192,8 +211,14 @@ def test_a_client_that_disconnects_stops_generation_and_the_turn_commits(lm):
                         if len(received) > 10:
                             break  # the client goes away mid-stream
         c = client(running)
-        # The same (only) slot is free again: the turn stopped and committed as far as it got.
-        stored = c.responses.retrieve(rid)
+        # The server notices the disconnect, stops the turn and commits it as far as it got, then
+        # stores the response and frees the (only) slot: wait for that to happen.
+        for _ in range(600):
+            try:
+                stored = c.responses.retrieve(rid)
+                break
+            except openai.NotFoundError:
+                time.sleep(0.1)
         assert stored.output_text.startswith(received)
         assert stored.usage.output_tokens < 400
         more = c.responses.create(model="any", input="And then?", instructions=SYSTEM, previous_response_id=rid,
@@ -253,18 +278,22 @@ def test_unknown_response_ids_are_404(server):
 
 
 def test_a_conversation_already_generating_is_409_and_goes_on(lm):
-    params = GenerateParams(max_tokens=60, temperature=0.0)
-    with start(lm, ServerConfig(defaults=params)) as running:
+    params = GenerateParams(max_tokens=30, temperature=0.0)
+    gate = Gate()
+    with start(lm, ServerConfig(defaults=params.copy(logits_processors=[gate]))) as running:
         c = client(running)
+        gate.open()
         first = chat(c, [{"role": "system", "content": SYSTEM}, user("Hello")], max_tokens=4)
+        gate.close()
         messages = [{"role": "system", "content": SYSTEM}, user("Hello"),
                     {"role": "assistant", "content": first.choices[0].message.content}, user("Go on")]
-        body = {"messages": messages, "stream": True, "logit_bias": no_eos(lm)}
+        body = {"messages": messages, "stream": True}
         streamed = ""
         with httpx.stream("POST", f"{running.url}/chat/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
-            next(lines)  # the first chunk: the turn is running
+            next(lines)  # the role chunk: the turn is open, held at its first token by the gate
             status, data = post(running, "/chat/completions", {"messages": messages})
+            gate.open()
             for line in lines:
                 if line.startswith("data: {"):
                     choices = json.loads(line[6:])["choices"]
@@ -294,12 +323,15 @@ def test_over_the_context_window_is_413_and_the_conversation_is_intact(demo):
 
 
 def test_overloaded_is_503(lm):
-    params = GenerateParams(max_tokens=200, temperature=0.0)
-    with start(lm, ServerConfig(defaults=params, parallel=1, queue=0)) as running:
-        body = {"messages": [user("Hold the slot")], "stream": True, "logit_bias": no_eos(lm)}
-        with httpx.stream("POST", f"{running.url}/chat/completions", json=body, timeout=60) as r:
-            next(r.iter_lines())
+    gate = Gate()
+    with start(lm, ServerConfig(defaults=PARAMS.copy(logits_processors=[gate]), parallel=1, queue=0)) as running:
+        with httpx.stream("POST", f"{running.url}/chat/completions", json={"messages": [user("Hold the slot")],
+                                                                           "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)  # the only slot is taken, its turn held by the gate
             r2 = httpx.post(f"{running.url}/chat/completions", json={"messages": [user("Me too")]}, timeout=60)
+            gate.open()
+            assert [line for line in lines if line][-1] == "data: [DONE]"  # the slot is free once the reply ended
         assert r2.status_code == 503 and r2.json()["error"]["code"] == "overloaded" and r2.headers["retry-after"]
         assert chat(client(running), [user("Now me")], max_tokens=3).choices[0].message.content is not None
 
@@ -319,7 +351,6 @@ def test_chatkit_serve_command(tmp_path):
     import socket
     import subprocess
     import sys
-    import time
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -346,3 +377,19 @@ def test_chatkit_serve_command(tmp_path):
         out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     assert len(json.loads((store / "conversations.json").read_text())["conversations"]) == 1
+
+
+def test_a_changed_conversation_reuses_its_common_prefix(demo):
+    # A client that edits the last reply (or re-sends only what it saw of a reply it stopped) does not
+    # extend the conversation exactly: a new session starts from the old one's cache, and only what
+    # differs is prefilled. Its reply is a fresh session's with the same history.
+    params = GenerateParams(max_tokens=24, temperature=0.0)
+    with start(demo, ServerConfig(defaults=params)) as running:
+        c = client(running)
+        replies, usages = conversation(c, ["My name is Ada.", "What is 7 + 5?"])
+        history = [user("My name is Ada."), {"role": "assistant", "content": replies[0]},
+                   user("What is 7 + 5?"), {"role": "assistant", "content": "12"}, user("What is my name?")]
+        r = chat(c, [{"role": "system", "content": SYSTEM}, *history])
+    fresh = ChatSession.builder(demo).instructions(SYSTEM).history(history[:-1]).generate_params(params).build()
+    assert r.choices[0].message.content == fresh.respond("What is my name?")
+    assert usages[0].prompt_tokens < r.usage.prompt_tokens_details.cached_tokens < usages[1].prompt_tokens + 1

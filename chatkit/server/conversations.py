@@ -40,10 +40,21 @@ T = TypeVar("T")
 MANIFEST = "conversations.json"
 
 
+def prefix_keys(instructions: str | None, history: Sequence[ChatMessage]) -> list[str]:
+    """The index keys of a conversation's prefixes: ``keys[k]`` hashes the instructions and the first
+    ``k`` messages (a hash chain, so all of them cost one pass)."""
+    digest = hashlib.sha256(json.dumps(instructions).encode("utf-8")).hexdigest()
+    keys = [digest]
+    for m in history:
+        data = digest + json.dumps(m.to_dict(), ensure_ascii=False, sort_keys=True)
+        digest = hashlib.sha256(data.encode("utf-8")).hexdigest()
+        keys.append(digest)
+    return keys
+
+
 def conversation_key(instructions: str | None, history: Sequence[ChatMessage]) -> str:
     """The index key of a conversation: a hash of its instructions and messages."""
-    data = json.dumps([instructions, [m.to_dict() for m in history]], ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(data.encode("utf-8")).hexdigest()
+    return prefix_keys(instructions, history)[-1]
 
 
 @dataclass
@@ -84,6 +95,8 @@ class Conversations:
         self._max = max_conversations
         self._index: dict[str, str] = {}  # conversation_key -> pool key
         self._key_of: dict[str, str] = {}  # pool key -> its conversation_key
+        self._prefixes: dict[str, str] = {}  # a prefix's key -> a pool key whose conversation starts so
+        self._chain_of: dict[str, list[str]] = {}  # pool key -> its prefix keys
         self._dormant: dict[str, tuple[str | None, tuple[ChatMessage, ...]]] = {}  # saved by an earlier run
         self._leased: set[str] = set()
         self._sessions: dict[str, ChatSession] = {}  # pool key -> its session (the pool's own object)
@@ -99,7 +112,8 @@ class Conversations:
         that holds exactly that conversation, else on a new one. ``keep=False``: on a throwaway copy
         that is not pooled. ``SessionBusyError`` if that conversation is generating now."""
         async with self._lock:
-            key = conversation_key(instructions, history)
+            chain = prefix_keys(instructions, history)
+            key = chain[-1]
             conv = self._index.get(key)
             created = False
             if conv is not None and not history and self._sessions.get(conv, None) is not None \
@@ -114,13 +128,17 @@ class Conversations:
                     )
                 if not keep:
                     session, conv = await self._run(session.fork), None
-            elif keep:
-                conv, created = f"conv_{uuid.uuid4().hex}", True
-                session = await self._run(self._create, conv, instructions, history)
-                self._index[key], self._key_of[conv] = conv, key
             else:
-                session = await self._run(lambda: self._setup(ChatSession.builder(self._lm), instructions,
-                                                             history).build())
+                source = self._longest_prefix(chain)
+                if keep:
+                    conv, created = f"conv_{uuid.uuid4().hex}", True
+                    session = await self._run(self._create, conv, instructions, history)
+                    self._index_conv(conv, chain)
+                else:
+                    session = await self._run(lambda: self._setup(ChatSession.builder(self._lm), instructions,
+                                                                 history).build())
+                if source is not None:
+                    await self._run(self._seed, session, source)
             try:
                 session.generate_params = params
                 extra: dict[str, Any] = {"output": schema} if schema is not None else {}
@@ -143,11 +161,7 @@ class Conversations:
             self._leased.discard(conv)
             if conv not in self.pool:
                 return
-            old = self._key_of.get(conv)
-            new = conversation_key(lease.session.instructions, lease.session.history)
-            if old is not None and self._index.get(old) == conv:
-                del self._index[old]
-            self._index[new], self._key_of[conv] = conv, new
+            self._index_conv(conv, prefix_keys(lease.session.instructions, lease.session.history))
             await self._run(self.pool.enforce_budget)
             self._trim()
 
@@ -193,8 +207,7 @@ class Conversations:
             except ChatKitError as exc:
                 log.warning("conversation %s cannot be restored (%s): it starts over", conv, exc)
                 continue
-            key = conversation_key(info.instructions, history)
-            self._index[key], self._key_of[conv] = conv, key
+            self._index_conv(conv, prefix_keys(info.instructions, history))
             self._dormant[conv] = (info.instructions, history)
 
     # -- internals (on the worker thread) ---------------------------------------------------------
@@ -231,10 +244,53 @@ class Conversations:
         builder = builder.generate_params(self._defaults.copy()).instructions(instructions).history(history)
         return builder.speculative(self._speculative) if self._speculative is not None else builder
 
-    def _forget(self, conv: str) -> None:
+    def _index_conv(self, conv: str, chain: list[str]) -> None:
+        """Index ``conv`` under its conversation's key (``chain[-1]``) and its prefixes' keys."""
+        self._unindex(conv)
+        self._index[chain[-1]], self._key_of[conv], self._chain_of[conv] = conv, chain[-1], chain
+        for k in chain[1:]:  # prefixes with at least one message (instructions alone are cheap to prefill)
+            self._prefixes[k] = conv
+
+    def _unindex(self, conv: str) -> None:
         key = self._key_of.pop(conv, None)
         if key is not None and self._index.get(key) == conv:
             del self._index[key]
+        for k in self._chain_of.pop(conv, ()):
+            if self._prefixes.get(k) == conv:
+                del self._prefixes[k]
+
+    def _longest_prefix(self, chain: list[str]) -> str | None:
+        """An idle conversation sharing the longest prefix (at least one message) with ``chain``."""
+        for k in reversed(chain[1:]):
+            conv = self._prefixes.get(k)
+            if conv is not None and conv not in self._leased and not self._busy(conv):
+                return conv
+        return None
+
+    def _busy(self, conv: str) -> bool:
+        session = self._sessions.get(conv)
+        return session is not None and session.busy
+
+    def _seed(self, session: ChatSession, source: str) -> None:
+        """Give a new session the KV cache of ``source``, a conversation that starts as its own does:
+        its first turn reuses the common prefix (the planner trims the rest) instead of prefilling it
+        all. The public way across sessions is a cache file: the pool's, or a handoff file written now."""
+        path = self.pool.path(source)
+        handoff = source not in self._dormant and not self.pool.evicted(source)
+        if handoff:
+            path = self._folder / "handoff.safetensors"
+        try:
+            if handoff:
+                self._sessions[source].save_cache(path)
+            session.restore_cache(path)
+        except ChatKitError as exc:  # e.g. no cache yet: the first turn prefills everything
+            log.info("conversation not seeded from %s: %s", source, exc)
+        finally:
+            if handoff:
+                path.unlink(missing_ok=True)
+
+    def _forget(self, conv: str) -> None:
+        self._unindex(conv)
         self._dormant.pop(conv, None)
         self._sessions.pop(conv, None)
         self.pool.remove(conv)
