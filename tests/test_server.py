@@ -393,3 +393,21 @@ def test_a_changed_conversation_reuses_its_common_prefix(demo):
     fresh = ChatSession.builder(demo).instructions(SYSTEM).history(history[:-1]).generate_params(params).build()
     assert r.choices[0].message.content == fresh.respond("What is my name?")
     assert usages[0].prompt_tokens < r.usage.prompt_tokens_details.cached_tokens < usages[1].prompt_tokens + 1
+
+
+def test_speculative_decoding_behind_the_server(demo, tmp_path):
+    # --draft: greedy replies equal the standard path's; the draft's cache follows across turns, an
+    # eviction and a restart (restore_cache refills it from the target's ledger).
+    prompts = ["My name is Ada.", "What is 7 + 5?", "What is my name?"]
+    params = GenerateParams(max_tokens=24, temperature=0.0)
+    config = ServerConfig(defaults=params, store=str(tmp_path), max_cache_bytes=1,
+                          speculative=chatkit.SpeculativeConfig(chatkit.load("demo-draft"), num_draft_tokens=4))
+    with start(demo, config) as running:
+        replies, usages = conversation(client(running), prompts[:2])
+    with start(demo, config) as running:
+        messages = [{"role": "system", "content": SYSTEM}]
+        for p, r in zip(prompts[:2], replies, strict=True):
+            messages += [user(p), {"role": "assistant", "content": r}]
+        last = chat(client(running), [*messages, user(prompts[2])])
+    assert [*replies, last.choices[0].message.content] == replies_in_process(demo, prompts, params=params)
+    assert last.usage.prompt_tokens_details.cached_tokens == usages[1].prompt_tokens + usages[1].completion_tokens
