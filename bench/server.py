@@ -171,7 +171,7 @@ def main() -> None:
         names = ["in-process", "re-prefill", "chatkit serve", "mlx_lm.server"]
         ttft = {n: [[] for _ in messages] for n in names}
         cached: dict[str, list[int]] = {}
-        replies: dict[str, list[str]] = {}
+        replies: dict[str, list[list[str]]] = {n: [] for n in names}  # per system, per round
         for r in range(a.rounds):
             system = f"Round {r + 1}. You are the archivist of a mountain castle; answer precisely."
             for n in names[r % 4:] + names[:r % 4]:
@@ -183,18 +183,16 @@ def main() -> None:
                     times, said, cached[n] = over_http(f"http://127.0.0.1:{ports[n]}", system, messages, a.max_tokens)
                 for t, x in enumerate(times):
                     ttft[n][t].append(x)
-                if replies.setdefault(n, said) != said:
-                    raise SystemExit(f"{n}: replies differ between rounds (greedy decoding should not)")
+                replies[n].append(said)
         print(load.report())
     finally:
         for p in procs:
             p.terminate()
             p.wait(timeout=60)
 
-    base = replies["in-process"]
     for n in names[1:]:
-        same = sum(x == y for x, y in zip(replies[n], base, strict=True))
-        print(f"replies equal to the in-process session's: {n}: {same}/{len(base)}")
+        same = sum(x == y for r in range(a.rounds) for x, y in zip(replies[n][r], replies["in-process"][r], strict=True))
+        print(f"replies equal to the in-process session's: {n}: {same}/{a.rounds * len(messages)}")
     print(f"\nTTFT per turn, median of {a.rounds} rounds, ms (ratio to in-process); cached = prompt tokens the"
           " server reused (last round)\n")
     print("| turn | in-process | re-prefill | chatkit serve | mlx_lm.server | cached: chatkit / mlx_lm |")
