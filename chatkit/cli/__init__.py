@@ -1,5 +1,5 @@
-"""The ``chatkit`` command: ``chatkit chat`` (a streaming REPL, the default), ``chatkit inspect FILE``
-and ``chatkit models``.
+"""The ``chatkit`` command: ``chatkit chat`` (a streaming REPL, the default), ``chatkit inspect FILE``,
+``chatkit models`` and ``chatkit serve`` (``chatkit.server``).
 
 The only package of chatkit that prints. ``args`` holds the flags and their rules, ``terminal`` line
 editing and Ctrl-C, ``repl`` the chat loop and its slash commands, ``inspect_cmd`` the inspect command.
@@ -19,6 +19,8 @@ from .repl import Repl
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 an error, 2 a usage error, 130 Ctrl-C)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # the OpenAI-compatible server: its own options (chatkit/server/run.py)
+        return _serve(argv[1:])
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["chat", *argv]
     p = parser()
@@ -44,6 +46,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a defect below us still ends in one line, not a traceback
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+
+
+def _serve(argv: Sequence[str]) -> int:
+    try:
+        from ..server.run import main as serve
+    except ImportError as exc:  # the server extra is not installed
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return serve(argv)
 
 
 def list_models(out: Any = None) -> int:

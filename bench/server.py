@@ -1,0 +1,213 @@
+"""Time to first token over HTTP: ``chatkit serve`` against the in-process session, a stateless
+re-prefill, and ``mlx_lm.server`` run beside it on the same model folder.
+
+    .venv/bin/python bench/server.py [--turns 20] [--rounds 3] [--max-tokens 16]
+
+The model is the benchmarks' ~29M-parameter Qwen3 (float32, random weights; ``bench/_common.py``),
+saved in a folder that both servers load. A conversation of ``--turns`` user messages (about 40
+tokens each, a system prompt in front) is played, greedy, up to ``--max-tokens`` per reply, by:
+
+* **in-process**: one ``ChatSession``, ``stream_respond(message)`` per turn;
+* **re-prefill**: per turn, a fresh session built with the whole history so far (what a stateless
+  server without a prompt cache does): the whole conversation is prefilled every turn;
+* **chatkit serve** and **mlx_lm.server** (each its own process on 127.0.0.1, mlx_lm.server with the
+  OpenBLAS that chatkit loads, through ``LD_PRELOAD``): a stateless client that re-sends the whole
+  conversation each turn, streaming (``/v1/chat/completions``), as apps do.
+
+Time to first token (TTFT) is from sending the message to the first chunk with text. Each round
+uses its own system prompt (no server can reuse another round's conversation) and runs the four in
+an order that rotates from round to round; the table shows per-turn medians over the rounds.
+Checks: all four produce the same replies, token for token (greedy), and the servers report how many
+prompt tokens they took from their cache (``usage.prompt_tokens_details.cached_tokens``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from _common import OtherLoad, describe, load_model, median, wait_until_quiet
+
+import chatkit._blas
+from chatkit import ChatSession, GenerateParams
+
+WORDS = ("castle river winter market bridge tower harvest road library mill shepherd valley snow wool "
+         "cheese salt iron cloth honey ledger steward gate well fire wall autumn merchant village").split()
+
+
+def prompts(turns: int) -> list[str]:
+    """``turns`` user messages of about 40 tokens, different from each other, deterministic."""
+    out = []
+    for t in range(turns):
+        words = [WORDS[(t * 7 + i * 3) % len(WORDS)] for i in range(24)]
+        out.append(f"Question {t + 1}: tell me about the " + " and the ".join(" ".join(words[i:i + 3])
+                                                                            for i in range(0, 24, 6)) + ".")
+    return out
+
+
+def first_text(stream) -> tuple[float, list]:
+    """Iterate an in-process stream: (seconds to the first chunk with text, all chunks)."""
+    t0 = time.perf_counter()
+    chunks, ttft = [], None
+    for chunk in stream:
+        if ttft is None and chunk.text:
+            ttft = time.perf_counter() - t0
+        chunks.append(chunk)
+    return (ttft if ttft is not None else time.perf_counter() - t0), chunks
+
+
+def in_process(lm, system: str, messages: list[str], params: GenerateParams) -> tuple[list[float], list[str]]:
+    session = ChatSession.builder(lm).instructions(system).generate_params(params.copy()).build()
+    ttfts, replies = [], []
+    for m in messages:
+        with session.stream_respond(m) as stream:
+            ttft, _ = first_text(stream)
+        ttfts.append(ttft)
+        replies.append(stream.text)
+    return ttfts, replies
+
+
+def re_prefill(lm, system: str, messages: list[str], params: GenerateParams) -> tuple[list[float], list[str]]:
+    history: list[dict] = []
+    ttfts, replies = [], []
+    for m in messages:
+        session = ChatSession.builder(lm).instructions(system).history(history).generate_params(params.copy()).build()
+        with session.stream_respond(m) as stream:
+            ttft, _ = first_text(stream)
+        ttfts.append(ttft)
+        replies.append(stream.text)
+        history += [{"role": "user", "content": m}, {"role": "assistant", "content": stream.text}]
+    return ttfts, replies
+
+
+def over_http(url: str, system: str, messages: list[str], max_tokens: int) -> tuple[list[float], list[str], list[int]]:
+    """A stateless client: re-sends the whole conversation every turn. (TTFTs, replies, cached tokens)."""
+    convo = [{"role": "system", "content": system}]
+    ttfts, replies, cached = [], [], []
+    with httpx.Client(timeout=600) as http:
+        for m in messages:
+            convo.append({"role": "user", "content": m})
+            body = {"model": "default_model", "messages": convo, "stream": True, "max_tokens": max_tokens,
+                    "temperature": 0.0, "stream_options": {"include_usage": True}}
+            text, ttft, usage = "", None, None
+            t0 = time.perf_counter()
+            with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                r.raise_for_status()
+                for line in r.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    data = json.loads(line[6:])
+                    for choice in data.get("choices") or []:
+                        piece = (choice.get("delta") or {}).get("content") or ""
+                        if piece and ttft is None:
+                            ttft = time.perf_counter() - t0
+                        text += piece
+                    usage = data.get("usage") or usage
+            ttfts.append(ttft if ttft is not None else time.perf_counter() - t0)
+            replies.append(text)
+            cached.append(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", -1))
+            convo.append({"role": "assistant", "content": text})
+    return ttfts, replies, cached
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list[str], port: int) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if chatkit._blas.BLAS and args[0] == "mlx_lm":  # the same BLAS chatkit loads, for a fair comparison
+        env["LD_PRELOAD"] = chatkit._blas.BLAS
+    proc = subprocess.Popen([sys.executable, "-m", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    for _ in range(1200):
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit(f"{args[0]} did not start: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
+        time.sleep(0.1)
+    raise SystemExit(f"{args[0]} did not answer within two minutes")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--turns", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    a = ap.parse_args()
+
+    lm = load_model()
+    folder = lm.source
+    params = GenerateParams(max_tokens=a.max_tokens, temperature=0.0)
+    messages = prompts(a.turns)
+    print(describe(lm))
+    print(f"model folder: {folder}\n")
+
+    ports = {"chatkit serve": free_port(), "mlx_lm.server": free_port()}
+    procs = [
+        launch(["chatkit", "serve", "--model", folder, "--port", str(ports["chatkit serve"]),
+                "--max-tokens", str(a.max_tokens), "--log-level", "warning"], ports["chatkit serve"]),
+        launch(["mlx_lm", "server", "--model", folder, "--port", str(ports["mlx_lm.server"]),
+                "--max-tokens", str(a.max_tokens), "--log-level", "WARNING"], ports["mlx_lm.server"]),
+    ]
+    try:
+        # warm-up: one short conversation each
+        in_process(lm, "warm-up", messages[:2], params)
+        for port in ports.values():
+            over_http(f"http://127.0.0.1:{port}", "warm-up", messages[:2], a.max_tokens)
+        print(wait_until_quiet())
+        load = OtherLoad()
+        names = ["in-process", "re-prefill", "chatkit serve", "mlx_lm.server"]
+        ttft = {n: [[] for _ in messages] for n in names}
+        cached: dict[str, list[int]] = {}
+        replies: dict[str, list[list[str]]] = {n: [] for n in names}  # per system, per round
+        for r in range(a.rounds):
+            system = f"Round {r + 1}. You are the archivist of a mountain castle; answer precisely."
+            for n in names[r % 4:] + names[:r % 4]:
+                if n == "in-process":
+                    times, said = in_process(lm, system, messages, params)
+                elif n == "re-prefill":
+                    times, said = re_prefill(lm, system, messages, params)
+                else:
+                    times, said, cached[n] = over_http(f"http://127.0.0.1:{ports[n]}", system, messages, a.max_tokens)
+                for t, x in enumerate(times):
+                    ttft[n][t].append(x)
+                replies[n].append(said)
+        print(load.report())
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=60)
+
+    for n in names[1:]:
+        same = sum(x == y for r in range(a.rounds) for x, y in zip(replies[n][r], replies["in-process"][r], strict=True))
+        print(f"replies equal to the in-process session's: {n}: {same}/{a.rounds * len(messages)}")
+    print(f"\nTTFT per turn, median of {a.rounds} rounds, ms (ratio to in-process); cached = prompt tokens the"
+          " server reused (last round)\n")
+    print("| turn | in-process | re-prefill | chatkit serve | mlx_lm.server | cached: chatkit / mlx_lm |")
+    print("|---|---|---|---|---|---|")
+    med = {n: [median(ts) for ts in ttft[n]] for n in names}
+    for t in range(len(messages)):
+        ip = med["in-process"][t]
+        cells = [f"{ip * 1e3:.1f}"] + [f"{med[n][t] * 1e3:.1f} ({med[n][t] / ip:.2f}x)" for n in names[1:]]
+        print(f"| {t + 1} | " + " | ".join(cells) + f" | {cached['chatkit serve'][t]} / {cached['mlx_lm.server'][t]} |")
+    print()
+    for n in names[1:]:
+        ratios = [med[n][t] / med["in-process"][t] for t in range(len(messages))]
+        print(f"{n}: median ratio to in-process over all turns {median(ratios):.2f}x; "
+              f"turn 1 {ratios[0]:.2f}x, turn {len(messages)} {ratios[-1]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

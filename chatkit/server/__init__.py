@@ -1,0 +1,32 @@
+"""``chatkit serve``: an OpenAI-compatible HTTP server whose conversations live on as chatkit sessions.
+
+    app = create_app(lm, ServerConfig(...))      an ASGI app (Starlette): /v1/chat/completions,
+                                                 /v1/responses, /v1/responses/{id}, /v1/models
+    server = start(lm, config)                   the app on uvicorn in a background thread (tests,
+    server.url ... server.stop()                 notebooks, the README); ``chatkit serve`` runs it in front
+
+Needs the ``server`` extra (starlette, uvicorn).
+"""
+
+from __future__ import annotations
+
+try:
+    import starlette  # noqa: F401
+    import uvicorn  # noqa: F401
+except ImportError as e:  # an optional extra: say how to get it
+    raise ImportError(f"chatkit.server needs the server extra: pip install 'chatkit[server]' ({e}).") from e
+
+from .app import ServerConfig, create_app
+from .errors import BadRequestError, OverloadedError, UnauthorizedError, UnknownResponseError
+from .run import RunningServer, start
+
+__all__ = [
+    "BadRequestError",
+    "OverloadedError",
+    "RunningServer",
+    "ServerConfig",
+    "UnauthorizedError",
+    "UnknownResponseError",
+    "create_app",
+    "start",
+]

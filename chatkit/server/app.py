@@ -1,0 +1,289 @@
+"""The HTTP face: a Starlette app serving OpenAI's chat completions, responses and models endpoints
+over chatkit's pooled sessions (``Conversations``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import ChatKitError
+from ..loading import LoadedModel
+from ..messages import ChatMessage
+from ..params import GenerateParams
+from ..speculative import SpeculativeConfig
+from . import protocol as wire
+from .conversations import Conversations, Lease, ResponseStore
+from .errors import BadRequestError, OverloadedError, UnauthorizedError, error_body
+
+log = logging.getLogger("chatkit.server")
+
+
+@dataclass
+class ServerConfig:
+    """How ``chatkit serve`` runs. ``store``: a folder where conversations and responses outlive the
+    process (``None``: a temporary folder, forgotten at exit). ``parallel`` turns generate at once and
+    ``queue`` more may wait; beyond that, 503. ``api_key``: require ``Authorization: Bearer KEY``."""
+
+    model_id: str = "chatkit"
+    store: str | None = None
+    max_cache_bytes: int = 2 * 2**30
+    max_conversations: int = 256
+    parallel: int = 2
+    queue: int = 32
+    api_key: str | None = None
+    defaults: GenerateParams = field(default_factory=lambda: GenerateParams(max_tokens=512))
+    speculative: SpeculativeConfig | None = None
+
+
+class Limiter:
+    """At most ``parallel`` turns at once and ``queue`` waiting; more is ``OverloadedError`` (503)."""
+
+    def __init__(self, parallel: int, queue: int) -> None:
+        self._slots = asyncio.Semaphore(parallel)
+        self._room = parallel + queue
+        self._inside = 0
+
+    async def acquire(self) -> None:
+        if self._inside >= self._room:
+            raise OverloadedError("The server is busy with other requests: retry in a moment.")
+        self._inside += 1
+        try:
+            await self._slots.acquire()
+        except BaseException:
+            self._inside -= 1
+            raise
+
+    def release(self) -> None:
+        self._inside -= 1
+        self._slots.release()
+
+
+def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette:
+    """The ASGI app serving ``lm``; run it with uvicorn (``chatkit serve``) or :func:`chatkit.server.start`."""
+    config = config or ServerConfig()
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        with contextlib.ExitStack() as stack:
+            if config.store is not None:
+                root = Path(config.store)
+            else:
+                root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chatkit-serve-")))
+            state["conversations"] = convs = Conversations(
+                lm, folder=root, max_cache_bytes=config.max_cache_bytes, max_conversations=config.max_conversations,
+                defaults=config.defaults, speculative=config.speculative, persist=config.store is not None,
+            )
+            state["responses"] = ResponseStore(root / "responses" if config.store is not None else None)
+            state["limiter"] = Limiter(config.parallel, config.queue)
+            try:
+                yield
+            finally:
+                await convs.close()
+
+    def endpoint(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        async def wrapped(request: Request) -> Response:
+            try:
+                _authorize(request, config.api_key)
+                return await handler(request)
+            except Exception as exc:
+                return _error(exc)
+        return wrapped
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": config.model_id, "object": "model", "created": int(time.time()), "owned_by": "chatkit"}]})
+
+    async def chat_completions(request: Request) -> Response:
+        req = wire.parse_chat(await _json(request), config.defaults)
+        lease, release = await _open(req.instructions, req.history, req)
+        cid = wire.new_id("chatcmpl")
+        if not req.stream:
+            async with _settled(lease, release):
+                finish = None
+                async for chunk in lease.stream:
+                    finish = chunk.finish_reason
+            return JSONResponse(wire.chat_completion(cid, config.model_id, lease.stream.text, finish,
+                                                     lease.stream.stats))
+
+        async def events() -> AsyncIterator[str]:
+            async with _settled(lease, release):
+                try:
+                    yield _sse(wire.chat_chunk(cid, config.model_id, {"role": "assistant", "content": ""}))
+                    finish = None
+                    async for chunk in lease.stream:
+                        finish = chunk.finish_reason
+                        if chunk.text:
+                            yield _sse(wire.chat_chunk(cid, config.model_id, {"content": chunk.text}))
+                    yield _sse(wire.chat_chunk(cid, config.model_id, {}, wire.FINISH.get(finish, "stop")))
+                    if req.include_usage:
+                        await lease.stream.aclose()
+                        usage = wire.chat_usage(lease.stream.stats)
+                        yield _sse(wire.chat_chunk(cid, config.model_id, {}, usage=usage))
+                    yield "data: [DONE]\n\n"
+                except Exception as exc:  # after the headers: the error goes into the stream
+                    yield _sse(error_body(exc)[1])
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def responses(request: Request) -> Response:
+        req = wire.parse_responses(await _json(request), config.defaults)
+        store: ResponseStore = state["responses"]
+        before = store.transcript(req.previous_response_id) if req.previous_response_id else ()
+        instructions, history, message = wire.split_conversation(req.instructions, [*before, *req.added])
+        lease, release = await _open(instructions, history, req, keep=req.store)
+        rid, mid, created = wire.new_id("resp"), wire.new_id("msg"), int(time.time())
+
+        def response(status: str, text: str | None, finish: str | None = None) -> dict[str, Any]:
+            stats = lease.stream.stats
+            return wire.response_object(
+                rid, config.model_id, created_at=created, status=status, text=text, message_id=mid,
+                previous_response_id=req.previous_response_id, store=req.store,
+                usage=wire.responses_usage(stats) if stats is not None else None, echo=req.echo,
+                incomplete=finish == "length",
+            )
+
+        def keep(finish: str | None) -> dict[str, Any]:
+            status = "incomplete" if finish == "length" else "completed"
+            obj = response(status, lease.stream.text, finish)
+            if req.store and lease.stream.stats is not None and lease.stream.tokens:  # committed
+                store.add(obj, req.added, lease.stream.text)
+            return obj
+
+        if not req.stream:
+            async with _settled(lease, release):
+                finish = None
+                async for chunk in lease.stream:
+                    finish = chunk.finish_reason
+            return JSONResponse(keep(finish))
+
+        async def events() -> AsyncIterator[str]:
+            seq = iter(range(1 << 62))
+
+            def event(kind: str, **data: Any) -> str:
+                return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(seq), **data})}\n\n"
+
+            item = {"type": "message", "id": mid, "status": "in_progress", "role": "assistant", "content": []}
+            where = {"item_id": mid, "output_index": 0, "content_index": 0}
+            finish, kept = None, {}
+            try:
+                async with _settled(lease, release):
+                    try:
+                        yield event("response.created", response=response("in_progress", None))
+                        yield event("response.in_progress", response=response("in_progress", None))
+                        yield event("response.output_item.added", output_index=0, item=item)
+                        yield event("response.content_part.added", **where,
+                                    part={"type": "output_text", "text": "", "annotations": []})
+                        async for chunk in lease.stream:
+                            finish = chunk.finish_reason
+                            if chunk.text:
+                                yield event("response.output_text.delta", **where, delta=chunk.text, logprobs=[])
+                    except Exception as exc:
+                        yield event("error", **error_body(exc)[1]["error"])
+                        return
+            finally:  # also when the client went away: the turn committed as far as it got, so is stored
+                kept.update(keep(finish))
+            obj = kept
+            text = lease.stream.text
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            yield event("response.output_text.done", **where, text=text, logprobs=[])
+            yield event("response.content_part.done", **where, part=part)
+            yield event("response.output_item.done", output_index=0, item=obj["output"][0])
+            yield event("response.incomplete" if obj["status"] == "incomplete" else "response.completed", response=obj)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def get_response(request: Request) -> Response:
+        return JSONResponse(state["responses"].get(request.path_params["rid"]))
+
+    async def _open(instructions: str | None, history: tuple[ChatMessage, ...], req: wire.TurnRequest,
+                    keep: bool = True) -> tuple[Lease, Callable[[], None]]:
+        limiter: Limiter = state["limiter"]
+        await limiter.acquire()
+        try:
+            lease = await state["conversations"].start(instructions, history, req.message, req.params, keep=keep,
+                                                       schema=req.schema)
+        except BaseException:
+            limiter.release()
+            raise
+        return lease, limiter.release
+
+    @contextlib.asynccontextmanager
+    async def _settled(lease: Lease, release: Callable[[], None]) -> AsyncIterator[None]:
+        """Close the turn however the block ends (a client gone mid-stream cancels it): the reply so
+        far commits, the conversation is re-indexed, the slot freed."""
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await lease.stream.aclose()
+                    await state["conversations"].finish(lease)
+                finally:
+                    release()
+
+    routes = []
+    for prefix in ("/v1", ""):
+        routes += [
+            Route(f"{prefix}/models", endpoint(models), methods=["GET"]),
+            Route(f"{prefix}/chat/completions", endpoint(chat_completions), methods=["POST"]),
+            Route(f"{prefix}/responses", endpoint(responses), methods=["POST"]),
+            Route(f"{prefix}/responses/{{rid}}", endpoint(get_response), methods=["GET"]),
+        ]
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+
+
+def _authorize(request: Request, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise UnauthorizedError("Missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                                "with the key the server was started with (--api-key).")
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError as exc:
+        raise BadRequestError(f"The request body is not valid JSON ({exc}).") from exc
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _error(exc: Exception) -> JSONResponse:
+    status, body = error_body(exc)
+    if not isinstance(exc, ChatKitError):
+        log.exception("unexpected error while serving a request", exc_info=exc)
+    headers = {"Retry-After": "1"} if status == 503 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", "") or "error"
+    kind = "not_found_error" if status == 404 else "invalid_request_error"
+    return JSONResponse({"error": {"message": f"{detail}: {request.method} {request.url.path}", "type": kind,
+                                   "param": None, "code": None}}, status_code=status)
+
+
+__all__ = ["Limiter", "ServerConfig", "create_app"]

@@ -1,0 +1,62 @@
+"""The server's errors and how every chatkit error maps to an OpenAI-style JSON error with a status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import (
+    ChatKitError,
+    ContextWindowExceededError,
+    InvalidMessageError,
+    InvalidParamsError,
+    SessionBusyError,
+    TemplateError,
+)
+
+
+class BadRequestError(InvalidParamsError):
+    """A request the server cannot read or does not support (HTTP 400); ``param`` names the field."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class UnknownResponseError(ChatKitError):
+    """A ``previous_response_id`` or response id this server does not hold (HTTP 404)."""
+
+
+class OverloadedError(ChatKitError):
+    """More requests are waiting than the server queues (HTTP 503): retry later."""
+
+
+class UnauthorizedError(ChatKitError):
+    """The request lacks the bearer token the server was started with (HTTP 401)."""
+
+
+def status_of(exc: BaseException) -> tuple[int, str, str | None]:
+    """(HTTP status, OpenAI error type, error code) for an exception raised while serving."""
+    if isinstance(exc, ContextWindowExceededError):
+        return 413, "invalid_request_error", "context_length_exceeded"
+    if isinstance(exc, SessionBusyError):
+        return 409, "conflict_error", "conversation_busy"
+    if isinstance(exc, UnknownResponseError):
+        return 404, "not_found_error", "response_not_found"
+    if isinstance(exc, OverloadedError):
+        return 503, "server_overloaded", "overloaded"
+    if isinstance(exc, UnauthorizedError):
+        return 401, "authentication_error", "invalid_api_key"
+    if isinstance(exc, (InvalidMessageError, InvalidParamsError, TemplateError)):
+        return 400, "invalid_request_error", None
+    return 500, "server_error", None
+
+
+def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
+    """The status and OpenAI-style body ``{"error": {message, type, param, code}}`` for ``exc``.
+    Errors that are not chatkit's get a generic message: never a stack trace."""
+    status, kind, code = status_of(exc)
+    message = str(exc) if isinstance(exc, ChatKitError) else "Internal server error: see the server's log."
+    return status, {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None), "code": code}}
+
+
+__all__ = ["BadRequestError", "OverloadedError", "UnauthorizedError", "UnknownResponseError", "error_body", "status_of"]

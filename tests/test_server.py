@@ -1,0 +1,425 @@
+"""chatkit serve, driven over loopback by the official openai client (and raw HTTP for the error cases):
+replies equal an in-process session's, re-sent conversations reuse the cache, responses chain across a
+restart, errors are OpenAI-style JSON with the right status and leave conversations intact."""
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+import chatkit
+from chatkit import ChatSession, GenerateParams
+from chatkit.server import ServerConfig, start
+from chatkit.server.protocol import guided_available
+
+PARAMS = GenerateParams(max_tokens=10, temperature=0.0)
+SYSTEM = "Be brief."
+
+
+@pytest.fixture(scope="module")
+def lm(tiny):
+    return tiny("qwen3", "bpe", 0)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return chatkit.load("demo")
+
+
+@pytest.fixture(scope="module")
+def server(lm):
+    with start(lm, ServerConfig(model_id="tiny", defaults=PARAMS)) as running:
+        yield running
+
+
+def client(running, **kw):
+    return openai.OpenAI(base_url=running.url, api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+
+def replies_in_process(lm, prompts, *, instructions=SYSTEM, params=PARAMS):
+    """The ground truth: the same conversation through one ChatSession."""
+    builder = ChatSession.builder(lm).generate_params(params.copy())
+    session = (builder.instructions(instructions) if instructions is not None else builder).build()
+    return [session.respond(p) for p in prompts]
+
+
+def chat(c, messages, **kw):
+    return c.chat.completions.create(model="any", messages=messages, **kw)
+
+
+def conversation(c, prompts, **kw):
+    """Play ``prompts`` as a stateless client does: re-send everything each turn. (replies, usages)."""
+    messages, replies, usages = [{"role": "system", "content": SYSTEM}], [], []
+    for p in prompts:
+        messages.append({"role": "user", "content": p})
+        r = chat(c, messages, **kw)
+        replies.append(r.choices[0].message.content)
+        usages.append(r.usage)
+        messages.append({"role": "assistant", "content": replies[-1]})
+    return replies, usages
+
+
+def test_models_lists_the_served_model(server):
+    assert [m.id for m in client(server).models.list()] == ["tiny"]
+
+
+def test_chat_completion_equals_the_in_process_session(server, lm):
+    c = client(server)
+    r = chat(c, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello there"}])
+    assert r.choices[0].message.content == replies_in_process(lm, ["Hello there"])[0]
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens > 0 and r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streaming_gives_the_same_reply_and_usage(server, lm):
+    c = client(server)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Stream me"}]
+    chunks = list(chat(c, messages, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == replies_in_process(lm, ["Stream me"])[0]
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] in ("stop", "length")
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens > 0
+    # The streamed reply is what the session committed: re-sending it continues that conversation
+    # (on a random model a reply may re-tokenize differently: part of it is prefilled again).
+    again = chat(c, [*messages, {"role": "assistant", "content": text}, {"role": "user", "content": "More"}])
+    assert again.usage.prompt_tokens_details.cached_tokens > usage.prompt_tokens
+
+
+def test_ten_turns_re_sent_pay_only_for_the_new_message(demo):
+    prompts = ["My name is Ada.", "What is 7 + 5?", "Spell tiger.", "I live in Paris.", "What is 3 + 4?",
+               "My favourite colour is green.", "What is 9 - 2?", "Where do I live?", "What is my name?",
+               "What is my favourite colour?"]
+    params = GenerateParams(max_tokens=24, temperature=0.0)
+    with start(demo, ServerConfig(defaults=params)) as running:
+        replies, usages = conversation(client(running), prompts)
+    assert replies == replies_in_process(demo, prompts, params=params)
+    assert usages[0].prompt_tokens_details.cached_tokens == 0
+    for before, now in zip(usages[:-1], usages[1:], strict=True):
+        # everything the previous turn saw and produced is reused; only the new message is prefilled
+        assert now.prompt_tokens_details.cached_tokens == before.prompt_tokens + before.completion_tokens
+    assert "Ada" in replies[8] and "Paris" in replies[7]
+
+
+def test_a_conversation_evicted_to_disk_comes_back(demo):
+    # A budget of one byte: every cache goes to disk after its turn and is restored for the next.
+    prompts = ["My name is Ada.", "What is 2 + 2?", "What is my name?"]
+    params = GenerateParams(max_tokens=24, temperature=0.0)
+    with start(demo, ServerConfig(defaults=params, max_cache_bytes=1)) as running:
+        c = client(running)
+        replies, usages = conversation(c, prompts)
+        conversation(c, ["Another conversation"])
+    assert replies == replies_in_process(demo, prompts, params=params)
+    assert usages[2].prompt_tokens_details.cached_tokens == usages[1].prompt_tokens + usages[1].completion_tokens
+
+
+def test_responses_chain_across_a_restart(demo, tmp_path):
+    prompts = ["My name is Ada.", "What is 7 + 5?", "Spell cat.", "What is my name?"]
+    params = GenerateParams(max_tokens=24, temperature=0.0)
+    expected = replies_in_process(demo, prompts, params=params)
+    config = ServerConfig(defaults=params, store=str(tmp_path / "store"))
+    with start(demo, config) as running:
+        c = client(running)
+        r1 = c.responses.create(model="any", input=prompts[0], instructions=SYSTEM)
+        r2 = c.responses.create(model="any", input=prompts[1], instructions=SYSTEM, previous_response_id=r1.id)
+        assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens
+    with start(demo, config) as running:  # a new process would see the same: everything is in the store
+        c = client(running)
+        assert c.responses.retrieve(r2.id).output_text == expected[1]
+        r3 = c.responses.create(model="any", input=prompts[2], instructions=SYSTEM, previous_response_id=r2.id)
+        # the conversation's cache was saved at shutdown and restored: only the new message is prefilled
+        assert r3.usage.input_tokens_details.cached_tokens == r2.usage.input_tokens + r2.usage.output_tokens
+        with c.responses.stream(model="any", input=prompts[3], instructions=SYSTEM,
+                                previous_response_id=r3.id) as stream:
+            deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+            r4 = stream.get_final_response()
+    assert [r1.output_text, r2.output_text, r3.output_text, r4.output_text] == expected
+    assert "".join(deltas) == expected[3] and "Ada" in expected[3]
+
+
+def test_responses_branch_and_store_false(server, lm):
+    c = client(server)
+    r1 = c.responses.create(model="any", input="Root", instructions=SYSTEM)
+    a = c.responses.create(model="any", input="Branch A", instructions=SYSTEM, previous_response_id=r1.id)
+    b = c.responses.create(model="any", input="Branch B", instructions=SYSTEM, previous_response_id=r1.id)
+    assert a.output_text == replies_in_process(lm, ["Root", "Branch A"])[1]
+    assert b.output_text == replies_in_process(lm, ["Root", "Branch B"])[1]
+    unstored = c.responses.create(model="any", input="Not kept", instructions=SYSTEM, store=False,
+                                  previous_response_id=a.id)
+    assert unstored.output_text == replies_in_process(lm, ["Root", "Branch A", "Not kept"])[2]
+    with pytest.raises(openai.NotFoundError):
+        c.responses.create(model="any", input="x", previous_response_id=unstored.id)
+    # store=false ran on a copy: branch A's conversation is still where it was, its cache reused
+    a2 = c.responses.create(model="any", input="Again", instructions=SYSTEM, previous_response_id=a.id)
+    assert a2.usage.input_tokens_details.cached_tokens > a.usage.input_tokens
+
+
+def test_concurrent_clients_get_what_they_would_alone(server, lm):
+    scripts = [[f"client {i} turn {t}" for t in range(3)] for i in range(3)]
+    results: dict[int, list[str]] = {}
+
+    def run(i):
+        results[i] = conversation(client(server), scripts[i])[0]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [results[i] for i in range(3)] == [replies_in_process(lm, s) for s in scripts]
+
+
+def no_eos(lm):
+    return {str(t): -100 for t in lm.tokenizer.eos_token_ids}
+
+
+class Gate:
+    """A logits processor that holds every turn at its first token until ``open()``: a request is
+    then deterministically in the middle of generating."""
+
+    def __init__(self):
+        self._open = threading.Event()
+
+    def __call__(self, tokens, logits):
+        self._open.wait(60)
+        return logits
+
+    def open(self):
+        self._open.set()
+
+    def close(self):
+        self._open.clear()
+
+
+def test_a_client_that_disconnects_stops_generation_and_the_turn_commits(lm):
+    params = GenerateParams(max_tokens=400, temperature=0.0)
+    with start(lm, ServerConfig(defaults=params, parallel=1)) as running:
+        body = {"model": "any", "input": "Talk for long", "instructions": SYSTEM, "stream": True,
+                "max_output_tokens": 400, "logit_bias": no_eos(lm)}
+        received, rid = "", None
+        with httpx.stream("POST", f"{running.url}/responses", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    event = json.loads(line[6:])
+                    if event["type"] == "response.created":
+                        rid = event["response"]["id"]
+                    if event["type"] == "response.output_text.delta":
+                        received += event["delta"]
+                        if len(received) > 10:
+                            break  # the client goes away mid-stream
+        c = client(running)
+        # The server notices the disconnect, stops the turn and commits it as far as it got, then
+        # stores the response and frees the (only) slot: wait for that to happen.
+        for _ in range(600):
+            try:
+                stored = c.responses.retrieve(rid)
+                break
+            except openai.NotFoundError:
+                time.sleep(0.1)
+        assert stored.output_text.startswith(received)
+        assert stored.usage.output_tokens < 400
+        more = c.responses.create(model="any", input="And then?", instructions=SYSTEM, previous_response_id=rid,
+                                  max_output_tokens=5)
+        assert more.usage.input_tokens_details.cached_tokens > stored.usage.input_tokens
+
+
+# -- errors: OpenAI-style JSON, the right status, nothing changed ------------------------------------
+def post(running, path, body, **kw):
+    r = httpx.post(f"{running.url}{path}", json=body, timeout=60, **kw)
+    return r.status_code, r.json()
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [user("hi"), {"role": "assistant", "content": "a"}]}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]"),
+    ({"messages": [user("hi")], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [user("hi")], "n": 2}, "n"),
+    ({"messages": [user("hi")], "temperature": -1}, "temperature"),
+    ({"messages": [user("hi")], "max_tokens": 0}, "max_tokens"),
+    ({"messages": [user("hi")], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+])
+def test_invalid_requests_are_400(server, body, param):
+    status, data = post(server, "/chat/completions", body)
+    assert status == 400 and data["error"]["type"] == "invalid_request_error"
+    assert data["error"]["param"] == param and data["error"]["message"]
+
+
+def test_invalid_json_and_unknown_routes(server):
+    r = httpx.post(f"{server.url}/chat/completions", content=b"{not json", timeout=60)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.get(f"{server.url}/nothing-here", timeout=60)
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(f"{server.url}/chat/completions", timeout=60)
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_response_format_json_schema_gives_valid_json(server):
+    """The random test model writes garbage unconstrained; with a schema its replies are valid objects."""
+    assert guided_available()  # the test extra installs the guided extra
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+    status, data = post(server, "/chat/completions",
+                        {"messages": [user("Who are you?")], "response_format": fmt, "max_tokens": 60})
+    assert status == 200, data
+    value = json.loads(data["choices"][0]["message"]["content"])
+    assert set(value) == {"name", "age"} and isinstance(value["name"], str) and 0 <= value["age"] <= 120
+    status, data = post(server, "/responses", {"input": "Who are you?", "max_output_tokens": 60,
+                                                "text": {"format": {"type": "json_schema", "name": "p", "schema": schema}}})
+    assert status == 200, data
+    text = data["output"][0]["content"][0]["text"]
+    assert set(json.loads(text)) == {"name", "age"}
+
+
+def test_unknown_response_ids_are_404(server):
+    status, data = post(server, "/responses", {"input": "hi", "previous_response_id": "resp_nope"})
+    assert status == 404 and data["error"]["code"] == "response_not_found"
+    assert httpx.get(f"{server.url}/responses/resp_nope", timeout=60).status_code == 404
+
+
+def test_a_conversation_already_generating_is_409_and_goes_on(lm):
+    params = GenerateParams(max_tokens=30, temperature=0.0)
+    gate = Gate()
+    with start(lm, ServerConfig(defaults=params.copy(logits_processors=[gate]))) as running:
+        c = client(running)
+        gate.open()
+        first = chat(c, [{"role": "system", "content": SYSTEM}, user("Hello")], max_tokens=4)
+        gate.close()
+        messages = [{"role": "system", "content": SYSTEM}, user("Hello"),
+                    {"role": "assistant", "content": first.choices[0].message.content}, user("Go on")]
+        body = {"messages": messages, "stream": True}
+        streamed = ""
+        with httpx.stream("POST", f"{running.url}/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)  # the role chunk: the turn is open, held at its first token by the gate
+            status, data = post(running, "/chat/completions", {"messages": messages})
+            gate.open()
+            for line in lines:
+                if line.startswith("data: {"):
+                    choices = json.loads(line[6:])["choices"]
+                    streamed += choices[0]["delta"].get("content") or "" if choices else ""
+        assert status == 409 and data["error"]["code"] == "conversation_busy"
+        # the refused request changed nothing: the conversation holds the streamed reply and goes on
+        history = [*messages[1:], {"role": "assistant", "content": streamed}]
+        again = chat(c, [messages[0], *history, user("And?")], max_tokens=8)
+    assert again.usage.prompt_tokens_details.cached_tokens > first.usage.prompt_tokens
+    fresh = ChatSession.builder(lm).instructions(SYSTEM).history(history).generate_params(params.copy(max_tokens=8))
+    assert again.choices[0].message.content == fresh.build().respond("And?")
+
+
+def test_over_the_context_window_is_413_and_the_conversation_is_intact(demo):
+    params = GenerateParams(max_tokens=24, temperature=0.0)
+    with start(demo, ServerConfig(defaults=params)) as running:
+        c = client(running)
+        replies, usages = conversation(c, ["My name is Ada."])
+        history = [{"role": "system", "content": SYSTEM}, user("My name is Ada."),
+                   {"role": "assistant", "content": replies[0]}]
+        status, data = post(running, "/chat/completions", {"messages": [*history, user("word " * 500)]})
+        assert status == 413 and data["error"]["code"] == "context_length_exceeded"
+        r = chat(c, [*history, user("What is my name?")])
+    assert r.choices[0].message.content == replies_in_process(demo, ["My name is Ada.", "What is my name?"],
+                                                              params=params)[1]
+    assert r.usage.prompt_tokens_details.cached_tokens == usages[0].prompt_tokens + usages[0].completion_tokens
+
+
+def test_overloaded_is_503(lm):
+    gate = Gate()
+    with start(lm, ServerConfig(defaults=PARAMS.copy(logits_processors=[gate]), parallel=1, queue=0)) as running:
+        with httpx.stream("POST", f"{running.url}/chat/completions", json={"messages": [user("Hold the slot")],
+                                                                           "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)  # the only slot is taken, its turn held by the gate
+            r2 = httpx.post(f"{running.url}/chat/completions", json={"messages": [user("Me too")]}, timeout=60)
+            gate.open()
+            assert [line for line in lines if line][-1] == "data: [DONE]"  # the slot is free once the reply ended
+        assert r2.status_code == 503 and r2.json()["error"]["code"] == "overloaded" and r2.headers["retry-after"]
+        assert chat(client(running), [user("Now me")], max_tokens=3).choices[0].message.content is not None
+
+
+def test_api_key(lm):
+    with start(lm, ServerConfig(defaults=PARAMS, api_key="sesame")) as running:
+        with pytest.raises(openai.AuthenticationError):
+            client(running, api_key="wrong").models.list()
+        assert httpx.get(f"{running.url}/models", timeout=60).status_code == 401
+        assert [m.id for m in client(running, api_key="sesame").models.list()] == ["chatkit"]
+
+
+@pytest.mark.slow
+def test_chatkit_serve_command(tmp_path):
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = tmp_path / "store"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "chatkit", "serve", "--port", str(port), "--store", str(store),
+                             "--max-tokens", "16", "--log-level", "warning"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        for _ in range(1200):  # up to two minutes for the process to import and load
+            try:
+                models = c.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None, proc.communicate()[1]
+                time.sleep(0.1)
+        assert [m.id for m in models] == ["demo"]
+        r = chat(c, [{"role": "user", "content": "What is 2 + 3?"}])
+        assert "5" in r.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert len(json.loads((store / "conversations.json").read_text())["conversations"]) == 1
+
+
+def test_a_changed_conversation_reuses_its_common_prefix(demo):
+    # A client that edits the last reply (or re-sends only what it saw of a reply it stopped) does not
+    # extend the conversation exactly: a new session starts from the old one's cache, and only what
+    # differs is prefilled. Its reply is a fresh session's with the same history.
+    params = GenerateParams(max_tokens=24, temperature=0.0)
+    with start(demo, ServerConfig(defaults=params)) as running:
+        c = client(running)
+        replies, usages = conversation(c, ["My name is Ada.", "What is 7 + 5?"])
+        history = [user("My name is Ada."), {"role": "assistant", "content": replies[0]},
+                   user("What is 7 + 5?"), {"role": "assistant", "content": "12"}, user("What is my name?")]
+        r = chat(c, [{"role": "system", "content": SYSTEM}, *history])
+    fresh = ChatSession.builder(demo).instructions(SYSTEM).history(history[:-1]).generate_params(params).build()
+    assert r.choices[0].message.content == fresh.respond("What is my name?")
+    assert usages[0].prompt_tokens < r.usage.prompt_tokens_details.cached_tokens < usages[1].prompt_tokens + 1
+
+
+def test_speculative_decoding_behind_the_server(demo, tmp_path):
+    # --draft: greedy replies equal the standard path's; the draft's cache follows across turns, an
+    # eviction and a restart (restore_cache refills it from the target's ledger).
+    prompts = ["My name is Ada.", "What is 7 + 5?", "What is my name?"]
+    params = GenerateParams(max_tokens=24, temperature=0.0)
+    config = ServerConfig(defaults=params, store=str(tmp_path), max_cache_bytes=1,
+                          speculative=chatkit.SpeculativeConfig(chatkit.load("demo-draft"), num_draft_tokens=4))
+    with start(demo, config) as running:
+        replies, usages = conversation(client(running), prompts[:2])
+    with start(demo, config) as running:
+        messages = [{"role": "system", "content": SYSTEM}]
+        for p, r in zip(prompts[:2], replies, strict=True):
+            messages += [user(p), {"role": "assistant", "content": r}]
+        last = chat(client(running), [*messages, user(prompts[2])])
+    assert [*replies, last.choices[0].message.content] == replies_in_process(demo, prompts, params=params)
+    assert last.usage.prompt_tokens_details.cached_tokens == usages[1].prompt_tokens + usages[1].completion_tokens
