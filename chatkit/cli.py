@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
 from typing import Any, Callable, Sequence
 
-from .errors import ChatKitError, ContextWindowExceededError
+from .errors import ChatKitError, ContextWindowExceededError, DistributedError
 
 HELP = """commands:
   /save FILE     save the conversation and its cache
@@ -28,7 +29,11 @@ class Repl:
 
     def __init__(self, args: argparse.Namespace, out: Any = sys.stdout, err: Any = sys.stderr) -> None:
         self.args, self.out, self.err = args, out, err
-        self.lm = _load_model(args.model)
+        self.lm = _load_model(args.model, distributed=args.distributed, distributed_timeout=args.distributed_timeout)
+        group = self.lm.distributed
+        self.group = group if group is not None and group.sharded else None  # ranks in lockstep
+        if self.group is not None and not self.group.leader:
+            self.out = open(os.devnull, "w")  # noqa: SIM115  rank 0 prints the conversation
         self.draft = _load_model(args.draft, draft=True) if args.draft else None
         self.session = self._build(resume=args.resume)
 
@@ -62,6 +67,8 @@ class Repl:
         print(text, end=end, file=self.out, flush=True)
 
     def error(self, exc: BaseException) -> None:
+        if self.group is not None and not self.group.leader and not isinstance(exc, DistributedError):
+            return  # the ranks run the same calls: rank 0 reports the error
         detail = str(exc) if isinstance(exc, ChatKitError) else f"{type(exc).__name__}: {exc}"
         if isinstance(exc, ContextWindowExceededError):
             detail += " Here: /clear starts over, /undo drops the last exchange."
@@ -73,7 +80,7 @@ class Repl:
             self.say(f"chatkit: chatting with {self.args.model or 'the demo model'}. /help for commands, Ctrl-D to quit.")
         while True:
             try:
-                line = read("> " if interactive else "")
+                line = self.read_line(read, "> " if interactive else "")
             except EOFError:
                 break
             except KeyboardInterrupt:
@@ -91,10 +98,29 @@ class Repl:
                     self.autosave()
             except KeyboardInterrupt:  # before a reply started streaming: nothing was sent
                 self.say(" [stopped]")
+            except DistributedError:
+                raise  # a rank died or hung: this rank cannot go on alone
             except Exception as exc:  # one clear line, never a traceback; the session goes on
                 self.error(exc)
         self.autosave()
         return 0
+
+    def read_line(self, read: Callable[[str], str], prompt: str) -> str:
+        """The next input line; over a sharded model rank 0 reads it and every rank gets it."""
+        if self.group is None:
+            return read(prompt)
+        from .engine.distributed import broadcast_text
+
+        line: str | None = None
+        if self.group.leader:
+            try:
+                line = read(prompt)
+            except EOFError:
+                line = None
+        line = broadcast_text(self.group, line)
+        if line is None:
+            raise EOFError
+        return line
 
     def reply(self, start: Callable[[], Any]) -> None:
         """Stream a reply; Ctrl-C stops it after the token being computed and keeps what came."""
@@ -172,11 +198,11 @@ def _stats(session: Any) -> str:
     return "\n".join(lines)
 
 
-def _load_model(name: str | None, draft: bool = False):
+def _load_model(name: str | None, draft: bool = False, **options: Any):
     from .loading import load
 
     name = name or "demo"
-    return load("demo-draft" if draft and name == "demo" else name)
+    return load("demo-draft" if draft and name == "demo" else name, **options)
 
 
 def inspect(path: str, out: Any = sys.stdout) -> int:
@@ -220,6 +246,10 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--kv-bits", type=int, help="quantize the KV cache to this many bits")
     chat.add_argument("--kv-group-size", type=int, default=64,
                       help="values per quantization group with --kv-bits: 32, 64 (default) or 128")
+    chat.add_argument("--distributed", choices=("tensor", "pipeline", "auto"),
+                      help="shard the model over the ranks mlx.launch started (docs/distributed.md)")
+    chat.add_argument("--distributed-timeout", type=float, default=120.0, metavar="SECONDS",
+                      help="how long a rank waits for the others in one step before stopping (default 120)")
     insp = commands.add_parser("inspect", help="show what a saved conversation holds")
     insp.add_argument("file")
     return p

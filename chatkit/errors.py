@@ -13,6 +13,7 @@
     ├── ContextWindowExceededError     the prompt does not fit the model's context window
     ├── NothingToUndoError             no exchange to undo
     ├── NothingToRegenerateError       no reply to answer again
+    ├── DistributedError               a rank of a sharded model died, hung or drifted apart
     └── CacheError                     about a KV cache
         ├── NoCacheAvailableError      there is no cache (yet) to save
         ├── CacheFileError             a cache file is missing, unreadable or corrupt
@@ -73,6 +74,18 @@ class NothingToRegenerateError(ChatKitError):
     """There is no reply to regenerate: the history does not end with a reply."""
 
 
+class DistributedError(ChatKitError):
+    """A rank of a model sharded with ``mx.distributed`` died, hung, or ran another turn than rank 0.
+
+    ``rank`` is the rank that raised; ``peer`` the rank that failed, when it is known.
+    """
+
+    def __init__(self, message: str, *, rank: int, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.peer = peer
+
+
 class CacheError(ChatKitError):
     """Base class of the errors about a KV cache: missing, unreadable, or not this model's."""
 
@@ -94,6 +107,7 @@ __all__ = [
     "CacheFileError",
     "ChatKitError",
     "ContextWindowExceededError",
+    "DistributedError",
     "IncompatibleCacheError",
     "IncompatibleDraftError",
     "InvalidMessageError",

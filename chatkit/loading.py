@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,6 +17,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import _tokenizer, demo
 from .errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from .engine.distributed import Group
 
 # Config keys that name a model's context window, most specific first.
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
@@ -33,6 +36,8 @@ class LoadedModel:
     tokenizer: TokenizerWrapper
     config: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""
+    distributed: Group | None = None
+    """The ``mx.distributed`` group this model is sharded over (``load(..., distributed=...)``)."""
 
     @property
     def context_length(self) -> int | None:
@@ -59,8 +64,14 @@ class LoadedModel:
 
     @cached_property
     def fingerprint(self) -> dict[str, str]:
-        """What identifies this model for saved caches: see :func:`fingerprint`."""
-        return fingerprint(self.model, self.tokenizer)
+        """What identifies this model for saved caches: see :func:`fingerprint`; a sharded model's also
+        names its strategy, world size and rank (a cache shard fits only the same layout)."""
+        found = fingerprint(self.model, self.tokenizer)
+        if self.distributed is not None and self.distributed.sharded:
+            from .engine.distributed import fingerprint_entry
+
+            found["distributed"] = fingerprint_entry(self.distributed)
+        return found
 
 
 def _digest(value: Any) -> str:
@@ -89,13 +100,24 @@ def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
     }
 
 
-def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> LoadedModel:
+def load(
+    path_or_repo: str | os.PathLike[str],
+    *,
+    distributed: str | None = None,
+    distributed_timeout: float = 120.0,
+    **tokenizer_config: Any,
+) -> LoadedModel:
     """Load a model and tokenizer with ``mlx_lm.load``.
 
     ``path_or_repo`` is a local folder (``config.json``, ``*.safetensors`` and tokenizer files), a
     Hugging Face repo id, downloaded on first use (set ``HF_HUB_OFFLINE=1`` to forbid downloads), or
     ``"demo"`` / ``"demo-draft"`` for the small chat model and draft that ship with chatkit.
     Extra keyword arguments go to the tokenizer's config (e.g. ``eos_token``).
+
+    ``distributed="tensor" | "pipeline" | "auto"`` joins MLX's distributed world (start the program
+    with ``mlx.launch``) and loads this rank's shard with mlx-lm's ``sharded_load``; sessions over it
+    run in lockstep on every rank (docs/distributed.md). ``distributed_timeout`` bounds, in seconds,
+    how long a rank waits for the others inside one step. In a world of one rank it loads as usual.
     """
     from mlx_lm import load as mlx_load  # imported here: mlx_lm costs about a second to import
 
@@ -104,6 +126,17 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
         raise ModelLoadError("load() needs a Hugging Face repo id or a local model folder, got ''.")
     if source in ("demo", "demo-draft"):
         source = str(demo.draft_path() if source == "demo-draft" else demo.path())
+    group = None
+    if distributed is not None:
+        from .engine import distributed as dist
+
+        mx_group, rank, size = dist.init(distributed, distributed_timeout)
+        if size > 1:
+            model, tokenizer, config, used = dist.load_sharded(source, distributed, mx_group, tokenizer_config or None)
+            _tokenizer.silence_length_warning(tokenizer)
+            group = dist.Group(mx_group, used, rank, size, float(distributed_timeout))
+            return LoadedModel(model=model, tokenizer=tokenizer, config=config, source=source, distributed=group)
+        group = dist.Group(mx_group, distributed, rank, size, float(distributed_timeout))
     try:
         model, tokenizer, config = mlx_load(
             source, tokenizer_config=tokenizer_config or None, return_config=True
@@ -116,7 +149,7 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
         )
         raise ModelLoadError(f"Could not load model {source!r}: {exc} ({hint}).") from exc
     _tokenizer.silence_length_warning(tokenizer)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=dict(config), source=source)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=dict(config), source=source, distributed=group)
 
 
 __all__ = ["LoadedModel", "fingerprint", "load"]
