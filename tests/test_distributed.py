@@ -122,8 +122,11 @@ def test_a_killed_rank_gives_a_clear_error(tmp_path):
         rank1.kill()
         rank1.wait()
     assert rank1.returncode == -signal.SIGKILL
-    assert rank0.returncode == 1
-    assert "chatkit.errors.DistributedError: rank 0 of 2 lost rank 1 while generating" in err, err[-3000:]
+    # A collective evaluated on its own raises at once (the backend reports the lost peer); one inside a
+    # step's graph leaves the step waiting, which the watchdog ends.
+    lost = "chatkit.errors.DistributedError: rank 0 of 2 lost rank 1 while "
+    silent = "chatkit: error: rank 0 of 2: no answer from rank 1 within 10 s while "
+    assert (rank0.returncode, lost in err) == (1, True) or (rank0.returncode, silent in err) == (75, True), err[-3000:]
 
 
 @pytest.mark.slow
@@ -135,10 +138,10 @@ def test_a_hung_rank_stops_the_others_after_the_timeout(tmp_path):
         rank1.kill()
         rank1.wait()
     assert rank0.returncode == 75, err[-3000:]  # the watchdog's exit code
-    assert "rank 0 of 2 waited 10 s for rank 1 while generating" in err, err[-3000:]
+    assert "chatkit: error: rank 0 of 2: no answer from rank 1 within 10 s while generating" in err, err[-3000:]
 
 
-CHAT_INPUT = "Hello there.\nWhat next?\n/undo\n/retry\n/save {save}\n/load {save}\nAnd after loading?\n/stats\n"
+CHAT_INPUT = "Hello there.\nWhat next?\n/undo\n/retry\n/save {save}\n/load {save}\nAnd after loading?\n/stats\n/quit\n"  # mlx.launch never closes the ranks' stdin
 
 
 @pytest.mark.slow

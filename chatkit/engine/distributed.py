@@ -175,9 +175,9 @@ def _peers(rank: int, size: int) -> str:
 def hung_peer_error(rank: int, size: int, timeout: float, what: str) -> DistributedError:
     peer = 1 - rank if size == 2 else None
     return DistributedError(
-        f"rank {rank} of {size} waited {timeout:g} s for {_peers(rank, size)} while {what}: a rank hung or "
-        "was stopped. Stopping this rank; check that rank's log, then restart all ranks "
-        "(raise distributed_timeout for very slow steps).",
+        f"rank {rank} of {size}: no answer from {_peers(rank, size)} within {timeout:g} s while {what} (a rank "
+        "died, hung or was stopped). Stopping this rank; check the other ranks' logs, then restart all ranks "
+        "(raise distributed_timeout if steps are legitimately that slow).",
         rank=rank, peer=peer,
     )
 
