@@ -23,7 +23,7 @@ from chatkit.testing import tiny_model_path
 
 def run(arch: str, strategy: str, out: Path, fault: str | None) -> None:
     path = tiny_model_path(arch=arch, tokenizer="bpe", seed=0)
-    lm = chatkit.load(path, distributed=None if strategy == "none" else strategy, distributed_timeout=10.0 if fault else 60.0)
+    lm = chatkit.load(path, distributed=None if strategy == "none" else strategy, distributed_timeout=10.0 if fault else 300.0)
     group = lm.distributed
     rank = group.rank if group is not None else 0
     turns: list[dict] = []

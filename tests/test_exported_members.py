@@ -16,7 +16,7 @@ PUBLIC = {
     "ChatKitError", "ModelLoadError", "TemplateError", "InvalidMessageError", "InvalidParamsError",
     "SpeculativeCacheRestoreError", "IncompatibleDraftError", "SessionBusyError", "ContextWindowExceededError",
     "NothingToUndoError", "NothingToRegenerateError", "CacheError", "NoCacheAvailableError", "CacheFileError",
-    "IncompatibleCacheError",
+    "IncompatibleCacheError", "DistributedError",
 }
 
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 
@@ -213,7 +213,7 @@ def _all_sum_ints(group: Group, values: Sequence[int]) -> list[int]:
     with mx.stream(generation_stream):
         out = mx.distributed.all_sum(mx.array(list(values), dtype=mx.int32), group=group.group)
         mx.eval(out)
-    return [int(v) for v in out.tolist()]
+    return [int(v) for v in _ints(out)]
 
 
 def _all_gather_ints(group: Group, values: Sequence[int]) -> list[list[int]]:
@@ -222,7 +222,12 @@ def _all_gather_ints(group: Group, values: Sequence[int]) -> list[list[int]]:
     with mx.stream(generation_stream):
         out = mx.distributed.all_gather(mx.array([list(values)], dtype=mx.int32), group=group.group)
         mx.eval(out)
-    return [[int(v) for v in row] for row in out.tolist()]
+    return [[int(v) for v in row] for row in _ints(out)]
+
+
+def _ints(x: mx.array) -> list[Any]:
+    """``x.tolist()`` of an int array of one or more dimensions (typed: mlx's stub allows a scalar)."""
+    return cast(list[Any], x.tolist())
 
 
 def _digest(values: Sequence[int]) -> list[int]:
@@ -253,7 +258,7 @@ def broadcast_text(group: Group, text: str | None) -> str | None:
             f"rank {group.rank} of {group.size} lost {_peers(group.rank, group.size)} while waiting for input: "
             f"a rank died ({exc}). Restart all ranks.", rank=group.rank, peer=0 if not group.leader else None,
         ) from exc
-    return bytes(out.tolist()).decode("utf-8")
+    return bytes(_ints(out)).decode("utf-8")
 
 
 # -- the token source -------------------------------------------------------------------------------------
@@ -320,7 +325,9 @@ def lockstep(group: Group, request: Request, steps: Iterator[Token]) -> Iterator
                 if _all_sum_ints(group, [0])[0]:
                     return  # another rank (rank 0's user) stopped here
     finally:
-        steps.close()
+        close = getattr(steps, "close", None)  # a generator (standard_tokens): release mlx-lm's step
+        if close is not None:
+            close()
 
 
 def check_same_turn(group: Group, request: Request) -> None:
