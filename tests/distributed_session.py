@@ -68,6 +68,32 @@ def run(arch: str, strategy: str, out: Path, fault: str | None) -> None:
     session.restore_cache(saved)
     turn(session, "restored in place", "And once more.")
     (out / f"tokens.rank{rank}.json").write_text(json.dumps(turns))
+    if group is not None and group.sharded:
+        (out / f"restore-failures.rank{rank}.json").write_text(json.dumps(restore_failures(lm, session, out, rank)))
+
+
+def restore_failures(lm, session: ChatSession, out: Path, rank: int) -> dict[str, str]:
+    """Restores that fail on rank 1 only: every rank must raise (the class name and message are kept)."""
+    saved, mine = out / "chat.safetensors", out / f"chat.rank{rank}.safetensors"
+    found = {}
+
+    def attempt(name: str) -> None:
+        try:
+            ChatSession.builder(lm).cache(saved).build()
+            found[name] = "restored"
+        except chatkit.ChatKitError as exc:
+            found[name] = f"{type(exc).__name__}: {exc}"
+
+    if rank == 1:
+        mine.rename(mine.with_suffix(".away"))  # rank 1's file is missing
+    attempt("missing on rank 1")
+    if rank == 1:
+        mine.with_suffix(".away").rename(mine)
+    session.save_cache(out / "later.safetensors")  # one more save, of a longer conversation
+    if rank == 1:
+        (out / "later.rank1.safetensors").replace(mine)  # rank 1's file is of another save
+    attempt("another save on rank 1")
+    return found
 
 
 if __name__ == "__main__":

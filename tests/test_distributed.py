@@ -95,6 +95,12 @@ def test_two_ranks_give_the_tokens_of_one_process(arch, strategy, scratch):
     assert by_name["reuse"]["reused"] > 0 and by_name["restored"]["reused"] > 0  # the cache was reused
     assert len(by_name["closed early"]["tokens"]) == 3  # rank 1 iterated on: it stopped with rank 0
     assert (out / "chat.safetensors").exists() and (out / "chat.rank1.safetensors").exists()
+    # A restore that fails on rank 1 only fails on every rank, as the same error class.
+    failures = [json.loads((out / f"restore-failures.rank{r}.json").read_text()) for r in (0, 1)]
+    for case, cls in (("missing on rank 1", "CacheFileError"), ("another save on rank 1", "IncompatibleCacheError")):
+        assert [f[case].split(":")[0] for f in failures] == [cls, cls], (case, failures)
+    assert "on rank 1 of 2" in failures[0]["missing on rank 1"]
+    assert "rank(s) 1 hold another conversation" in failures[0]["another save on rank 1"]
     # A shard restored into one process (another layout) is refused, not misread.
     lm = chatkit.load(tiny_model_path(arch=arch, tokenizer="bpe", seed=0))
     with pytest.raises(chatkit.IncompatibleCacheError, match="differ"):

@@ -33,7 +33,14 @@ from typing import Any, TypeVar, cast
 import mlx.core as mx
 
 from ..cache.state import CacheState
-from ..errors import CacheError, ChatKitError, DistributedError, IncompatibleCacheError, ModelLoadError
+from ..errors import (
+    CacheError,
+    CacheFileError,
+    ChatKitError,
+    DistributedError,
+    IncompatibleCacheError,
+    ModelLoadError,
+)
 from . import Request, Token
 from .local import standard_tokens, with_context
 
@@ -356,7 +363,8 @@ def shard_path(group: Group | None, path: str | os.PathLike[str]) -> Path:
     return target.with_name(f"{target.stem}.rank{group.rank}{target.suffix}")
 
 
-_KINDS: list[type[ChatKitError]] = [IncompatibleCacheError, CacheError, ChatKitError]
+# What another rank's failure is raised as here: the first class (most specific first) it was an instance of.
+_KINDS: list[type[ChatKitError]] = [IncompatibleCacheError, CacheFileError, CacheError, DistributedError, ChatKitError]
 
 
 def agree(group: Group | None, action: str, run: Callable[[], T], digest: Callable[[T], Sequence[int]] | None = None) -> T:
@@ -381,8 +389,11 @@ def agree(group: Group | None, action: str, run: Callable[[], T], digest: Callab
     if failed:
         r = failed[0]
         cls = _KINDS[rows[r][0] - 1] if rows[r][0] <= len(_KINDS) else ChatKitError
-        raise cls(f"Could not {action} on rank {r} of {group.size} (see that rank's error), so no rank did: "
-                  "fix it there and try again on all ranks.")
+        message = (f"Could not {action} on rank {r} of {group.size} (see that rank's error), so it failed on "
+                   "every rank (files other ranks wrote are refused at restore): fix it there and try again.")
+        if cls is DistributedError:
+            raise DistributedError(message, rank=group.rank, peer=r)
+        raise cls(message)
     if digest is not None and any(row[1:] != rows[0][1:] for row in rows):
         odd = [r for r, row in enumerate(rows) if row[1:] != rows[0][1:]]
         raise IncompatibleCacheError(
