@@ -147,7 +147,7 @@ def test_a_hung_rank_stops_the_others_after_the_timeout(tmp_path):
     assert "chatkit: error: rank 0 of 2: no answer from rank 1 within 10 s while generating" in err, err[-3000:]
 
 
-CHAT_INPUT = "Hello there.\nWhat next?\n/undo\n/retry\n/save {save}\n/load {save}\nAnd after loading?\n/stats\n/quit\n"  # mlx.launch never closes the ranks' stdin
+CHAT_INPUT = "Hello there.\n\nWhat next?\n/undo\n/retry\n/save {save}\n/load {save}\nAnd after loading?\n/stats\n/quit\n"  # mlx.launch never closes the ranks' stdin
 
 
 @pytest.mark.slow

@@ -252,6 +252,8 @@ def broadcast_text(group: Group, text: str | None) -> str | None:
         n, is_none = _all_sum_ints(group, [len(data), flag] if group.leader else [0, 0])
         if is_none:
             return None
+        if n == 0:
+            return ""
         buf = mx.array(list(data) if group.leader else [0] * n, dtype=mx.int32)
         from mlx_lm.generate import generation_stream
 
