@@ -2,7 +2,7 @@
 
 The whole public API is here (``chatkit.X``); submodules are implementation::
 
-    lm = chatkit.load(path_or_repo_or_"demo")          -> LoadedModel
+    lm = chatkit.load(path_or_repo_or_"demo")          -> LoadedModel  (distributed="tensor": sharded, lockstep)
     session = ChatSession.builder(lm)...build()         -> ChatSession        (ChatSessionBuilder)
     session.respond(prompt) / .stream_respond(prompt)   -> str / ResponseStream of StreamChunk
     session.arespond / .astream_respond                 -> async: str / AsyncResponseStream
@@ -28,6 +28,7 @@ from .errors import (
     CacheFileError,
     ChatKitError,
     ContextWindowExceededError,
+    DistributedError,
     IncompatibleCacheError,
     IncompatibleDraftError,
     InvalidMessageError,
@@ -65,6 +66,7 @@ __all__ = [
     "ChatSession",
     "ChatSessionBuilder",
     "ContextWindowExceededError",
+    "DistributedError",
     "GenerateParams",
     "IncompatibleCacheError",
     "IncompatibleDraftError",

@@ -10,6 +10,7 @@ from .cache import store
 from .cache._mlx import copy_layer, layer_offset
 from .cache.ledger import Ledger
 from .cache.state import CacheOptions, CacheState, layers_fit
+from .engine import distributed
 from .errors import (
     InvalidMessageError,
     InvalidParamsError,
@@ -181,7 +182,11 @@ class ChatSessionBuilder:
             params.validate()
         cache = None
         if self._restore is not None:
-            saved = self._load_cache(*self._restore)
+            source, verify = self._restore
+            if isinstance(source, (str, os.PathLike)):  # over a sharded model: this rank's file, all ranks agree
+                saved = distributed.restore(self._lm.distributed, source, lambda file: self._load_cache(file, verify))
+            else:
+                saved = self._load_cache(source, verify)
             info = saved.info
             if info.kind == "chatkit":
                 if self._instructions is None and not self._history:

@@ -16,6 +16,7 @@
     ├── NothingToRegenerateError       no reply to answer again
     ├── ToolLoopLimitError             the model kept calling tools past max_tool_rounds
     ├── ToolExecutionError             a tool call failed and the session raises instead of telling the model
+    ├── DistributedError               a rank of a sharded model died, hung or drifted apart
     ├── CacheError                     about a KV cache
     │   ├── NoCacheAvailableError      there is no cache (yet) to save
     │   ├── CacheFileError             a cache file is missing, unreadable or corrupt
@@ -92,6 +93,18 @@ class ToolExecutionError(ChatKitError):
         self.call = call
 
 
+class DistributedError(ChatKitError):
+    """A rank of a model sharded with ``mx.distributed`` died, hung, or ran another turn than rank 0.
+
+    ``rank`` is the rank that raised; ``peer`` the rank that failed, when it is known.
+    """
+
+    def __init__(self, message: str, *, rank: int, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.peer = peer
+
+
 class CacheError(ChatKitError):
     """Base class of the errors about a KV cache: missing, unreadable, or not this model's."""
 
@@ -140,6 +153,7 @@ __all__ = [
     "CacheFileError",
     "ChatKitError",
     "ContextWindowExceededError",
+    "DistributedError",
     "IncompatibleCacheError",
     "IncompatibleDraftError",
     "IncompleteOutputError",

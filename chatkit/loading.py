@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,6 +17,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from . import _tokenizer
 from .errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from .engine.distributed import Group
 
 # Config keys that name a model's context window, most specific first.
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
@@ -33,6 +36,8 @@ class LoadedModel:
     tokenizer: TokenizerWrapper
     config: Mapping[str, Any] = field(default_factory=dict)
     source: str = ""
+    distributed: Group | None = None
+    """The ``mx.distributed`` group this model is sharded over (``load(..., distributed=...)``)."""
 
     @property
     def context_length(self) -> int | None:
@@ -72,11 +77,17 @@ class LoadedModel:
 
     @cached_property
     def fingerprint(self) -> dict[str, str]:
-        """What identifies this model for saved caches: see :func:`fingerprint`."""
-        result = fingerprint(self.model, self.tokenizer)
+        """What identifies this model for saved caches: see :func:`fingerprint`; a GGUF conversion's also
+        names its file, a sharded model's its strategy, world size and rank (a cache shard fits only
+        the same layout)."""
+        found = fingerprint(self.model, self.tokenizer)
         if isinstance(gguf := self.config.get("chatkit_gguf"), Mapping):  # converted from a GGUF file
-            result["file"] = str(gguf.get("sha256", ""))[:16]
-        return result
+            found["file"] = str(gguf.get("sha256", ""))[:16]
+        if self.distributed is not None and self.distributed.sharded:
+            from .engine.distributed import fingerprint_entry
+
+            found["distributed"] = fingerprint_entry(self.distributed)
+        return found
 
 
 def _digest(value: Any) -> str:
@@ -110,6 +121,8 @@ def load(
     *,
     tokenizer: str | os.PathLike[str] | None = None,
     dequantize: bool | None = None,
+    distributed: str | None = None,
+    distributed_timeout: float = 120.0,
     **tokenizer_config: Any,
 ) -> LoadedModel:
     """Load a model and tokenizer with ``mlx_lm.load``.
@@ -122,6 +135,11 @@ def load(
     files to use instead of the file's own, and ``dequantize`` True/False forces float32 / packed
     weights (default: float32 on machines without Metal). Extra keyword arguments go to the
     tokenizer's config (e.g. ``eos_token``).
+
+    ``distributed="tensor" | "pipeline" | "auto"`` joins MLX's distributed world (start the program
+    with ``mlx.launch``) and loads this rank's shard with mlx-lm's ``sharded_load``; sessions over it
+    run in lockstep on every rank (docs/distributed.md). ``distributed_timeout`` bounds, in seconds,
+    how long a rank waits for the others inside one step. In a world of one rank it loads as usual.
     """
     from mlx_lm import load as mlx_load  # imported here: mlx_lm costs about a second to import
 
@@ -138,8 +156,19 @@ def load(
     from .models import resolve  # demo, smollm2, ollama:, lmstudio:, GGUF files -> a model folder
 
     source = _local_or_repo(resolve(source, tokenizer=tokenizer, dequantize=dequantize))
+    group = None
+    if distributed is not None:
+        from .engine import distributed as dist
+
+        mx_group, rank, size = dist.init(distributed, distributed_timeout)
+        if size > 1:
+            model, tok, config, used = dist.load_sharded(source, distributed, mx_group, tokenizer_config or None)
+            _tokenizer.silence_length_warning(tok)
+            group = dist.Group(mx_group, used, rank, size, float(distributed_timeout))
+            return LoadedModel(model=model, tokenizer=tok, config=config, source=source, distributed=group)
+        group = dist.Group(mx_group, distributed, rank, size, float(distributed_timeout))
     try:
-        model, tokenizer, config = mlx_load(  # type: ignore[misc]  # 3 values with return_config
+        model, tok, config = mlx_load(  # type: ignore[misc]  # 3 values with return_config
             source, tokenizer_config=tokenizer_config or None, return_config=True
         )
     except Exception as exc:  # mlx-lm raises many kinds: missing files, hub errors, bad configs
@@ -149,8 +178,8 @@ def load(
             else "check the repo id, or pass a local folder (offline? set HF_HUB_OFFLINE=1 and use a path)"
         )
         raise ModelLoadError(f"Could not load model {source!r}: {exc} ({hint}).") from exc
-    _tokenizer.silence_length_warning(tokenizer)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=dict(config), source=source)
+    _tokenizer.silence_length_warning(tok)
+    return LoadedModel(model=model, tokenizer=tok, config=dict(config), source=source, distributed=group)
 
 
 def _local_or_repo(source: str) -> str:

@@ -16,8 +16,7 @@ from .aio import AsyncGuidedStream, AsyncResponseStream
 from .cache import store
 from .cache.state import CacheInfo, CacheOptions, CacheState
 from .conversation import Conversation
-from .engine import TokenSource
-from .engine.local import LocalSource
+from .engine import TokenSource, distributed, source_for
 from .errors import (
     ChatKitError,
     InvalidMessageError,
@@ -78,7 +77,7 @@ class ChatSession:
         tool_options.validate()
         self._tool_options = tool_options
         self._speculative = speculative
-        self._source: TokenSource = LocalSource(lm.model, speculative)
+        self._source: TokenSource = source_for(lm.model, lm.distributed, speculative)
         self._conversation = Conversation(history, self._new_cache(cache_options))
         self._progress = prefill_progress
         self._turn = threading.Lock()  # held from the start of a turn until it commits or aborts
@@ -190,14 +189,15 @@ class ChatSession:
 
         Restore it with ``ChatSession.builder(lm).cache(path).build()``, or into this session with
         :meth:`restore_cache`. Returns the file's size in bytes. ``NoCacheAvailableError`` before the
-        first turn (or after ``clear``/``release_cache``).
+        first turn (or after ``clear``/``release_cache``). Over a sharded model every rank writes its
+        own shard (rank r > 0 next to ``path``: ``chat.rank1.safetensors``) and fails if any rank fails.
         """
         with self._idle("save the cache"):
             cache = self._conversation.cache
             if cache.empty or cache.layers is None:
                 raise NoCacheAvailableError("There is no KV cache to save yet: run a turn first.")
-            return store.save(
-                path,
+            return distributed.agree(self._lm.distributed, "save the cache", lambda: store.save(
+                distributed.shard_path(self._lm.distributed, path),
                 cache.layers,
                 cache.ledger,
                 fingerprint=self._lm.fingerprint,
@@ -206,16 +206,20 @@ class ChatSession:
                 generate_params=self._params.to_dict(),
                 cache_options=asdict(cache.options),
                 checkpoints=cache.checkpoints,
-            )
+            ))
 
     def restore_cache(self, path: str | os.PathLike[str]) -> None:
         """Put back the KV cache of a file this session's conversation was saved to (e.g. by a pool
         that evicted it), checked against the model's fingerprint. The conversation itself stays as
         it is: turns reuse as much of the restored cache as matches it."""
         with self._idle("restore the cache"):
-            saved = store.load(path)
-            store.check_fingerprint(self._lm.fingerprint, saved.info.fingerprint, repr(str(path)))
-            store.check_layers(self._lm.model, saved, repr(str(path)))
+            def read(file: os.PathLike[str]) -> store.LoadedCache:
+                saved = store.load(file)
+                store.check_fingerprint(self._lm.fingerprint, saved.info.fingerprint, repr(str(file)))
+                store.check_layers(self._lm.model, saved, repr(str(file)))
+                return saved
+
+            saved = distributed.restore(self._lm.distributed, path, read)
             options = self.cache_options
             # A draft's cache is not saved: it is refilled from the ledger at the next turn.
             cache = CacheState.restored(

@@ -16,7 +16,7 @@ PUBLIC = {
     "ChatKitError", "ModelLoadError", "TemplateError", "InvalidMessageError", "InvalidParamsError",
     "SpeculativeCacheRestoreError", "IncompatibleDraftError", "MissingDependencyError", "SessionBusyError", "ContextWindowExceededError",
     "NothingToUndoError", "NothingToRegenerateError", "CacheError", "NoCacheAvailableError", "CacheFileError",
-    "IncompatibleCacheError", "ToolLoopLimitError", "ToolExecutionError",
+    "IncompatibleCacheError", "ToolLoopLimitError", "ToolExecutionError", "DistributedError",
 }
 
 

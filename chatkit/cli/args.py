@@ -105,6 +105,10 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--num-draft", type=_num_draft, default="auto", metavar="auto|N",
                       help="tokens drafted per step with --draft: 'auto' tunes it from the acceptance measured so "
                            "far, down to not drafting while it does not pay; or 1 to 64 (default: %(default)s)")
+    chat.add_argument("--distributed", choices=("tensor", "pipeline", "auto"),
+                      help="shard the model over the ranks mlx.launch started (docs/distributed.md)")
+    chat.add_argument("--distributed-timeout", type=float, default=120.0, metavar="SECONDS",
+                      help="how long a rank waits for the others in one step before stopping (default: %(default)s)")
     chat.add_argument("--tools", action="append", metavar="MODULE:FUNCTION",
                       help="a Python function the model may call (repeat for more); its schema comes from its "
                            "signature, type hints and docstring")

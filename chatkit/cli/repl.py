@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..errors import CacheFileError, ChatKitError, ContextWindowExceededError
+from ..errors import CacheFileError, ChatKitError, ContextWindowExceededError, DistributedError
 from .args import COMMANDS, KEYS, UsageError, check_save_path, explicit_settings, kv_group_size
 from .terminal import ReplyKeys, history_path, line_reader
 
@@ -30,7 +31,11 @@ class Repl:
         self.keys = ReplyKeys()
         # Checked before loading anything: a bad path fails at once, not at every turn.
         self.save_path = check_save_path(args.save) if args.save else None
-        self.lm = _load_model(args.model)
+        self.lm = _load_model(args.model, distributed=args.distributed, distributed_timeout=args.distributed_timeout)
+        group = self.lm.distributed
+        self.group = group if group is not None and group.sharded else None  # ranks in lockstep
+        if self.group is not None and not self.group.leader:
+            self.out = open(os.devnull, "w")  # noqa: SIM115  rank 0 prints the conversation
         # A draft model, "prompt_lookup" (drafts from the conversation itself), or None.
         self.draft = _load_model(args.draft, draft=True) if args.draft and args.draft != "prompt_lookup" else args.draft
         self.last = _LastTurn()
@@ -108,6 +113,8 @@ class Repl:
         print(text, file=self.err, flush=True)
 
     def error(self, exc: BaseException) -> None:
+        if self.group is not None and not self.group.leader and not isinstance(exc, DistributedError):
+            return  # the ranks run the same calls: rank 0 reports the error
         detail = str(exc) if isinstance(exc, ChatKitError) else f"{type(exc).__name__}: {exc}"
         print(f"error: {detail}", file=self.err, flush=True)
 
@@ -128,7 +135,7 @@ class Repl:
         while True:
             self.keys.pressed.clear()
             try:
-                line = read(self.keys.take_typed()) if interactive else read()
+                line = self.read_line(lambda: read(self.keys.take_typed()) if interactive else read())
             except EOFError:  # Ctrl-D (the reader ends the line) or the end of piped input
                 break
             except KeyboardInterrupt:
@@ -141,6 +148,23 @@ class Repl:
                     break
             else:
                 self.turn(line)
+
+    def read_line(self, read: Callable[[], str]) -> str:
+        """The next input line; over a sharded model rank 0 reads it and every rank gets it."""
+        if self.group is None:
+            return read()
+        from ..engine.distributed import broadcast_text
+
+        line: str | None = None
+        if self.group.leader:
+            try:
+                line = read()
+            except EOFError:
+                line = None
+        line = broadcast_text(self.group, line)
+        if line is None:
+            raise EOFError
+        return line
 
     def turn(self, line: str) -> None:
         """Answer ``line``: stream the reply, then save it when --save was given."""
@@ -159,6 +183,8 @@ class Repl:
                         printed = printed or bool(chunk.text)
                         if keys.pressed.is_set():
                             break
+            except DistributedError:
+                raise  # a rank died or hung: this rank cannot go on alone
             except Exception as exc:  # one clear line, never a traceback; the session goes on
                 self.last = _LastTurn(note=f"failed ({type(exc).__name__}); the conversation is unchanged")
                 if printed:
@@ -206,6 +232,8 @@ class Repl:
         try:
             with self.keys.active():
                 return self._command(name, rest)
+        except DistributedError:
+            raise  # a rank died or hung: this rank cannot go on alone
         except Exception as exc:  # one clear line, never a traceback; the session goes on
             self.error(exc)
             return None
@@ -330,11 +358,11 @@ def _need(value: str, usage: str) -> str:
     return value
 
 
-def _load_model(name: str | None, draft: bool = False):
+def _load_model(name: str | None, draft: bool = False, **options: Any):
     from ..loading import load
 
     name = name or "demo"
-    return load("demo-draft" if draft and name == "demo" else name)
+    return load("demo-draft" if draft and name == "demo" else name, **options)
 
 
 __all__ = ["Repl"]

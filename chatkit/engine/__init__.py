@@ -8,11 +8,12 @@ batching engine, a sharded model or a constrained decoder stands in behind the s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import mlx.core as mx
 
 from ..cache.state import CacheOptions, CacheState
+from ..errors import InvalidParamsError
 from ..params import LogitsProcessor, Sampler
 
 Token = tuple[int, mx.array, bool]
@@ -62,4 +63,21 @@ class TokenSource(Protocol):
         ...
 
 
-__all__ = ["DraftCount", "ProgressCallback", "Request", "Token", "TokenSource"]
+def source_for(model: Any, group: Any = None, speculative: Any = None) -> TokenSource:
+    """The token source for ``model``: local (speculative with a ``SpeculativeConfig``), or in lockstep
+    with the other ranks when ``group`` (a ``distributed.Group``) shards it over more than one."""
+    from .local import LocalSource
+
+    if group is None or not group.sharded:
+        return LocalSource(model, speculative)
+    if speculative is not None:
+        raise InvalidParamsError(
+            "Speculative decoding is not available over a sharded model: drop .speculative(...) "
+            "(or load the model without distributed=...)."
+        )
+    from .distributed import DistributedSource
+
+    return DistributedSource(model, group)
+
+
+__all__ = ["DraftCount", "ProgressCallback", "Request", "Token", "TokenSource", "source_for"]

@@ -1,0 +1,206 @@
+"""Sessions over a model sharded with mx.distributed (issue 16).
+
+Two ranks run on this machine over loopback (``mlx.launch -n 2 --backend ring``); their greedy tokens
+must equal those of the same session in one process (invariant 8). The fault cases start the two
+ranks as mlx.launch does (MLX_RANK + MLX_HOSTFILE) but without the launcher, which would otherwise
+terminate the surviving rank before it can report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+import chatkit
+from chatkit import ChatSession, GenerateParams, InvalidParamsError, ModelLoadError
+from chatkit.engine import source_for
+from chatkit.engine.distributed import Group, shard_path
+from chatkit.engine.local import LocalSource
+from chatkit.testing import tiny_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "distributed_session.py"
+LAUNCH = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
+LIMIT = 300  # seconds: every run here ends well within it, or the test fails
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+def _free_port() -> int:
+    """A port p with p and p + 1 free (mlx.launch's ring uses one port per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as t:
+                t.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _launch(*command: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    args = [*LAUNCH, "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--", sys.executable, *command]
+    return subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=LIMIT, env=_env(), cwd=ROOT)
+
+
+@cache
+def _reference(arch: str, folder: str) -> list[dict]:
+    out = Path(folder) / f"{arch}-one-process"
+    out.mkdir(parents=True)
+    done = subprocess.run([sys.executable, str(SCRIPT), arch, "none", str(out)], capture_output=True, text=True,
+                          timeout=LIMIT, env=_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "tokens.rank0.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("distributed"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "arch, strategy",
+    [("llama", "tensor"), ("qwen3", "tensor"), ("qwen3_5", "tensor"), ("qwen3_5", "pipeline")],
+)
+def test_two_ranks_give_the_tokens_of_one_process(arch, strategy, scratch):
+    reference = _reference(arch, scratch)
+    out = Path(scratch) / f"{arch}-{strategy}"
+    out.mkdir()
+    done = _launch(str(SCRIPT), arch, strategy, str(out))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    names = [t["turn"] for t in reference]
+    for rank in (0, 1):
+        turns = json.loads((out / f"tokens.rank{rank}.json").read_text())
+        assert [t["turn"] for t in turns] == names
+        for got, want in zip(turns, reference, strict=True):
+            assert got["tokens"] == want["tokens"], (rank, got["turn"])
+            assert (got["reused"], got["finish"]) == (want["reused"], want["finish"]), (rank, got["turn"])
+    by_name = {t["turn"]: t for t in reference}
+    assert by_name["reuse"]["reused"] > 0 and by_name["restored"]["reused"] > 0  # the cache was reused
+    assert len(by_name["closed early"]["tokens"]) == 3  # rank 1 iterated on: it stopped with rank 0
+    assert (out / "chat.safetensors").exists() and (out / "chat.rank1.safetensors").exists()
+    # A restore that fails on rank 1 only fails on every rank, as the same error class.
+    failures = [json.loads((out / f"restore-failures.rank{r}.json").read_text()) for r in (0, 1)]
+    for case, cls in (("missing on rank 1", "CacheFileError"), ("another save on rank 1", "IncompatibleCacheError")):
+        assert [f[case].split(":")[0] for f in failures] == [cls, cls], (case, failures)
+    assert "on rank 1 of 2" in failures[0]["missing on rank 1"]
+    assert "rank(s) 1 hold another conversation" in failures[0]["another save on rank 1"]
+    # A shard restored into one process (another layout) is refused, not misread.
+    lm = chatkit.load(tiny_model_path(arch=arch, tokenizer="bpe", seed=0))
+    with pytest.raises(chatkit.IncompatibleCacheError, match="differ"):
+        ChatSession.builder(lm).cache(out / "chat.safetensors").build()
+
+
+def _run_ranks_without_launcher(fault: str, out: Path) -> list[subprocess.Popen[str]]:
+    port = _free_port()
+    hostfile = out / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    procs = []
+    for rank in (0, 1):
+        env = dict(_env(), MLX_RANK=str(rank), MLX_HOSTFILE=str(hostfile))
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), "qwen3", "tensor", str(out), fault], env=env,
+                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.slow
+def test_a_killed_rank_gives_a_clear_error(tmp_path):
+    rank0, rank1 = _run_ranks_without_launcher("die", tmp_path)
+    try:
+        _, err = rank0.communicate(timeout=LIMIT)
+    finally:
+        rank1.kill()
+        rank1.wait()
+    assert rank1.returncode == -signal.SIGKILL
+    # A collective evaluated on its own raises at once (the backend reports the lost peer); one inside a
+    # step's graph leaves the step waiting, which the watchdog ends.
+    lost = "chatkit.errors.DistributedError: rank 0 of 2 lost rank 1 while "
+    silent = "chatkit: error: rank 0 of 2: no answer from rank 1 within 10 s while "
+    assert (rank0.returncode, lost in err) == (1, True) or (rank0.returncode, silent in err) == (75, True), err[-3000:]
+
+
+@pytest.mark.slow
+def test_a_hung_rank_stops_the_others_after_the_timeout(tmp_path):
+    rank0, rank1 = _run_ranks_without_launcher("hang", tmp_path)
+    try:
+        _, err = rank0.communicate(timeout=LIMIT)
+    finally:
+        rank1.kill()
+        rank1.wait()
+    assert rank0.returncode == 75, err[-3000:]  # the watchdog's exit code
+    assert "chatkit: error: rank 0 of 2: no answer from rank 1 within 10 s while generating" in err, err[-3000:]
+
+
+CHAT_INPUT = "Hello there.\n\nWhat next?\n/undo\n/retry\n/save {save}\n/load {save}\nAnd after loading?\n/stats\n/quit\n"  # mlx.launch never closes the ranks' stdin
+
+
+@pytest.mark.slow
+def test_the_cli_over_two_ranks_prints_the_one_process_conversation_once(tmp_path):
+    path = tiny_model_path(arch="qwen3", tokenizer="bpe", seed=0)
+    common = ["-m", "chatkit", "chat", "--model", str(path), "--max-tokens", "10"]
+    one = subprocess.run([sys.executable, *common], input=CHAT_INPUT.format(save=tmp_path / "one.safetensors"),
+                         capture_output=True, text=True, timeout=LIMIT, env=_env(), cwd=ROOT)
+    two = _launch(*common, "--distributed", "tensor", stdin=CHAT_INPUT.format(save=tmp_path / "two.safetensors"))
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-3000:]
+    assert "error" not in one.stderr and "error" not in two.stderr, two.stderr[-3000:]
+
+    def conversation(stdout: str, save: str) -> list[str]:  # /stats speeds and file sizes differ
+        lines = [line.replace(save, "FILE") for line in stdout.splitlines() if not line.startswith(("last turn", "cache:"))]
+        return [line.split(" (")[0] if line.startswith("saved") else line for line in lines]
+
+    assert conversation(two.stdout, str(tmp_path / "two.safetensors")) == conversation(
+        one.stdout, str(tmp_path / "one.safetensors"))
+    assert "undone: 'What next?'" in two.stdout
+    assert (tmp_path / "two.rank1.safetensors").exists()
+
+
+# -- in one process ------------------------------------------------------------------------------------------
+
+
+def test_a_world_of_one_loads_and_answers_as_today():
+    path = tiny_model_path(arch="qwen3", tokenizer="bpe", seed=0)
+    plain = chatkit.load(path)
+    solo = chatkit.load(path, distributed="auto")
+    assert solo.distributed is not None and (solo.distributed.size, solo.distributed.rank) == (1, 0)
+    assert solo.fingerprint == plain.fingerprint  # caches move freely between the two
+    params = GenerateParams(max_tokens=16, temperature=0.0)
+    a = ChatSession.builder(plain).generate_params(params).build()
+    b = ChatSession.builder(solo).generate_params(params).build()
+    assert isinstance(b._source, LocalSource)
+    for prompt in ("Hello there.", "And then?"):
+        with a.stream_respond(prompt) as sa, b.stream_respond(prompt) as sb:
+            assert list(c.token for c in sb) == list(c.token for c in sa)
+
+
+def test_an_unknown_strategy_is_refused():
+    with pytest.raises(ModelLoadError, match="tensor, pipeline, auto"):
+        chatkit.load(tiny_model_path(arch="qwen3", tokenizer="bpe", seed=0), distributed="data")
+
+
+def test_speculative_decoding_over_a_sharded_model_is_refused():
+    group = Group(group=None, strategy="tensor", rank=0, size=2)
+    with pytest.raises(InvalidParamsError, match="sharded"):
+        source_for(object(), group, speculative=object())
+
+
+def test_each_rank_has_its_own_cache_file():
+    two = [Group(group=None, strategy="tensor", rank=r, size=2) for r in (0, 1)]
+    assert [shard_path(g, "dir/chat.safetensors") for g in two] == [
+        Path("dir/chat.safetensors"), Path("dir/chat.rank1.safetensors")]
+    assert shard_path(None, "chat.safetensors") == Path("chat.safetensors")
