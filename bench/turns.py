@@ -31,6 +31,11 @@ ends the turn. Reports how much of each prompt chatkit reused, against the stric
 from an empty conversation and after a ~2,000-token system prompt (``--think-context``): with little
 context (the first run), no prefix cache can reuse 95% of a prompt: each turn re-renders the last reply.
 
+Part 3, chatkit's own work per turn before prefilling, in long conversations: rendering the template
+and tokenizing, at about 2k, 8k and 32k tokens of history (``--prompt-work-only`` runs just this part).
+chatkit encodes only from the last special token the new rendering shares with the previous prompt;
+"full encode" is the tokenizer encoding the whole prompt, as chatkit did before.
+
 Writes bench/out/turns.png and docs/turns.png.
 """
 
@@ -45,7 +50,7 @@ import sys
 import time
 from pathlib import Path
 
-from chatkit.cache import common_prefix_length
+from chatkit.cache.planner import common_prefix_length
 from _common import clone, describe, load_model, median, wait_until_quiet, OtherLoad
 
 import mlx.core as mx
@@ -386,7 +391,11 @@ def main() -> None:
     ap.add_argument("--think-context", type=int, default=2000,
                     help="also run the thinking conversation after a system prompt of this many tokens (0: skip)")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--prompt-work-only", action="store_true", help="only part 3 (render + tokenize per turn)")
     args = ap.parse_args()
+    if args.prompt_work_only:
+        prompt_work()
+        return
     if args.turns < 2:
         ap.error("--turns must be at least 2 (the figures are averaged over turns 2..N)")
     t_start = time.perf_counter()
@@ -431,20 +440,9 @@ def main() -> None:
         think_long = report_thinking(thinking(args, args.think_context), args.turns,
                                      f"after a ~{args.think_context}-token system prompt")
 
-    # chatkit's own work before the prefill, at the last turn's length: render and tokenize.
-    lm = load_model("bpe")
-    text = last_session.render("One more question about the castle?")
-    t0 = time.perf_counter()
-    for _ in range(5):
-        text = last_session.render("One more question about the castle?")
-    t_render = (time.perf_counter() - t0) / 5
-    t0 = time.perf_counter()
-    for _ in range(5):
-        ids = lm.tokenizer.encode(text, add_special_tokens=False)
-    t_encode = (time.perf_counter() - t0) / 5
     print()
-    print(f"chatkit's work before prefilling, at {len(ids)} prompt tokens: render the template {t_render * 1e3:.1f} ms, "
-          f"tokenize {t_encode * 1e3:.1f} ms (of a {last['a']:.0f} ms TTFT)")
+    print("chatkit's work per turn before prefilling, as the history grows (median of 9 turns each):")
+    prompt_work()
 
     print(load.report())
     if not args.no_plot:
@@ -455,6 +453,43 @@ def main() -> None:
         shutil.copyfile(out, docs)
         print(f"\nplot: {out.relative_to(ROOT)} (copied to {docs.relative_to(ROOT)})")
     print(f"total time {time.perf_counter() - t_start:.0f} s")
+
+
+def prompt_work(sizes=(2000, 8000, 32000), turns: int = 9) -> None:
+    """Median per-turn render and encode times as the history grows (no model runs)."""
+    from chatkit import ChatMessage
+    from chatkit.template import ChatTemplate
+    from chatkit.turn import Prompting
+
+    lm = load_model("bpe")
+    rng = random.Random(7)
+    params = GenerateParams()
+    print(f"{'history':>8} {'prompt':>7} {'render':>9} {'chatkit: render + encode':>25} "
+          f"{'before: render + full encode':>29}")
+    for size in sizes:
+        prompting = Prompting(ChatTemplate(lm.tokenizer), "You are a helpful assistant.", None)
+        history: list = []
+        while len(prompting.ids(history, params, add_generation_prompt=False)) < size:
+            history += [ChatMessage.user(sentence_text(rng, lm.tokenizer, USER_TOKENS, "?")),
+                        ChatMessage.assistant(sentence_text(rng, lm.tokenizer, MAX_TOKENS, "."))]
+        prompting.ids(history, params)  # the previous turn's prompt
+        render, chatkit, before = [], [], []
+        for _ in range(turns):
+            message = ChatMessage.user(sentence_text(rng, lm.tokenizer, USER_TOKENS, "?"))
+            t0 = time.perf_counter()
+            text = prompting.text([*history, message], params)
+            t1 = time.perf_counter()
+            ids = prompting.ids([*history, message], params)  # what a turn does
+            t2 = time.perf_counter()
+            whole = lm.tokenizer.encode(text, add_special_tokens=False)
+            t3 = time.perf_counter()
+            assert ids == whole, "incremental encoding differs from a full encode"
+            render.append(t1 - t0)
+            chatkit.append(t2 - t1)
+            before.append((t1 - t0) + (t3 - t2))
+            history += [message, ChatMessage.assistant(sentence_text(rng, lm.tokenizer, MAX_TOKENS, "."))]
+        print(f"{size:>8} {len(ids):>7} {median(render) * 1e3:>7.2f}ms {median(chatkit) * 1e3:>23.2f}ms "
+              f"{median(before) * 1e3:>27.2f}ms")
 
 
 def describe_short() -> str:

@@ -199,6 +199,7 @@ class PromptEncoder:
         """Ids of ``text[start:]`` (``start`` is 0 or an added token's start) and the (char, id index)
         of each added token in it, relative to ``start``."""
         tail = text[start:]
+        assert self._backend is not None
         if _MARK not in tail:
             encoding = self._backend.encode(tail, add_special_tokens=False)
             ids, offsets, added = encoding.ids, encoding.offsets, self._added

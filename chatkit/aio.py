@@ -8,7 +8,7 @@ import threading
 import mlx.core as mx
 from typing import Any, Callable
 
-from .stream import ResponseStream, StreamChunk, TurnStats
+from .stream import GuidedStream, ResponseStream, StreamChunk, TurnStats
 
 END = object()  # what pump() hands over after the last chunk
 LOOKAHEAD = 2  # chunks a worker may compute before the consumer takes them
@@ -169,4 +169,20 @@ def _call(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -
         pass  # the event loop is gone; the turn is committed anyway
 
 
-__all__ = ["AsyncResponseStream"]
+class AsyncGuidedStream(AsyncResponseStream):
+    """An :class:`AsyncResponseStream` over a guided reply: ``partial`` and ``value`` too."""
+
+    def __init__(self, stream: GuidedStream, stop: threading.Event | None = None) -> None:
+        super().__init__(stream.stream, stop=stop)
+        self._guided = stream
+
+    @property
+    def partial(self) -> Any:
+        return self._guided.partial
+
+    @property
+    def value(self) -> Any:
+        return self._guided.value
+
+
+__all__ = ["AsyncGuidedStream", "AsyncResponseStream"]

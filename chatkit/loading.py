@@ -77,13 +77,13 @@ def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
     """
     args = getattr(model, "args", None)
     arch_args = vars(args) if args is not None and hasattr(args, "__dict__") else {}
-    params = tree_flatten(model.parameters())
+    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
     samples = [p.reshape(-1)[:8].astype(mx.float32) for _, p in params]
     mx.eval(samples)
     return {
         "architecture": _digest([type(model).__module__, type(model).__name__, arch_args]),
         "parameters": _digest([(name, list(p.shape), str(p.dtype)) for name, p in params]),
-        "weights": _digest([[round(v, 5) for v in s.tolist()] for s in samples]),
+        "weights": _digest([[round(float(v), 5) for v in s.tolist()] for s in samples]),  # type: ignore[union-attr,arg-type]
         "vocabulary": _digest(sorted(_tokenizer.vocabulary(tokenizer).items(), key=lambda kv: kv[1])),
         "chat_template": _digest(_tokenizer.chat_template(tokenizer) or ""),
     }
@@ -105,7 +105,7 @@ def load(path_or_repo: str | os.PathLike[str], **tokenizer_config: Any) -> Loade
     if source in ("demo", "demo-draft"):
         source = str(demo.draft_path() if source == "demo-draft" else demo.path())
     try:
-        model, tokenizer, config = mlx_load(
+        model, tokenizer, config = mlx_load(  # type: ignore[misc]  # 3 values with return_config
             source, tokenizer_config=tokenizer_config or None, return_config=True
         )
     except Exception as exc:  # mlx-lm raises many kinds: missing files, hub errors, bad configs

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from . import _tokenizer
-from .aio import AsyncResponseStream
+from .aio import AsyncGuidedStream, AsyncResponseStream
 from .cache import store
 from .cache.state import CacheInfo, CacheOptions, CacheState
 from .conversation import Conversation
@@ -29,15 +29,14 @@ from .errors import (
 )
 from .loading import LoadedModel
 from .messages import ChatMessage, MessageLike, Role, as_message, check_instructions
-from .params import GenerateParams
+from .params import GenerateParams, LogitsProcessor
 from .speculative import SpeculativeConfig, check_cache_options
-from .stream import ResponseStream, TurnResult, TurnStats
+from .stream import GuidedStream, ResponseStream, TurnResult, TurnStats
 from .template import ChatTemplate, check_tools
 from .turn import Prompting, Turn
 
 if TYPE_CHECKING:
     from .builder import ChatSessionBuilder
-    from .guided.turn import GuidedStream
 
 ProgressCallback = Callable[[int, int], None]
 STOPPING_TURN_WAIT = 60.0  # seconds; a stopping async turn may still be finishing a prefill chunk
@@ -184,7 +183,7 @@ class ChatSession:
         """
         with self._idle("save the cache"):
             cache = self._conversation.cache
-            if cache.empty:
+            if cache.empty or cache.layers is None:
                 raise NoCacheAvailableError("There is no KV cache to save yet: run a turn first.")
             return store.save(
                 path,
@@ -263,42 +262,49 @@ class ChatSession:
     # -- turns --------------------------------------------------------------------------------
     def respond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
-        output: Any = None, regex: str | None = None, grammar: str | None = None,
+        output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
     ) -> Any:
         """Send ``prompt`` and return the whole reply. With ``output=`` (a type or a JSON Schema),
         ``regex=`` or ``grammar=`` (Lark) the reply is constrained and its value is returned
         (:mod:`chatkit.guided`; ``IncompleteOutputError`` if ``max_tokens`` cut it short)."""
-        with self.stream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar) as stream:
+        with self.stream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar,
+                                  include_schema=include_schema) as stream:
             for _ in stream:
                 pass
         return stream.value if _guided(output, regex, grammar) else stream.text
 
     def stream_respond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
-        output: Any = None, regex: str | None = None, grammar: str | None = None,
+        output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
     ) -> ResponseStream | GuidedStream:
         """Send ``prompt`` and return the reply as a :class:`ResponseStream` of text chunks.
 
         ``prompt`` is the text of a message from ``role`` (user by default; tool results with
         ``Role.TOOL``), or a ``ChatMessage``/dict. Nothing runs until the stream is iterated. With
-        ``output=`` / ``regex=`` / ``grammar=`` the stream also has ``partial`` and ``value``.
+        ``output=`` / ``regex=`` / ``grammar=`` it is a ``GuidedStream`` with ``partial`` and ``value``;
+        ``include_schema`` appends the spec's description to a text prompt (the model then follows it
+        with fewer forced tokens).
         """
-        if _guided(output, regex, grammar):  # the constraint rides on this turn's logits processors
-            from .guided.turn import stream_respond as guided_stream
+        message = _prompt_message(prompt, role)
+        if not _guided(output, regex, grammar):
+            return self._open_turn(message)
+        from .guided.turn import guide  # the guided extra
 
-            return guided_stream(self, prompt, output=output, regex=regex, grammar=grammar, role=role)
-        return self._open_turn(_prompt_message(prompt, role))
+        message, constraint = guide(
+            message, self.model.tokenizer, self.render, output=output, regex=regex, grammar=grammar,
+            include_schema=include_schema,
+        )
+        return GuidedStream(self._open_turn(message, constraint), constraint)
 
     def astream_respond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
-        output: Any = None, regex: str | None = None, grammar: str | None = None,
+        output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
     ) -> AsyncResponseStream:
         """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread."""
         stop = threading.Event()  # stream_respond may still wait on the previous async turn's
-        inner = self.stream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar)
-        if _guided(output, regex, grammar):
-            from .guided.turn import AsyncGuidedStream
-
+        inner = self.stream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar,
+                                  include_schema=include_schema)
+        if isinstance(inner, GuidedStream):
             stream: AsyncResponseStream = AsyncGuidedStream(inner, stop=stop)
         else:
             stream = AsyncResponseStream(inner, stop=stop)
@@ -307,10 +313,11 @@ class ChatSession:
 
     async def arespond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER,
-        output: Any = None, regex: str | None = None, grammar: str | None = None,
+        output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
     ) -> Any:
         """As :meth:`respond`, without blocking the event loop. Cancelling it commits the reply so far."""
-        async with self.astream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar) as stream:
+        async with self.astream_respond(prompt, role=role, output=output, regex=regex, grammar=grammar,
+                                   include_schema=include_schema) as stream:
             async for _ in stream:
                 pass
         return stream.value if _guided(output, regex, grammar) else stream.text
@@ -322,10 +329,13 @@ class ChatSession:
             return self._prompting().text(history, self._params, add_generation_prompt=False)
         return self._prompting().text([*history, _prompt_message(prompt, role)], self._params)
 
-    def _open_turn(self, message: ChatMessage | None) -> ResponseStream:
+    def _open_turn(self, message: ChatMessage | None, constraint: LogitsProcessor | None = None) -> ResponseStream:
         """Take the turn and prepare it: answer ``message`` after the history, or (``None``) answer the
-        last prompt again. The turn is held until the stream commits or aborts."""
+        last prompt again; ``constraint`` (guided output) masks every step after the session's own
+        processors. The turn is held until the stream commits or aborts."""
         params = self._params.copy()
+        if constraint is not None:
+            params = params.copy(logits_processors=[*params.logits_processors, constraint])
         params.validate()
         if not self._take_turn():
             raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")

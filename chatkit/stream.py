@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm.generate import TextStateMachine
 
 from .engine import Token
+from .errors import ChatKitError
 
 
 @dataclass(frozen=True)
@@ -280,4 +281,58 @@ class ResponseStream:
             self._turn.abort(exc)
 
 
-__all__ = ["ResponseStream", "StreamChunk", "TurnResult", "TurnStats", "TurnSteps"]
+class ValueReader(Protocol):
+    """What turns a guided reply's tokens into its value (``chatkit.guided.Constraint``)."""
+
+    spec: Any
+
+    def text_of(self, tokens: Sequence[int]) -> str: ...
+
+    def finish(self, tokens: Sequence[int] | None = None) -> Any: ...
+
+
+class GuidedStream:
+    """A :class:`ResponseStream` whose reply is a value (guided generation): ``partial`` while it
+    streams, ``value`` once it has ended; the rest is the stream's."""
+
+    def __init__(self, stream: ResponseStream, reader: ValueReader) -> None:
+        self.stream = stream
+        self.constraint = reader
+
+    @property
+    def partial(self) -> Any:
+        """The latest partial value: for JSON the complete fields so far (``None`` before any)."""
+        return self.constraint.spec.partial(self.constraint.text_of(self.stream.tokens))
+
+    @property
+    def value(self) -> Any:
+        """The final value, once the stream has ended: ``IncompleteOutputError`` when the reply stopped
+        before the value was complete (``max_tokens``, ``close()``); the turn is committed as far as it
+        went either way."""
+        if not self.stream.closed:
+            raise ChatKitError("The stream has not ended yet: iterate it to the end (or close it) first.")
+        return self.constraint.finish(self.stream.tokens)
+
+    text = property(lambda self: self.stream.text, doc="The reply's text so far (the value's JSON or text).")
+    tokens = property(lambda self: self.stream.tokens, doc="Token ids generated so far.")
+    finish_reason = property(lambda self: self.stream.finish_reason)
+    stats = property(lambda self: self.stream.stats, doc="The turn's ``TurnStats`` once closed.")
+    closed = property(lambda self: self.stream.closed)
+
+    def __iter__(self) -> "GuidedStream":
+        return self
+
+    def __next__(self) -> StreamChunk:
+        return next(self.stream)
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def __enter__(self) -> "GuidedStream":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stream.close()
+
+
+__all__ = ["GuidedStream", "ResponseStream", "StreamChunk", "TurnResult", "TurnStats", "TurnSteps", "ValueReader"]

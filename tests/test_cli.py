@@ -1,13 +1,21 @@
-"""The chatkit command for real: a REPL in a pseudo-terminal, Ctrl-C mid-reply, save/undo/load."""
+"""The chatkit command for real: a REPL in a pseudo-terminal (prompt_toolkit), Ctrl-C mid-reply,
+save/undo/load, line editing and history; piped input; flags, errors and inspect."""
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pexpect
 import pytest
 
 from chatkit.testing import tiny_model_path
+
+# prompt_toolkit switches bracketed paste on each time it starts reading a line: the REPL is waiting.
+PROMPT = "\x1b[?2004h"
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|[\x08\r]")
+LIBRARY_NAMES = re.compile(r"max_kv_size|kv_group_size|kv_bits\(|\.speculative\(|\.cache\(|clear\(\)|GenerateParams\.")
 
 
 @pytest.fixture(scope="module")
@@ -15,76 +23,319 @@ def model_dir():
     return str(tiny_model_path(arch="qwen3", tokenizer="bpe"))
 
 
-def spawn(*args, timeout=180):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    child = pexpect.spawn(sys.executable, ["-m", "chatkit", *args], env=env, encoding="utf-8", timeout=timeout)
+def plain(text):
+    return ANSI.sub("", text)
+
+
+def spawn(*args, tmp_path, env=None, timeout=180):
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "TERM": "xterm",
+        "PROMPT_TOOLKIT_NO_CPR": "1",  # pexpect is no terminal: nobody answers cursor position requests
+        "CHATKIT_HISTORY_FILE": str(tmp_path / "history"),
+        **(env or {}),
+    }
+    env = {k: v for k, v in env.items() if v is not None}
+    child = pexpect.spawn(sys.executable, ["-m", "chatkit", *args], env=env, encoding="utf-8",
+                          timeout=timeout, dimensions=(40, 200))
     child.expect("Ctrl-D to quit")
     return child
 
 
 def prompt(child):
-    child.expect_exact("> ")
+    child.expect_exact(PROMPT)
+    return plain(child.before)
+
+
+def ask(child, line):
+    """Send a line, return what the REPL printed until its next prompt (escape codes removed)."""
+    child.sendline(line)
+    return prompt(child)
 
 
 def interrupted_reply(child, text):
     child.sendline(text)
-    child.expect_exact(text + "\r\n")  # the terminal's echo of the line
-    child.expect(r"\S")  # the reply has started streaming
+    child.expect_exact("\x1b[?2004l")  # the line was read: the reply is being generated
+    child.expect(r"\w")  # and has started streaming
     child.sendintr()
     child.expect_exact("[stopped]")
     prompt(child)
 
 
+def run(*args, stdin="", env=None, timeout=120):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "chatkit", *args], input=stdin, capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
 def test_repl_conversation_with_ctrl_c_save_undo_and_load(model_dir, tmp_path):
     saved, after_undo = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
-    child = spawn("chat", "--model", model_dir, "--max-tokens", "3000")
+    child = spawn("chat", "--model", model_dir, "--max-tokens", "3000", tmp_path=tmp_path)
     prompt(child)
-    interrupted_reply(child, "Tell me a long story")
-    child.sendline("/stats")
-    child.expect("finish: cancelled")
+    child.sendline("Tell me a long story")
+    child.expect_exact("\x1b[?2004l")
+    child.expect(r"\w")
+    child.send("/sta")  # typed while the reply streams: kept for the next prompt, not echoed into the reply
+    child.sendintr()
+    child.expect_exact("[stopped]")
     prompt(child)
-    child.sendline(f"/save {saved}")
-    child.expect(r"saved \d+ tokens, 2 messages")
-    prompt(child)
+    child.send("ts\r")
+    assert "finish: cancelled" in prompt(child)
+    assert re.search(r"saved \d+ tokens, 2 messages", ask(child, f"/save {saved}"))
     interrupted_reply(child, "Another one")
-    child.sendline("/undo")
-    child.expect_exact("undone: 'Another one'")
-    prompt(child)
-    child.sendline("/load /no/such/file.safetensors")
-    child.expect("error: No cache file")  # one line, no traceback, and the session goes on
-    prompt(child)
-    child.sendline(f"/save {after_undo}")
-    child.expect(r"saved \d+ tokens, 2 messages")
-    prompt(child)
+    assert "undone: 'Another one'" in ask(child, "/undo")
+    assert "error: No cache file" in ask(child, "/load /no/such/file.safetensors")  # one line, goes on
+    assert re.search(r"saved \d+ tokens, 2 messages", ask(child, f"/save {after_undo}"))
     child.sendline("/quit")
     child.expect(pexpect.EOF)
     assert "Traceback" not in child.before
 
-    again = spawn("chat", "--model", model_dir, "--max-tokens", "3000")
+    again = spawn("chat", "--model", model_dir, "--max-tokens", "3000", tmp_path=tmp_path)
     prompt(again)
-    again.sendline(f"/load {after_undo}")
-    again.expect(r"loaded .*: 2 messages, \d+ tokens cached")
-    prompt(again)
+    assert re.search(r"loaded .*: 2 messages, \d+ tokens cached", ask(again, f"/load {after_undo}"))
     interrupted_reply(again, "Go on")
-    again.sendline("/stats")
-    again.expect(r"prompt \d+ tokens \((\d+) reused")
-    assert int(again.match.group(1)) > 0, "the loaded cache was reused"
-    prompt(again)
+    reused = re.search(r"prompt \d+ tokens \((\d+) reused", ask(again, "/stats"))
+    assert int(reused.group(1)) > 0, "the loaded cache was reused"
     again.sendeof()
     again.expect(pexpect.EOF)
 
-    out = subprocess.run([sys.executable, "-m", "chatkit", "inspect", str(after_undo)], capture_output=True, text=True)
+    out = run("inspect", str(after_undo))
     assert out.returncode == 0 and "turns: 1, messages: 2" in out.stdout and "Tell me a long story" in out.stdout
+
+
+def test_ctrl_c_during_the_first_reply_while_mlx_compiles_its_kernels(tmp_path):
+    """MLX's CPU backend compiles fused kernels with g++ in a child process during the first reply.
+    A Ctrl-C that reached that child as SIGINT killed it: "Could not load C++ shared library", turn lost."""
+    kernels = tmp_path / "tmp"
+    kernels.mkdir()  # an empty TMPDIR: MLX has no compiled kernel yet and must build them now
+    child = spawn("chat", tmp_path=tmp_path, env={"TMPDIR": str(kernels)})
+    prompt(child)
+    child.sendline("My name is Ada.")
+    child.expect_exact("\x1b[?2004l")  # the line was read: MLX starts on the reply
+    child.sendintr()  # at once, while the kernels are being compiled
+    out = prompt(child)
+    assert "[stopped]" in out and "error" not in out, out
+    stats = ask(child, "/stats")
+    assert "conversation: 2 messages" in stats and "finish: cancelled" in stats  # the stopped reply was kept
+    assert "7 + 5 = 12." in ask(child, "What is 7 + 5?")  # and the program goes on
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    assert "Traceback" not in child.before and "Could not load" not in child.before
+    assert list(kernels.glob("mlx/*/cpu/*.so")), "the first reply compiled kernels in this run"
+
+
+def test_line_editing_history_search_paste_and_ctrl_d(tmp_path):
+    data = tmp_path / "data"
+    env = {"CHATKIT_HISTORY_FILE": None, "XDG_DATA_HOME": str(data)}  # the user's data folder
+    child = spawn("chat", tmp_path=tmp_path, env=env)
+    prompt(child)
+    assert "system prompt set" in ask(child, "/system Be brief.")
+    child.send("What is 7 5?" + "\x1b[D" * 2 + "+ \r")  # Left twice, then insert: "What is 7 + 5?"
+    assert "7 + 5 = 12." in prompt(child)
+    child.send("\x1b[200~My name is\r\nAda.\x1b[201~\r")  # a pasted message of two lines: one message
+    prompt(child)
+    child.send("What is\x1b\rmy name?\r")  # Esc Enter: a new line inside the message
+    prompt(child)
+    assert "conversation: 6 messages" in ask(child, "/stats")  # three exchanges
+    child.sendeof()  # Ctrl-D on an empty line: leave, the shell's prompt on a new line
+    child.expect(pexpect.EOF)
+    assert plain(child.before).endswith("\n") and "Traceback" not in child.before
+    history = (data / "chatkit" / "history").read_text()
+    assert "+My name is\n+Ada." in history and "+What is\n+my name?" in history and "+What is 7 + 5?" in history
+
+    again = spawn("chat", tmp_path=tmp_path, env=env)
+    prompt(again)
+    again.send("\x1b[A\r")  # Up: the last line of the last run
+    assert "conversation: 0 messages" in prompt(again)
+    again.send("\x12sys\r\r")  # Ctrl-R: search the history, Enter takes the match, Enter sends it
+    assert "system prompt set" in prompt(again)
+    again.sendeof()
+    again.expect(pexpect.EOF)
 
 
 def test_commands_without_a_terminal_and_errors(model_dir, tmp_path):
     script = "\n".join(["Hello", "/retry", "/system Be brief.", "/clear", "/undo", "/help", "/nope", "/quit"]) + "\n"
-    out = subprocess.run(
-        [sys.executable, "-m", "chatkit", "--model", model_dir, "--max-tokens", "5"],
-        input=script, capture_output=True, text=True, timeout=120,
-    )
+    out = run("--model", model_dir, "--max-tokens", "5", stdin=script)
     assert out.returncode == 0, out.stderr
     assert "system prompt set" in out.stdout and "cleared" in out.stdout and "/retry" in out.stdout
     assert "error: There is no exchange to undo" in out.stderr and "Traceback" not in out.stderr
-    bad = subprocess.run([sys.executable, "-m", "chatkit", "inspect", str(tmp_path)], capture_output=True, text=True)
+    bad = run("inspect", str(tmp_path))
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
+
+
+def test_save_into_a_missing_folder_is_refused_at_start(tmp_path):
+    target = tmp_path / "no" / "such" / "chat.safetensors"
+    out = run("--save", str(target), stdin="My name is Ada.\n")
+    assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr
+    assert out.stderr.count("\n") == 1 and "--save" in out.stderr and "does not exist" in out.stderr
+    assert not target.parent.exists()
+    folder = run("--save", str(tmp_path), stdin="Hi\n")
+    assert folder.returncode == 2 and "is a folder" in folder.stderr
+
+    session = run(stdin=f"My name is Ada.\n/save {target}\n/save {tmp_path / 'ok.safetensors'}\n")
+    assert session.returncode == 0 and "Traceback" not in session.stderr
+    assert "/save" in session.stderr and "does not exist" in session.stderr and "tmp.safetensors" not in session.stderr
+    assert "saved" in session.stdout and (tmp_path / "ok.safetensors").is_file()
+
+
+def test_resume_applies_the_flags_given_with_it(tmp_path):
+    saved = tmp_path / "chat.safetensors"
+    first = run("--save", str(saved), stdin="My name is Ada.\n")
+    assert first.returncode == 0 and saved.is_file(), first.stderr
+
+    plain_resume = run("--resume", str(saved), stdin="What is my name?\n/stats\n")
+    assert "Your name is Ada." in plain_resume.stdout and "finish: stop" in plain_resume.stdout
+
+    out = run("--resume", str(saved), "--max-tokens", "2", "--system", "Be brief.", stdin="What is my name?\n/stats\n")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+    assert "2 generated" in out.stdout and "finish: length" in out.stdout  # --max-tokens applied
+    assert "with a system prompt" in out.stdout  # --system applied
+    assert "--system, --max-tokens from the command line override the file's" in out.stderr
+
+    window = run("--resume", str(saved), "--max-kv-size", "16", stdin="What is 7 + 5?\nSpell tiger.\n/stats\n")
+    assert window.returncode == 0 and "cache: 16 tokens" in window.stdout and "RotatingKVCache" in window.stdout
+    assert "not made with --max-kv-size 16" in window.stderr, window.stderr
+
+    draft = run("--resume", str(saved), "--draft", "demo", stdin="What is my name?\n/stats\n")
+    assert draft.returncode == 0 and "Your name is Ada." in draft.stdout, draft.stderr
+    assert "proposed tokens accepted" in draft.stdout and not LIBRARY_NAMES.search(draft.stderr)
+
+
+def test_cache_flags_follow_one_rule_and_errors_name_flags(tmp_path):
+    quantized = run("--kv-bits", "4", stdin="My name is Ada.\nWhat is my name?\n/stats\n")
+    assert quantized.returncode == 0, quantized.stderr  # a group size dividing the demo's head size (32)
+    assert "Your name is Ada." in quantized.stdout and "QuantizedKVCache" in quantized.stdout
+
+    refusals = {
+        ("--kv-bits", "4", "--kv-group-size", "64"): "--kv-group-size 32",
+        ("--max-kv-size", "0"): "use 8 or more, or leave the flag out",
+        ("--max-kv-size", "5"): "use 8 or more, or leave the flag out",
+        ("--kv-bits", "7"): "--kv-bits",
+        ("--draft", "demo", "--max-kv-size", "64"): "--draft cannot be combined with --max-kv-size",
+        ("--draft", "demo", "--kv-bits", "8"): "--draft cannot be combined with --kv-bits",
+        ("--temp", "-1"): "--temp",
+        ("--max-tokens", "0"): "--max-tokens",
+    }
+    for flags, expected in refusals.items():
+        out = run(*flags, stdin="Hi\n")
+        assert out.returncode == 2 and expected in out.stderr, (flags, out.stderr)
+        assert "Traceback" not in out.stderr and not LIBRARY_NAMES.search(out.stderr), (flags, out.stderr)
+    helped = run("chat", "--help")
+    assert "N >= 8 (default: no limit)" in " ".join(helped.stdout.split())
+
+
+def test_a_message_longer_than_the_context_window(tmp_path):
+    alone = run(stdin=" ".join(["word"] * 500) + "\nMy name is Ada.\n")
+    assert alone.returncode == 0 and "Nice to meet you, Ada." in alone.stdout  # and the chat goes on
+    assert "Send a shorter message" in alone.stderr and "would not help" in alone.stderr
+
+    system = " ".join(["Answer briefly."] * 135)  # ~420 of the demo's 448 tokens
+    full = run("--system", system, stdin="My name is Ada.\nWhat is 7 + 5?\nSpell tiger.\n/stats\n")
+    assert "context window" in full.stderr and "/undo drops the last exchange" in full.stderr, full.stderr
+    assert "last turn: failed" in full.stdout and "conversation: 4 messages" in full.stdout
+
+
+def test_stats_report_what_the_cache_holds(tmp_path):
+    out = run(stdin="My name is Ada.\n/stats\nWhat is 7 + 5?\n/undo\n/stats\n/clear\n/stats\n")
+    first, undone, cleared = out.stdout.split("conversation:")[1:]
+    assert "prompt 13 tokens" in first and "21 tokens" in first
+    assert "last turn: undone" in undone and "prompt" not in undone and "2 messages" in undone
+    assert "cache: empty" in cleared and "last turn: none since /clear" in cleared and "layers" not in cleared
+
+    rotating = run("--max-kv-size", "50", stdin="My name is Ada.\nWhat is 7 + 5?\nSpell tiger.\nI live in Lyon.\n/stats\n")
+    assert rotating.returncode == 0, rotating.stderr
+    assert "cache: 50 tokens" in rotating.stdout and "window of the last 50 tokens" in rotating.stdout
+
+
+def test_version_help_and_inspect(tmp_path):
+    version = run("--version")
+    assert version.returncode == 0 and re.match(r"chatkit \d+\.\d+\.\d+ \(mlx .*, mlx-lm .*\)", version.stdout)
+    helped = run("chat", "--help").stdout
+    assert "demo model" in helped and "(default: 256" in helped and "/retry" in helped and "Ctrl-R" in helped
+    assert "slower" in helped  # --draft with the demo on a CPU
+
+    saved = tmp_path / "chat.safetensors"
+    turns = ["My name is Ada.", "What is 7 + 5?", "Spell tiger.", "I live in Lyon."]
+    assert run("--save", str(saved), stdin="\n".join(turns) + "\n").returncode == 0
+    out = run("inspect", str(saved))
+    assert out.returncode == 0 and "the last 6 of 8 messages (--all shows every one)" in out.stdout
+    assert "My name is Ada." not in out.stdout
+    assert re.search(r"^  architecture +[0-9a-f]{16}$", out.stdout, re.M)
+    every = run("inspect", "--all", "--model", "demo", str(saved))
+    assert every.returncode == 0 and "8 messages:" in every.stdout and "My name is Ada." in every.stdout
+    assert "fits demo: yes" in every.stdout
+    foreign = run("inspect", "--model", str(tiny_model_path(arch="qwen3", tokenizer="bpe")), str(saved))
+    assert foreign.returncode == 1 and "another model" in foreign.stderr and "Traceback" not in foreign.stderr
+
+
+def _edit_metadata(path, **changes):
+    """Rewrite chatkit's JSON in a saved file's safetensors header (the tensors stay as they are)."""
+    import json
+    import struct
+
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    key = next(k for k, v in header["__metadata__"].items() if k.endswith("chatkit"))
+    header["__metadata__"][key] = json.dumps({**json.loads(header["__metadata__"][key]), **changes})
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n :])
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("saved") / "chat.safetensors"
+    assert run("--save", str(path), stdin="My name is Ada.\n").returncode == 0
+    return path
+
+
+@pytest.mark.parametrize("damage", ["truncated", "text", "missing", "folder", "messages: 5",
+                                    "fingerprint: a string", "generate_params: a list"])
+def test_inspect_and_resume_on_a_bad_file_print_one_line(tmp_path, good_file, damage):
+    bad = tmp_path / "bad.safetensors"
+    if damage == "truncated":
+        bad.write_bytes(good_file.read_bytes()[:100])
+    elif ":" in damage:  # valid JSON of the wrong types
+        bad.write_bytes(good_file.read_bytes())
+        field = damage.split(":")[0]
+        _edit_metadata(bad, **{field: {"messages": 5, "fingerprint": "abc", "generate_params": [1]}[field]})
+    elif damage == "text":
+        bad.write_text("not a cache file\n")
+    elif damage == "folder":
+        bad.mkdir()
+    for args in (["inspect", str(bad)], ["--resume", str(bad)]):
+        out = run(*args, stdin="Hi\n")
+        assert out.returncode in (1, 2) and out.stderr.startswith("error:"), (args, out.stderr)
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, (args, out.stderr)
+        assert "bad.safetensors" in out.stderr, (args, out.stderr)  # names the file
+
+
+def test_the_readme_says_which_phrasings_the_demo_understands():
+    """Every phrasing in README's table gets the documented reply from the demo (greedy, fresh session;
+    questions marked "after telling it" come after the facts of the table's first phrasings)."""
+    import chatkit
+    from chatkit import ChatSession, GenerateParams
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("<!-- demo-phrasings")[1].split("<!-- /demo-phrasings -->")[0]
+    rows = []
+    for line in table.splitlines():
+        if line.startswith("| `"):
+            say, answer = (cell.strip() for cell in line.strip("|").split("|"))
+            rows.append((re.findall(r"`([^`]+)`", say), answer.strip("`"), "(after telling it)" in say))
+    assert len(rows) >= 15
+    tell = [said[0] for said, answer, _ in rows if answer.startswith(("Nice to meet you", "Noted:"))]
+    lm = chatkit.load("demo")
+    wrong = []
+    for said, answer, recall in rows:
+        for phrasing in said:
+            session = ChatSession.builder(lm).generate_params(GenerateParams(max_tokens=64)).build()
+            for fact in tell if recall else ():
+                session.respond(fact)
+            reply = session.respond(phrasing)
+            if reply != answer:
+                wrong.append((phrasing, reply, answer))
+    assert not wrong

@@ -129,9 +129,13 @@ def test_quantized_cache_needs_a_group_size_that_tiles_a_head(lm):
     assert quantized.respond("What is my name?") == "Your name is Ada."
     assert set(quantized.cache_info().layer_classes) == {"QuantizedKVCache"}
 
+    # The command line picks a group size that tiles the demo's heads, and names the flag otherwise.
     cli = subprocess.run([sys.executable, "-m", "chatkit", "--kv-bits", "8"], input="Hi!\n",
                          capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 1 and "--kv-group-size 32" in cli.stderr and "Traceback" not in cli.stderr
+    assert cli.returncode == 0 and "Hello! How can I help you?" in cli.stdout, cli.stderr
+    cli = subprocess.run([sys.executable, "-m", "chatkit", "--kv-bits", "8", "--kv-group-size", "64"], input="Hi!\n",
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2 and "--kv-group-size 32" in cli.stderr and "Traceback" not in cli.stderr
 
 
 def test_demo_module_after_a_plain_import():

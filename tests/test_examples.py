@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each example is a fresh process that loads the demo pair
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 

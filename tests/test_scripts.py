@@ -10,6 +10,8 @@ import pytest
 import chatkit
 from chatkit import ChatSession, GenerateParams
 
+pytestmark = pytest.mark.slow  # trains a tiny pair in subprocesses: about half of the suite's time
+
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 TINY_RUN = ("--chat-steps", "3", "--draft-steps", "3")
 

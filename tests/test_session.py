@@ -16,7 +16,7 @@ from chatkit import (
     TemplateError,
 )
 from chatkit.errors import InvalidMessageError, InvalidParamsError
-from conftest import assert_ledger_matches_cache, fresh_reply, session_for
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
 
 COMBOS = [
     ("qwen3", "bpe"),
@@ -341,3 +341,18 @@ def test_clear_forgets_history_and_cache(tiny):
     session.clear()
     assert session.history == [] and session.cache_info().tokens == 0
     assert session.instructions == "Be brief."
+
+
+def test_cache_info_counts_what_a_rotating_cache_holds(tiny):
+    """A full rotating cache keeps counting what scrolled out in its offset; cache_info() must not."""
+    lm = tiny("qwen3", "bpe")
+    session = session_for(lm, max_kv_size=24)
+    seen = []
+    for prompt in ["Hello there", "And a second message", "And a third one, longer than before"]:
+        session.respond(prompt)
+        info, layers = session.cache_info(), cache_state(session).layers
+        held = {min(c.offset, c.max_size) for c in layers}
+        assert len(held) == 1 and info.tokens == held.pop() <= 24
+        assert len(cache_state(session).ledger) >= info.tokens  # the ledger still names every token fed
+        seen.append(info.tokens)
+    assert seen[-1] == 24 and len(cache_state(session).ledger) > 24  # the window is full and has rotated

@@ -92,7 +92,8 @@ def cut_to_offset(layer: Any) -> Any:
             return x[..., :n, :]
 
         if isinstance(layer, QuantizedKVCache):
-            keys, values = tuple(map(cut, layer.keys)), tuple(map(cut, layer.values))
+            assert layer.values is not None
+            keys, values = tuple(cut(x) for x in layer.keys), tuple(cut(x) for x in layer.values)
             return QuantizedKVCache.from_state((keys, values, n, layer.group_size, layer.bits))
         return KVCache.from_state((cut(layer.keys), cut(layer.values), n))
     if isinstance(layer, RotatingKVCache) and layer.keys is not None and layer.offset < layer.max_size:

@@ -13,6 +13,7 @@ from ._mlx import (
     can_trim,
     copy_layer,
     eval_layers,
+    held_tokens,
     layer_offset,
     make_prompt_cache,
     same_kind,
@@ -84,6 +85,13 @@ def layers_fit(model: Any, layers: Sequence[Any]) -> str | None:
     return None
 
 
+def _held(layers: Sequence[Any], ledger_length: int) -> int:
+    """Tokens the layers hold: the ledger's, cut to the longest window when every attention layer is
+    a full rotating cache (its offset keeps counting what scrolled out)."""
+    windows = [n for n in map(held_tokens, layers) if n is not None]
+    return min(ledger_length, max(windows)) if windows else ledger_length
+
+
 MAX_CHECKPOINTS = 4
 
 
@@ -98,7 +106,8 @@ class Checkpoint:
 
 @dataclass(frozen=True)
 class CacheInfo:
-    """What a session's KV cache holds: ``tokens`` cached (``opaque_tokens`` of them with unknown ids),
+    """What a session's KV cache holds: ``tokens`` the layers hold (a full rotating cache: its window;
+    ``opaque_tokens`` of them with unknown ids),
     ``nbytes`` of the layers, ``checkpoint_bytes`` held for rewinding, the layer classes, and
     whether every layer can rewind (``trimmable``)."""
 
@@ -207,7 +216,7 @@ class CacheState:
     def info(self) -> CacheInfo:
         layers = self.layers or []
         return CacheInfo(
-            tokens=len(self.ledger),
+            tokens=_held(layers, len(self.ledger)),
             opaque_tokens=self.ledger.opaque,
             nbytes=self.nbytes(),
             checkpoints=len(self.checkpoints),
@@ -221,6 +230,7 @@ class CacheState:
         if self.layers is None:
             self.reset()
             self._new_layers()
+        assert self.layers is not None
         p = plan(
             self.ledger,
             prompt,

@@ -8,8 +8,8 @@ from typing import Any, Callable, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream, speculative_generate_step, wired_limit
 
-from ..cache.state import CacheOptions, CacheState
-from ..params import LogitsProcessor, Sampler
+from ..cache.state import CacheState
+from ..params import LogitsProcessor
 from ..speculative import SpeculativeConfig
 from . import Request, Token
 
@@ -24,18 +24,13 @@ class LocalSource:
 
     def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
         assert cache.layers is not None, "prepare the cache before generating"
-        spec = self.speculative
-        draft = None if spec is None else (spec.draft.model, cache.draft_layers, spec.num_draft_tokens)
-        return generate_tokens(
-            self.model,
-            cache.layers,
-            request.suffix,
-            max_tokens=request.max_tokens,
-            sampler=request.sampler,
-            logits_processors=with_context(request.logits_processors, request.context),
-            options=request.options,
-            progress=request.progress,
-            draft=draft,
+        processors = with_context(request.logits_processors, request.context)
+        if self.speculative is None:
+            return standard_tokens(self.model, cache.layers, request, processors)
+        assert cache.draft_layers is not None, "a speculative session's cache has draft layers"
+        draft = self.speculative
+        return speculative_tokens(
+            self.model, cache.layers, draft.draft.model, cache.draft_layers, draft.num_draft_tokens, request, processors
         )
 
 
@@ -55,64 +50,66 @@ def with_context(processors: Sequence[LogitsProcessor], context: Sequence[int]) 
     return [wrap(p) for p in processors]
 
 
-def generate_tokens(
+def standard_tokens(
+    model: Any, layers: list[Any], request: Request, processors: list[LogitsProcessor]
+) -> Iterator[Token]:
+    """mlx-lm's ``generate_step``: feed ``request.suffix`` into ``layers`` (in place), yield tokens.
+    When the consumer stops, the cache holds what was fed plus the tokens yielded."""
+    options = request.options
+    steps = generate_step(
+        mx.array(request.suffix, dtype=mx.uint32),
+        model,
+        prompt_cache=layers,
+        max_tokens=request.max_tokens,
+        sampler=request.sampler,
+        logits_processors=processors or None,
+        prefill_step_size=options.prefill_step_size,
+        kv_bits=options.kv_bits,
+        kv_group_size=options.kv_group_size,
+        quantized_kv_start=options.quantized_kv_start,
+        prompt_progress_callback=request.progress,
+    )
+    with wired_limit(model, [generation_stream]):  # type: ignore[list-item]  # as mlx-lm calls it
+        try:
+            for token, logprobs in steps:
+                yield int(token), logprobs, False
+        finally:
+            steps.close()
+
+
+def speculative_tokens(
     model: Any,
     layers: list[Any],
-    suffix: Sequence[int],
-    *,
-    max_tokens: int,
-    sampler: Sampler,
-    logits_processors: Sequence[LogitsProcessor],
-    options: CacheOptions,
-    progress: Callable[[int, int], None] | None = None,
-    draft: tuple[Any, list[Any], int] | None = None,
+    draft_model: Any,
+    draft_layers: list[Any],
+    num_draft: int,
+    request: Request,
+    processors: list[LogitsProcessor],
 ) -> Iterator[Token]:
-    """Feed ``suffix`` into ``layers`` (updated in place) and yield generated tokens.
-
-    With ``draft = (draft_model, draft_layers, num_draft_tokens)`` decoding is speculative (the draft
-    layers must hold what ``layers`` hold before ``suffix``). When the consumer stops, the cache holds
-    what was fed plus the tokens yielded (a speculative run may leave the last one out).
-    """
-    prompt = mx.array(list(suffix), dtype=mx.uint32)
-    common = dict(
-        max_tokens=max_tokens,
-        sampler=sampler,
-        logits_processors=list(logits_processors) or None,
-        prefill_step_size=options.prefill_step_size,
+    """mlx-lm's ``speculative_generate_step`` (the draft layers hold what ``layers`` hold before the
+    suffix). It leaves the target cache one token short of what it yielded, except inside an accepted
+    draft run: the caller reads the offsets back."""
+    suffix, progress = request.suffix, request.progress
+    prompt = mx.array(suffix, dtype=mx.uint32)
+    # mlx-lm's speculative step reports no prefill progress and shows logits processors none of
+    # the prompt but its last token: prefill the rest here, in its chunks, and hand it one token.
+    # mlx-lm splits the cache list at len(model.layers): target layers first, then the draft's.
+    steps = speculative_generate_step(
+        prompt[-1:], model, draft_model,
+        prompt_cache=[*layers, *draft_layers],
+        num_draft_tokens=num_draft,
+        max_tokens=request.max_tokens,
+        sampler=request.sampler,
+        logits_processors=with_context(processors, suffix[:-1]) or None,
+        prefill_step_size=request.options.prefill_step_size,
     )
-    if draft is None:
-        steps = generate_step(
-            prompt,
-            model,
-            prompt_cache=layers,
-            kv_bits=options.kv_bits,
-            kv_group_size=options.kv_group_size,
-            quantized_kv_start=options.quantized_kv_start,
-            prompt_progress_callback=progress,
-            **common,
-        )
-        tokens = ((token, logprobs, False) for token, logprobs in steps)
-    else:
-        # mlx-lm's speculative step reports no prefill progress and shows logits processors none of
-        # the prompt but its last token: prefill the rest here, in its chunks, and hand it one token.
-        draft_model, draft_layers, num_draft = draft
-        common["logits_processors"] = with_context(logits_processors, suffix[:-1]) or None
-        # mlx-lm splits the list at len(model.layers): target layers first, then the draft's.
-        tokens = steps = speculative_generate_step(
-            prompt[-1:], model, draft_model, prompt_cache=[*layers, *draft_layers], num_draft_tokens=num_draft,
-            **common,
-        )
-    with wired_limit(model, [generation_stream]):
+    with wired_limit(model, [generation_stream]):  # type: ignore[list-item]  # as mlx-lm calls it
         try:
-            if draft is not None:
-                _prefill_both(model, layers, draft_model, draft_layers, prompt, options.prefill_step_size, progress)
-                first = next(steps, None)
-                if progress is not None:  # the prompt is in once the first token is out, as generate_step says
+            _prefill_both(model, layers, draft_model, draft_layers, prompt, request.options.prefill_step_size, progress)
+            for i, (token, logprobs, from_draft) in enumerate(steps):
+                if i == 0 and progress is not None:  # the prompt is in once the first token is out
                     progress(len(suffix), len(suffix))
-                if first is None:
-                    return
-                yield first
-            yield from tokens
+                yield int(token), logprobs, bool(from_draft)
         finally:
             steps.close()
 
@@ -136,4 +133,4 @@ def _prefill_both(model: Any, layers: list[Any], draft_model: Any, draft_layers:
             mx.clear_cache()
 
 
-__all__ = ["LocalSource", "generate_tokens", "with_context"]
+__all__ = ["LocalSource", "speculative_tokens", "standard_tokens", "with_context"]

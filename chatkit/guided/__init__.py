@@ -23,11 +23,13 @@ from .describe import instructions, response_format
 from .partial import partial_json
 from .spec import OutputSpec, matches, output_spec, strict_schema
 from .tokenizer import llg_tokenizer
-from .turn import GuidedStream, respond, stream_respond
+from ..stream import GuidedStream
+from .turn import guide, respond, stream_respond
 
 __all__ = [
     "Constraint",
     "GuidedStream",
+    "guide",
     "OutputSpec",
     "constraint",
     "instructions",

@@ -16,10 +16,11 @@ tokens: the JSON (or regex / grammar text), also when it is incomplete; ``sessio
 
 from __future__ import annotations
 
-from typing import Any, Literal, Sequence
+from dataclasses import replace
+from typing import Any, Callable, Literal
 
-from ..aio import AsyncResponseStream
-from ..errors import ChatKitError, InvalidOutputSpecError
+from ..errors import InvalidOutputSpecError
+from ..messages import ChatMessage
 from .constraint import Constraint
 from .describe import instructions
 from .spec import OutputSpec, output_spec
@@ -27,108 +28,50 @@ from .spec import OutputSpec, output_spec
 Describe = Literal["prompt", "none"]
 
 
-class GuidedStream:
-    """A session's ``ResponseStream`` (chunks of the reply's text) with the guided value on top:
-    ``partial`` while it streams, ``value`` once it has ended."""
-
-    def __init__(self, stream: Any, constraint: Constraint) -> None:
-        self._stream = stream
-        self.constraint = constraint
-
-    @property
-    def spec(self) -> OutputSpec:
-        return self.constraint.spec
-
-    @property
-    def stream(self) -> Any:
-        """The underlying ``ResponseStream`` (text, tokens, finish_reason, stats)."""
-        return self._stream
-
-    @property
-    def text(self) -> str:
-        return self._stream.text
-
-    @property
-    def partial(self) -> Any:
-        """The latest partial value: for JSON the complete fields so far (``None`` before any)."""
-        return self.spec.partial(self.constraint.text_of(self._stream.tokens))
-
-    @property
-    def value(self) -> Any:
-        """The final value (after the stream has ended). Raises ``IncompleteOutputError`` when the reply
-        stopped before the value was complete (``max_tokens``, ``close()``); the turn is committed
-        as far as it went either way."""
-        if not self._stream.closed:
-            raise ChatKitError("The stream has not ended yet: iterate it to the end (or close it) first.")
-        return self.constraint.finish(self._stream.tokens)
-
-    def __getattr__(self, name: str) -> Any:  # the rest of ResponseStream: tokens, stats, closed...
-        if name.startswith("__") or name == "_stream":
-            raise AttributeError(name)
-        return getattr(self._stream, name)
-
-    def __iter__(self) -> "GuidedStream":
-        return self
-
-    def __next__(self) -> Any:
-        return next(self._stream)
-
-    def close(self) -> None:
-        self._stream.close()
-
-    def __enter__(self) -> "GuidedStream":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stream.close()
-
-
-def stream_respond(
-    session: Any,
-    prompt: Any,
+def guide(
+    message: ChatMessage,
+    tokenizer: Any,
+    render: Callable[[ChatMessage], str],
     *,
     output: Any = None,
     regex: str | None = None,
     grammar: str | None = None,
-    role: Any = "user",
-    describe: Describe = "prompt",
-) -> GuidedStream:
-    """Send ``prompt`` to ``session`` and stream a reply constrained to ``output`` / ``regex`` /
-    ``grammar`` (see :func:`output_spec`). ``describe="prompt"`` appends the spec's description
-    (:func:`instructions`) to a text prompt, so the model knows the shape it must fill (the history
-    keeps it, as the model saw it); ``"none"`` sends the prompt as is.
+    include_schema: bool = True,
+) -> tuple[ChatMessage, Constraint]:
+    """The message to send and the constraint for its reply (what ``session.stream_respond(...,
+    output=...)`` plugs into its turn). ``include_schema`` appends the spec's description
+    (:func:`instructions`) to a text message, so the model knows the shape it must fill (the history
+    keeps it, as the model saw it). ``render(message)`` is the prompt the model would see.
 
     Reasoning stays free: when the rendered prompt ends inside an open reasoning block (the
     tokenizer's think markers), the constraint starts after its end marker; when the chat template
     knows the markers, the reply may open a block first. Bad specs raise ``InvalidOutputSpecError``
-    before the session is touched.
+    before anything changes.
     """
     spec = output_spec(output, regex=regex, grammar=grammar)
-    if describe == "prompt":
-        if isinstance(prompt, str):
-            prompt = f"{prompt}\n\n{instructions(spec)}"
-    elif describe != "none":
+    if not isinstance(include_schema, bool):
+        raise InvalidOutputSpecError(f"include_schema must be True or False, got {include_schema!r}.")
+    if include_schema:
+        message = replace(message, content=f"{message.content}\n\n{instructions(spec)}")
+    think_start, think_end = _reasoning(tokenizer, render(message))
+    return message, Constraint(spec, tokenizer, think_end=think_end, think_start=think_start)
+
+
+def stream_respond(session: Any, prompt: Any, *, describe: Describe = "prompt", **options: Any) -> Any:
+    """``session.stream_respond(prompt, output=..., ...)``; ``describe="none"`` sends the prompt as is."""
+    if describe not in ("prompt", "none"):
         raise InvalidOutputSpecError(f"describe must be 'prompt' or 'none', got {describe!r}.")
-    think_start, think_end = _reasoning(session, prompt, role)
-    constraint = Constraint(spec, session.model.tokenizer, think_end=think_end, think_start=think_start)
-    params = session.generate_params
-    session.generate_params = params.copy(logits_processors=[*params.logits_processors, constraint])
-    try:
-        return GuidedStream(session.stream_respond(prompt, role=role), constraint)
-    finally:
-        session.generate_params = params  # the turn took its own copy
+    return session.stream_respond(prompt, include_schema=describe == "prompt", **options)
 
 
-def _reasoning(session: Any, prompt: Any, role: Any) -> tuple[int | None, list[int] | None]:
+def _reasoning(tok: Any, rendered: str) -> tuple[int | None, list[int] | None]:
     """(think_start, think_end) for the constraint: (None, None) without reasoning markers; (None,
     end) when the rendered prompt opens the block; (start, end) when the template knows the markers
     (the reply may open a block)."""
-    tok = session.model.tokenizer
     start, end = getattr(tok, "think_start", None), getattr(tok, "think_end", None)
     if not getattr(tok, "has_thinking", False) or not start or not end:
         return None, None
     end_ids = list(tok.encode(end, add_special_tokens=False))
-    rendered = session.render(prompt, role=role)
     if rendered.rstrip().endswith(start):
         return None, end_ids
     template = getattr(tok, "chat_template", None)
@@ -145,16 +88,4 @@ def respond(session: Any, prompt: str, **options: Any) -> Any:
     return stream.value
 
 
-class AsyncGuidedStream(AsyncResponseStream):
-    """An ``AsyncResponseStream`` over a :class:`GuidedStream`: ``partial`` and ``value`` too."""
-
-    @property
-    def partial(self) -> Any:
-        return self._stream.partial
-
-    @property
-    def value(self) -> Any:
-        return self._stream.value
-
-
-__all__ = ["AsyncGuidedStream", "GuidedStream", "respond", "stream_respond"]
+__all__ = ["guide", "respond", "stream_respond"]

@@ -23,7 +23,7 @@ class SpeculativeConfig:
     """
 
     draft: LoadedModel
-    num_draft_tokens: int = 2
+    num_draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         if not isinstance(self.draft, LoadedModel):

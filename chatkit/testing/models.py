@@ -164,7 +164,8 @@ def _init_weights(model, arch: str, seed: int) -> None:
     # scale above 1, or greedy decoding repeats a token or two.
     norm_offset, norm_scale = (1.0, 3.0) if arch == "gemma3_text" else (0.0, 1.0)
     new = []
-    for name, p in tree_flatten(model.parameters()):
+    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    for name, p in params:
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         shape = tuple(p.shape)
         if name.endswith("A_log"):  # gated delta decay rates, as mlx-lm initialises them

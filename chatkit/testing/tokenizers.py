@@ -118,7 +118,7 @@ def _qwen(name: str) -> TokenizerFiles:
         ]
     )
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)  # type: ignore[call-arg]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _QWEN_SPECIALS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in _QWEN_ADDED])
     config = {
@@ -186,7 +186,7 @@ def _trained_pieces() -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     tok.train_from_iterator(_training_texts(), trainer=trainer)
     model = json.loads(tok.to_str())["model"]
     pieces = tuple(sorted(model["vocab"], key=model["vocab"].__getitem__))
-    merges = tuple(tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"])
+    merges = tuple((a, b) for a, b in (m.split(" ", 1) if isinstance(m, str) else m for m in model["merges"]))
     return pieces, merges
 
 

@@ -1,0 +1,192 @@
+"""The command line's flags: the parser, one rule per flag said in ``--help``, and checks that name flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import ChatKitError
+
+COMMANDS = """commands:
+  /save FILE     save the conversation and its cache
+  /load FILE     continue a saved conversation
+  /undo          drop the last exchange
+  /retry         answer the last message again
+  /clear         forget the conversation
+  /system TEXT   set the system prompt (/system alone removes it)
+  /stats         what the last turn cost and what the cache holds
+  /help          this help
+  /quit          leave (or Ctrl-D on an empty line); Ctrl-C stops a reply and keeps it as far as it got"""
+
+KEYS = """keys (in a terminal): arrows and Emacs keys edit the line, Up/Down walk the history, Ctrl-R searches it,
+Esc then Enter starts a new line inside a message (pasted text keeps its lines). The history is kept in
+{history} (set CHATKIT_HISTORY_FILE to move it, or to an empty value to keep none)."""
+
+CHAT_DESCRIPTION = """A streaming chat in the terminal. Without --model it chats with chatkit's bundled demo model, a
+tiny model that only knows a small world: see the README ("The command line") for the phrasings it
+understands. Replies are greedy unless --temp is given; the KV cache is reused from turn to turn."""
+
+MIN_KV_SIZE = 8  # CacheOptions' lower bound: mlx-lm's rotating cache keeps 4 tokens and needs room past them
+KV_BITS = (2, 3, 4, 5, 6, 8)
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+class UsageError(ChatKitError):
+    """A flag's value or a combination of flags cannot work; the message names the flags."""
+
+
+def version() -> str:
+    """``chatkit X (mlx Y, mlx-lm Z)``: what ``--version`` prints."""
+    from .. import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"chatkit {__version__} (mlx {installed('mlx')}, mlx-lm {installed('mlx-lm')})"
+
+
+def _int_at_least(low: int, rule: str, high: int | None = None) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; {rule}") from None
+        if value < low or high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"{value} is too {'small' if value < low else 'large'}; {rule}")
+        return value
+
+    return parse
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; use 0 (greedy) or more") from None
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is out of range; use 0 (greedy) or a larger finite number")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """``chatkit [--version] {chat,inspect}``; ``chat`` is the default command."""
+    p = argparse.ArgumentParser(
+        prog="chatkit",
+        description="Chat with a local model through chatkit (mlx-lm). `chatkit` alone is `chatkit chat`.",
+    )
+    p.add_argument("--version", action="version", version=version())
+    commands = p.add_subparsers(dest="command", metavar="{chat,inspect}")
+    chat = commands.add_parser(
+        "chat",
+        help="a streaming chat in the terminal (the default)",
+        description=CHAT_DESCRIPTION,
+        epilog=COMMANDS + "\n\n" + KEYS.format(history=_history_for_help()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    chat.add_argument("--model", metavar="ID|PATH|demo",
+                      help="a Hugging Face repo id, a local model folder, or 'demo' (default: demo)")
+    chat.add_argument("--draft", metavar="ID|PATH|demo",
+                      help="a smaller model sharing the tokenizer, for speculative decoding (default: none). "
+                           "With the demo pair on a CPU this is slower than without it (0.5x to 0.6x the "
+                           "speed, measured): a draft pays off only when it is much cheaper than the "
+                           "model and agrees with it. Cannot be combined with --max-kv-size or --kv-bits")
+    chat.add_argument("--num-draft", type=_int_at_least(1, "use 1 to 64", high=64), default=4, metavar="N",
+                      help="tokens the draft proposes per step, 1 to 64, with --draft (default: %(default)s)")
+    chat.add_argument("--system", metavar="TEXT", help="the system prompt (default: none, or the saved one with --resume)")
+    chat.add_argument("--resume", metavar="FILE",
+                      help="continue a conversation saved with /save or --save; --system, --temp, --max-tokens, "
+                           "--max-kv-size and --kv-bits given with it override the file's settings")
+    chat.add_argument("--save", metavar="FILE",
+                      help="save the conversation to FILE after every turn and on exit (its folder must exist)")
+    chat.add_argument("--temp", type=_temperature, metavar="T",
+                      help="sampling temperature, 0 or more (default: 0, greedy; or the saved one with --resume)")
+    chat.add_argument("--max-tokens", type=_int_at_least(1, "use 1 or more"), metavar="N",
+                      help="longest reply in tokens (default: 256, or the saved one with --resume)")
+    chat.add_argument("--max-kv-size", type=_int_at_least(MIN_KV_SIZE, f"use {MIN_KV_SIZE} or more, or leave the flag out"),
+                      metavar="N",
+                      help=f"keep at most the last N tokens in the KV cache (a rotating cache), N >= {MIN_KV_SIZE} "
+                           "(default: no limit). The model then forgets what scrolled out of it")
+    chat.add_argument("--kv-bits", type=int, choices=KV_BITS, metavar="B",
+                      help="quantize the KV cache to B bits: one of 2, 3, 4, 5, 6, 8 (default: not quantized)")
+    chat.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, metavar="N",
+                      help="values per quantization group with --kv-bits: 32, 64 or 128 dividing the model's "
+                           "head size (default: 64, or 32 when 64 does not divide the head size)")
+    insp = commands.add_parser(
+        "inspect",
+        help="show what a saved conversation holds",
+        description="Show a file saved with /save or --save (or a raw mlx-lm prompt cache): its size, "
+                    "tokens, model fingerprint, settings and messages. Reads the header only.",
+    )
+    insp.add_argument("file")
+    insp.add_argument("--all", action="store_true", help="show every message (default: the last 6)")
+    insp.add_argument("--model", metavar="ID|PATH|demo",
+                      help="also check whether the file fits this model (loads it)")
+    return p
+
+
+def _history_for_help() -> str:
+    from .terminal import history_path
+
+    path = history_path()
+    return str(path) if path is not None else "no file (CHATKIT_HISTORY_FILE is empty)"
+
+
+def check_combination(args: argparse.Namespace) -> None:
+    """Flag combinations that cannot work, refused before anything loads."""
+    if args.draft and (args.max_kv_size is not None or args.kv_bits is not None):
+        given = " and ".join(f for f, v in (("--max-kv-size", args.max_kv_size), ("--kv-bits", args.kv_bits)) if v is not None)
+        raise UsageError(
+            f"--draft cannot be combined with {given}: rejected draft tokens could not be taken back exactly "
+            "from such a cache. Drop one of them."
+        )
+    if args.kv_group_size is not None and args.kv_bits is None:
+        raise UsageError("--kv-group-size only applies with --kv-bits: add --kv-bits B or drop it.")
+
+
+def check_save_path(path: str, flag: str = "--save") -> Path:
+    """A path a conversation can be saved to: its folder exists and is writable, and it is not a folder."""
+    target = Path(os.path.expanduser(path))
+    where = f"{flag} {path}"
+    if path.endswith(("/", os.sep)) or target.is_dir():
+        raise UsageError(f"{where}: that is a folder; give a file name, e.g. {os.path.join(path, 'chat.safetensors')}.")
+    folder = target.parent
+    if not folder.exists():
+        raise UsageError(f"{where}: the folder {str(folder)!r} does not exist; create it (mkdir -p {folder}) or pick another path.")
+    if not folder.is_dir():
+        raise UsageError(f"{where}: {str(folder)!r} is a file, not a folder; pick another path.")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{where}: cannot write in {str(folder)!r}; pick a folder you can write to.")
+    if target.exists() and not target.is_file():
+        raise UsageError(f"{where}: {str(target)!r} exists and is not a regular file; pick another name.")
+    return target
+
+
+def kv_group_size(args: argparse.Namespace, head_dim: int | None) -> int:
+    """``--kv-group-size``, or the default: 64 when it divides the head size, else the largest that does."""
+    fits = [g for g in (64, 128, 32) if head_dim is None or head_dim % g == 0]
+    if args.kv_group_size is not None:
+        if head_dim is not None and args.kv_group_size not in fits:
+            hint = f"use --kv-group-size {max(fits)}" if fits else "this model's KV cache cannot be quantized: drop --kv-bits"
+            raise UsageError(
+                f"--kv-group-size {args.kv_group_size} does not divide this model's head size ({head_dim}): {hint}."
+            )
+        return args.kv_group_size
+    if not fits:
+        raise UsageError(f"--kv-bits: this model's head size ({head_dim}) is not a multiple of 32, so its KV cache "
+                         "cannot be quantized; drop --kv-bits.")
+    return fits[0]
+
+
+def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The generation flags the user gave, by flag name (the ones that override a resumed file's)."""
+    given = {"--system": args.system, "--temp": args.temp, "--max-tokens": args.max_tokens}
+    return {flag: value for flag, value in given.items() if value is not None}
+
+
+__all__ = ["COMMANDS", "UsageError", "check_combination", "check_save_path", "kv_group_size", "parser", "version"]

@@ -1,0 +1,312 @@
+"""The chat REPL: builds the session from the flags, streams replies, runs the slash commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..errors import CacheFileError, ChatKitError, ContextWindowExceededError
+from .args import COMMANDS, KEYS, UsageError, check_save_path, explicit_settings, kv_group_size
+from .terminal import ReplyKeys, history_path, line_reader
+
+
+@dataclass
+class _LastTurn:
+    """What ``/stats`` says about the last turn: its stats, or why there are none."""
+
+    stats: Any = None
+    note: str = "none yet"
+
+
+class Repl:
+    """The chat loop; ``out`` and ``err`` are where it prints (a terminal, or a test's buffers)."""
+
+    def __init__(self, args: argparse.Namespace, out: Any = sys.stdout, err: Any = sys.stderr) -> None:
+        self.args, self.out, self.err = args, out, err
+        self.keys = ReplyKeys()
+        # Checked before loading anything: a bad path fails at once, not at every turn.
+        self.save_path = check_save_path(args.save) if args.save else None
+        self.lm = _load_model(args.model)
+        self.draft = _load_model(args.draft, draft=True) if args.draft else None
+        self.last = _LastTurn()
+        self.session = self._build(resume=args.resume)
+
+    # -- building the session ---------------------------------------------------------------------
+    def _build(self, resume: str | None = None):
+        """A session from the flags, or from a saved file with the flags given explicitly on top."""
+        from ..params import GenerateParams
+        from ..session import ChatSession
+        from ..speculative import SpeculativeConfig
+
+        a = self.args
+        builder = ChatSession.builder(self.lm).prefill_progress(self._progress)
+        if a.max_kv_size is not None:
+            builder = builder.max_kv_size(a.max_kv_size)
+        if a.kv_bits is not None:
+            builder = builder.kv_bits(a.kv_bits, group_size=kv_group_size(a, self.lm.head_dim))
+        explicit = explicit_settings(a)
+        if a.system is not None:
+            builder = builder.instructions(a.system)
+        if resume is None:
+            builder = builder.generate_params(GenerateParams(
+                max_tokens=a.max_tokens if a.max_tokens is not None else 256,
+                temperature=a.temp if a.temp is not None else 0.0,
+            ))
+        else:
+            transcript_only = _unreadable_as_file_error(lambda: self._transcript_only(resume), resume)
+            if transcript_only:
+                builder = _unreadable_as_file_error(
+                    lambda: _from_transcript(builder, resume, keep_instructions=a.system is None), resume)
+            else:
+                builder = builder.cache(resume)
+        if self.draft is not None:
+            builder = builder.speculative(SpeculativeConfig(self.draft, num_draft_tokens=a.num_draft))
+        session = _unreadable_as_file_error(builder.build, resume) if resume is not None else builder.build()
+        if resume is not None and explicit:
+            changes = {"temperature": a.temp, "max_tokens": a.max_tokens}
+            session.generate_params = session.generate_params.copy(
+                **{k: v for k, v in changes.items() if v is not None}
+            )
+        if resume is not None:
+            note = f"resumed {resume}: {len(session.history)} messages"
+            note += f" ({transcript_only}: the first turn prefills the conversation again)" if transcript_only else (
+                f", {session.cache_info().tokens} tokens cached")
+            if explicit:
+                note += f"; {', '.join(explicit)} from the command line override the file's"
+            self.note(note)
+        return session
+
+    def _transcript_only(self, path: str) -> str:
+        """Why the saved cache cannot be restored with these flags ('' when it can): the transcript is
+        the truth, so the conversation is restored from it and prefilled anew."""
+        from ..cache.store import inspect as inspect_file
+
+        if self.draft is not None:  # the draft's cache would have to match a cache it never saw
+            return "with --draft the saved cache is not restored"
+        saved = (inspect_file(path).cache_options or {}).get("max_kv_size")
+        if self.args.max_kv_size is not None and self.args.max_kv_size != saved:
+            return f"the saved cache was not made with --max-kv-size {self.args.max_kv_size}, so it is not restored"
+        return ""
+
+    def _progress(self, done: int, total: int) -> None:
+        if total >= 256:  # only long prompts are worth a progress line
+            end = "\n" if done >= total else ""
+            print(f"\r[prefill {done}/{total} tokens]", end=end, file=self.err, flush=True)
+
+    # -- printing -----------------------------------------------------------------------------------
+    def say(self, text: str = "", end: str = "\n") -> None:
+        print(text, end=end, file=self.out, flush=True)
+
+    def note(self, text: str) -> None:
+        print(text, file=self.err, flush=True)
+
+    def error(self, exc: BaseException) -> None:
+        detail = str(exc) if isinstance(exc, ChatKitError) else f"{type(exc).__name__}: {exc}"
+        print(f"error: {detail}", file=self.err, flush=True)
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self, read: Callable[..., str] | None = None) -> int:
+        interactive = sys.stdin.isatty()
+        if not interactive and hasattr(sys.stdin, "reconfigure"):
+            sys.stdin.reconfigure(errors="replace")  # piped bytes that are not UTF-8 must not end the chat
+        read = read or line_reader(interactive and sys.stdout.isatty())
+        if interactive:
+            self.say(f"chatkit: chatting with {self.args.model or 'the demo model'}. /help for commands, Ctrl-D to quit.")
+        with self.keys.installed():
+            self._loop(read, interactive)
+        self.autosave()
+        return 0
+
+    def _loop(self, read: Callable[..., str], interactive: bool) -> None:
+        while True:
+            self.keys.pressed.clear()
+            try:
+                line = read(self.keys.take_typed()) if interactive else read()
+            except EOFError:  # Ctrl-D (the reader ends the line) or the end of piped input
+                break
+            except KeyboardInterrupt:
+                continue
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if self.command(line) is False:
+                    break
+            else:
+                self.turn(line)
+
+    def turn(self, line: str) -> None:
+        """Answer ``line``: stream the reply, then save it when --save was given."""
+        if self.reply(lambda: self.session.stream_respond(line), line):
+            self.autosave()
+
+    def reply(self, start: Callable[[], Any], message: str) -> bool:
+        """Stream a reply; Ctrl-C stops it after the token being computed and keeps what came.
+        Returns whether a reply was committed."""
+        printed = False
+        with self.keys.active() as keys:
+            try:
+                with start() as stream:
+                    for chunk in stream:
+                        self.say(chunk.text, end="")
+                        printed = printed or bool(chunk.text)
+                        if keys.pressed.is_set():
+                            break
+            except Exception as exc:  # one clear line, never a traceback; the session goes on
+                self.last = _LastTurn(note=f"failed ({type(exc).__name__}); the conversation is unchanged")
+                if printed:
+                    self.say()
+                if isinstance(exc, ContextWindowExceededError):
+                    self.note(f"error: {self._too_long(exc, message)}")
+                else:
+                    self.error(exc)
+                return False
+            stopped = keys.pressed.is_set()
+        self.say(" [stopped]" if stopped else "")
+        self.last = _LastTurn(stream.stats)
+        return True
+
+    def _too_long(self, exc: ContextWindowExceededError, message: str) -> str:
+        """Whether /undo or /clear can help: not when the message (with the system prompt) alone is too long."""
+        from ..session import ChatSession
+
+        s = self.session
+        alone = ChatSession.builder(s.model).instructions(s.instructions).generate_params(s.generate_params.copy()).build()
+        try:
+            alone.stream_respond(message).close()  # raises at once if it cannot fit; runs nothing
+        except ContextWindowExceededError as own:
+            system = " and the system prompt take" if s.instructions else " takes"
+            shorter = " (or a shorter system prompt: /system TEXT)" if s.instructions else ""
+            return (f"This message{system} {own.prompt_tokens} tokens, more than the model's context window "
+                    f"of {own.context_length}: /clear or /undo would not help. Send a shorter message{shorter}.")
+        return (f"The conversation no longer fits the model's context window ({exc.prompt_tokens} tokens with "
+                f"this message, the window is {exc.context_length}): /undo drops the last exchange, "
+                "/clear starts over (the system prompt stays).")
+
+    def autosave(self) -> None:
+        if self.save_path is None or self.session.cache_info().tokens == 0:
+            return
+        with self.keys.active():
+            try:
+                self.session.save_cache(self.save_path)
+            except Exception as exc:  # a full disk or a folder removed meanwhile: say it, go on
+                self.error(exc)
+
+    # -- slash commands -----------------------------------------------------------------------------
+    def command(self, line: str) -> bool | None:
+        name, _, rest = line.partition(" ")
+        rest = rest.strip()
+        try:
+            with self.keys.active():
+                return self._command(name, rest)
+        except Exception as exc:  # one clear line, never a traceback; the session goes on
+            self.error(exc)
+            return None
+
+    def _command(self, name: str, rest: str) -> bool | None:
+        s = self.session
+        if name in ("/quit", "/exit"):
+            return False
+        if name == "/help":
+            path = history_path()
+            self.say(COMMANDS + "\n" + KEYS.format(history=path if path is not None else "no file"))
+        elif name == "/save":
+            size = s.save_cache(check_save_path(_need(rest, "/save FILE"), flag="/save"))
+            self.say(f"saved {s.cache_info().tokens} tokens, {len(s.history)} messages to {rest} ({size:,} bytes)")
+        elif name == "/load":
+            self.session = self._build(resume=_need(rest, "/load FILE"))
+            self.last = _LastTurn(note=f"none since {rest} was loaded")
+            self.say(f"loaded {rest}: {len(self.session.history)} messages, {self.session.cache_info().tokens} tokens cached")
+        elif name == "/undo":
+            dropped = s.undo()
+            self.last = _LastTurn(note="undone")
+            self.say(f"undone: {dropped[0].content!r}")
+        elif name == "/retry":
+            history = s.history
+            if self.reply(s.stream_regenerate, history[-2].content if len(history) >= 2 else ""):
+                self.autosave()
+        elif name == "/clear":
+            s.clear()
+            self.last = _LastTurn(note="none since /clear")
+            self.say("cleared")
+        elif name == "/system":
+            s.instructions = rest or None
+            self.say(f"system prompt {'set' if rest else 'removed'}")
+        elif name == "/stats":
+            self.say(self.stats())
+        else:
+            self.say(f"unknown command {name}; /help lists them")
+        return None
+
+    def stats(self) -> str:
+        """What the cache holds now, and what the last turn cost (if it still stands)."""
+        s = self.session
+        info, st = s.cache_info(), self.last.stats
+        if info.tokens == 0:
+            cache = "cache: empty (the next turn prefills the whole conversation)"
+        else:
+            classes = sorted(set(info.layer_classes))
+            cache = f"cache: {info.tokens} tokens, {info.nbytes:,} bytes, {len(info.layer_classes)} layers ({', '.join(classes)})"
+            if "RotatingKVCache" in classes:
+                cache += f"; a window of the last {s.cache_options.max_kv_size} tokens at most"
+        lines = [f"conversation: {len(s.history)} messages" + (", with a system prompt" if s.instructions else ""), cache]
+        if st is None:
+            lines.append(f"last turn: {self.last.note}")
+        else:
+            lines.append(
+                f"last turn: prompt {st.prompt_tokens} tokens ({st.reused_tokens} reused, {st.prefilled_tokens} prefilled "
+                f"at {st.prompt_tps:.0f} tok/s), {st.generation_tokens} generated at {st.generation_tps:.1f} tok/s, "
+                f"peak memory {st.peak_memory_bytes / 2**20:.0f} MiB, finish: {st.finish_reason}"
+            )
+            if st.draft_tokens_proposed:
+                lines.append(f"draft: {st.draft_tokens_accepted}/{st.draft_tokens_proposed} proposed tokens accepted")
+        return "\n".join(lines)
+
+
+def _unreadable_as_file_error(action: Callable[[], Any], path: str) -> Any:
+    """``action()``; an error that is not chatkit's (a file whose metadata has the wrong types) becomes
+    a ``CacheFileError`` naming the file."""
+    try:
+        return action()
+    except ChatKitError:
+        raise
+    except Exception as exc:
+        raise CacheFileError(
+            f"{path!r} could not be restored ({type(exc).__name__}: {exc}): it is damaged or not a chatkit "
+            "file; start a new conversation, or restore another file."
+        ) from exc
+
+
+def _from_transcript(builder: Any, path: str, keep_instructions: bool) -> Any:
+    """``builder`` with the saved file's transcript and settings, without its cache."""
+    from ..cache.store import inspect as inspect_file
+    from ..messages import ChatMessage
+    from ..params import GenerateParams
+
+    info = inspect_file(path)
+    if info.kind != "chatkit":
+        raise UsageError(f"--resume {path}: a raw mlx-lm cache has no conversation to continue with --draft; drop --draft.")
+    builder = builder.history([ChatMessage.from_dict(m) for m in info.messages])
+    if keep_instructions and info.instructions is not None:
+        builder = builder.instructions(info.instructions)
+    if info.generate_params is not None:
+        builder = builder.generate_params(GenerateParams.from_dict(info.generate_params))
+    return builder
+
+
+def _need(value: str, usage: str) -> str:
+    if not value:
+        raise UsageError(f"usage: {usage}")
+    return value
+
+
+def _load_model(name: str | None, draft: bool = False):
+    from ..loading import load
+
+    name = name or "demo"
+    return load("demo-draft" if draft and name == "demo" else name)
+
+
+__all__ = ["Repl"]

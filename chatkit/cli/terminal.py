@@ -1,0 +1,193 @@
+"""The terminal side of the REPL: reading lines (prompt_toolkit when stdin is a terminal) and Ctrl-C
+while MLX works."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+try:  # POSIX only; elsewhere Ctrl-C falls back to a signal handler
+    import termios
+except ImportError:  # pragma: no cover
+    termios = None  # type: ignore[assignment]
+
+HISTORY_ENV = "CHATKIT_HISTORY_FILE"
+
+
+def history_path() -> Path | None:
+    """Where the REPL keeps its input history: ``$CHATKIT_HISTORY_FILE`` (empty: nowhere), else
+    ``history`` in the user's data folder (``$XDG_DATA_HOME/chatkit`` on Linux)."""
+    override = os.environ.get(HISTORY_ENV)
+    if override is not None:
+        return Path(os.path.expanduser(override)) if override else None
+    import platformdirs
+
+    return platformdirs.user_data_path("chatkit") / "history"
+
+
+def line_reader(interactive: bool, prompt: str = "> ") -> Callable[[str], str]:
+    """A function returning the next line (``EOFError`` at the end, ``KeyboardInterrupt`` on Ctrl-C).
+
+    ``interactive`` (stdin and stdout are a terminal): prompt_toolkit, with line editing, the history
+    file, Ctrl-R and multi-line paste; ``default`` pre-fills the line. Otherwise, or without
+    prompt_toolkit: plain ``input`` (piped input).
+    """
+    if interactive:
+        try:
+            return _prompt_toolkit_reader(prompt)
+        except ImportError:
+            pass
+
+    def plain(default: str = "") -> str:
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C here: KeyboardInterrupt
+        try:
+            return input(prompt if interactive else "")
+        except EOFError:
+            if interactive:
+                print()  # Ctrl-D: leave the shell's prompt on a line of its own
+            raise
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    return plain
+
+
+def _prompt_toolkit_reader(prompt: str) -> Callable[[str], str]:
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    from prompt_toolkit.key_binding import KeyBindings
+
+    path = history_path()
+    history: Any = InMemoryHistory()
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(exist_ok=True)
+            history = FileHistory(str(path))
+        except OSError as exc:
+            print(f"note: no history file ({exc}); set {HISTORY_ENV} to a writable path.", file=sys.stderr)
+    keys = KeyBindings()
+
+    @keys.add("escape", "enter")
+    def _newline(event: Any) -> None:  # Esc (or Alt) + Enter: a new line inside the message
+        event.current_buffer.insert_text("\n")
+
+    # Enter sends the line; pasted text (bracketed paste) keeps its newlines and is sent as one message.
+    session: Any = PromptSession(history=history, key_bindings=keys, enable_history_search=False)
+
+    def read(default: str = "") -> str:
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            return session.prompt(prompt, default=default)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    return read
+
+
+class ReplyKeys:
+    """Ctrl-C while MLX works: recorded in :attr:`pressed`, never raised inside MLX.
+
+    Why not a signal handler alone: the terminal sends SIGINT to the whole foreground process group,
+    and MLX's CPU backend compiles kernels by running ``g++`` in a child process the first time a
+    fused function runs (the first reply). SIGINT kills that compiler, MLX then fails to load the
+    missing library ("Could not load C++ shared library") and the turn is lost. So while MLX works
+    the terminal does not turn Ctrl-C into a signal (ISIG off): a thread reads the key from the
+    terminal instead, and no child of this process ever sees it. Between reading a line and that
+    switch, and for a SIGINT sent by other means (``kill -INT``), :meth:`installed`'s handler sets
+    the flag. Other keys typed meanwhile are kept for the next prompt.
+    """
+
+    def __init__(self) -> None:
+        self.pressed = threading.Event()
+        self.typed = ""
+        self._fd = _terminal_fd()
+        self._depth = 0  # a command that streams a reply (/retry) enters twice
+
+    @contextmanager
+    def installed(self) -> Iterator["ReplyKeys"]:
+        """For the REPL's lifetime: SIGINT sets :attr:`pressed` instead of raising ``KeyboardInterrupt``
+        (reading a line restores the default; see :func:`line_reader`)."""
+        previous = signal.signal(signal.SIGINT, lambda *_: self.pressed.set())
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    @contextmanager
+    def active(self) -> Iterator["ReplyKeys"]:
+        """Watch the terminal for Ctrl-C while the block runs (MLX work: a reply, a load, a save)."""
+        if self._depth or not _in_foreground(self._fd):
+            yield self
+            return
+        self._depth += 1
+        saved, stop, watcher = None, threading.Event(), None
+        try:
+            saved = termios.tcgetattr(self._fd)
+            mode = list(saved)
+            mode[3] &= ~(termios.ISIG | termios.ICANON | termios.ECHO)
+            mode[6] = list(mode[6])
+            mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
+            termios.tcsetattr(self._fd, termios.TCSANOW, mode)
+            watcher = threading.Thread(target=self._watch, args=(saved, stop), daemon=True)
+            watcher.start()
+        except (termios.error, OSError):
+            saved = None
+        try:
+            yield self
+        finally:
+            stop.set()
+            if watcher is not None:
+                watcher.join()
+            if saved is not None:
+                termios.tcsetattr(self._fd, termios.TCSANOW, saved)
+            self._depth -= 1
+
+    def _watch(self, saved: list[Any], stop: threading.Event) -> None:
+        intr = saved[6][termios.VINTR]
+        intr = intr if isinstance(intr, bytes) else bytes([intr])
+        while not stop.is_set():
+            try:
+                ready, _, _ = select.select([self._fd], [], [], 0.05)
+                data = os.read(self._fd, 1024) if ready else b""
+            except OSError:
+                return
+            if intr in data:
+                self.pressed.set()
+                data = data.replace(intr, b"")
+            text = data.decode("utf-8", "ignore")
+            if text and "\x1b" not in text:  # keep plain typing; drop escape sequences (arrows...)
+                self.typed += "".join(c for c in text if c.isprintable())
+
+    def take_typed(self) -> str:
+        """What was typed during the last replies, to pre-fill the next prompt."""
+        typed, self.typed = self.typed, ""
+        return typed
+
+
+def _terminal_fd() -> int | None:
+    """The terminal Ctrl-C comes from: stdin, or the controlling terminal when input is piped;
+    ``None`` without one."""
+    if termios is None:
+        return None
+    try:
+        return sys.stdin.fileno() if sys.stdin.isatty() else os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY)
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _in_foreground(fd: int | None) -> bool:
+    """Whether this process may change the terminal's mode (from the background it would be stopped)."""
+    try:
+        return fd is not None and os.tcgetpgrp(fd) == os.getpgrp()
+    except OSError:
+        return False
+
+
+__all__ = ["ReplyKeys", "history_path", "line_reader"]

@@ -1,0 +1,51 @@
+"""The public surface is exactly what chatkit.__all__ names (as httpx pins its own): adding or removing a
+public name is a decision, made here."""
+
+import chatkit
+
+PUBLIC = {
+    # loading and sessions
+    "load", "LoadedModel", "ChatSession", "ChatSessionBuilder", "SessionPool",
+    # streaming
+    "ResponseStream", "AsyncResponseStream", "StreamChunk", "TurnStats",
+    # messages and settings
+    "ChatMessage", "Role", "GenerateParams", "CacheOptions", "CacheInfo", "SpeculativeConfig",
+    # persistence
+    "inspect_cache", "CacheFileInfo",
+    # errors
+    "ChatKitError", "ModelLoadError", "TemplateError", "InvalidMessageError", "InvalidParamsError",
+    "SpeculativeCacheRestoreError", "IncompatibleDraftError", "SessionBusyError", "ContextWindowExceededError",
+    "NothingToUndoError", "NothingToRegenerateError", "CacheError", "NoCacheAvailableError", "CacheFileError",
+    "IncompatibleCacheError",
+}
+
+
+def test_all_is_the_public_surface():
+    assert set(chatkit.__all__) == PUBLIC
+    assert len(chatkit.__all__) == len(PUBLIC)
+
+
+def test_every_public_name_is_chatkits_own_and_documented():
+    for name in chatkit.__all__:
+        member = getattr(chatkit, name)
+        assert member.__module__.startswith("chatkit."), name
+        assert member.__doc__ and member.__doc__.strip(), f"{name} has no docstring"
+
+
+def test_errors_form_one_tree():
+    for name in chatkit.__all__:
+        member = getattr(chatkit, name)
+        if isinstance(member, type) and issubclass(member, Exception):
+            assert issubclass(member, chatkit.ChatKitError), name
+    for name in ("NoCacheAvailableError", "CacheFileError", "IncompatibleCacheError"):
+        assert issubclass(getattr(chatkit, name), chatkit.CacheError)
+    assert issubclass(chatkit.SpeculativeCacheRestoreError, chatkit.InvalidParamsError)
+    assert not issubclass(chatkit.NothingToRegenerateError, chatkit.NothingToUndoError)
+    tree = chatkit.errors.__doc__
+    assert all(name in tree for name in PUBLIC if name.endswith("Error"))
+
+
+def test_the_module_docstring_maps_the_api():
+    doc = chatkit.__doc__
+    for name in ("load", "ChatSession", "ResponseStream", "GenerateParams", "SessionPool", "ChatKitError"):
+        assert name in doc
