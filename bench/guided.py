@@ -27,11 +27,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Annotated, Literal, Optional
-
-from _common import OtherLoad, describe, load_model, median, wait_until_quiet
+from typing import Annotated, Literal
 
 import mlx.core as mx
+from _common import OtherLoad, describe, load_model, median, wait_until_quiet
 from mlx_lm.generate import generate_step
 from pydantic import BaseModel, Field
 
@@ -46,7 +45,7 @@ class Product(BaseModel):
     price_cents: Annotated[int, Field(ge=1, le=1_000_000)]
     tags: Annotated[list[Literal["new", "sale", "eco", "gift", "limited"]], Field(max_length=3)]
     in_stock: bool
-    note: Optional[Annotated[str, Field(max_length=16)]] = None
+    note: Annotated[str, Field(max_length=16)] | None = None
 
 
 class Catalog(BaseModel):

@@ -9,9 +9,8 @@ shows that release_cache() gives the cache's memory back.
 
 from __future__ import annotations
 
-from _common import describe, load_model
-
 import mlx.core as mx
+from _common import describe, load_model
 from mlx.utils import tree_flatten
 
 from chatkit import ChatSession, GenerateParams

@@ -28,9 +28,8 @@ import pstats
 import sys
 import time
 
-from _common import clone, describe, load_model, median, n_params, wait_until_quiet, OtherLoad
-
 import mlx.core as mx
+from _common import OtherLoad, clone, describe, load_model, median, n_params, wait_until_quiet
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler

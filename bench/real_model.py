@@ -28,9 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import OtherLoad, clone, cpu_model, median, wait_until_quiet
-
 import mlx.core as mx
+from _common import OtherLoad, clone, cpu_model, median, wait_until_quiet
 from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors

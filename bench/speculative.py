@@ -44,9 +44,8 @@ import gc
 import sys
 import time
 
-from _common import MODEL_CONFIG, OtherLoad, describe, median, n_params, wait_until_quiet
-
 import mlx.core as mx
+from _common import MODEL_CONFIG, OtherLoad, describe, median, n_params, wait_until_quiet
 from mlx.utils import tree_flatten, tree_unflatten
 
 import chatkit

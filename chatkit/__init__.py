@@ -16,8 +16,10 @@ The whole public API is here (``chatkit.X``); submodules are implementation::
 ``chatkit.demo`` locates the bundled demo models; ``chatkit.testing`` builds offline test models.
 """
 
-from . import _blas  # noqa: F401  (must run before mlx is imported)
-from . import demo
+from . import (
+    _blas,  # noqa: F401  (must run before mlx is imported)
+    demo,  # noqa: F401  (chatkit.demo.path() after a plain import)
+)
 from .aio import AsyncResponseStream
 from .builder import ChatSessionBuilder
 from .cache.state import CacheInfo, CacheOptions

@@ -15,11 +15,11 @@ plain ``tokenizer.encode`` lacks:
 
 from __future__ import annotations
 
-import bisect
 import copy
 import json
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import mlx.core as mx
-from typing import Any, Callable
 
 from .stream import GuidedStream, ResponseStream, StreamChunk, TurnStats
 
@@ -94,7 +95,7 @@ class AsyncResponseStream:
     def closed(self) -> bool:
         return self._stream.closed
 
-    def __aiter__(self) -> "AsyncResponseStream":
+    def __aiter__(self) -> AsyncResponseStream:
         return self
 
     async def __anext__(self) -> StreamChunk:
@@ -125,7 +126,7 @@ class AsyncResponseStream:
             return
         await asyncio.shield(self._done)
 
-    async def __aenter__(self) -> "AsyncResponseStream":
+    async def __aenter__(self) -> AsyncResponseStream:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from . import _tokenizer
 from .cache import store
 from .cache._mlx import copy_layer, layer_offset
 from .cache.ledger import Ledger
-from .cache.state import CacheOptions, CacheState, layers_fit
+from .cache.state import CacheOptions, CacheState
 from .engine import distributed
 from .errors import (
     InvalidMessageError,
@@ -61,23 +62,23 @@ class ChatSessionBuilder:
         self._speculative: SpeculativeConfig | None = None
         self._allow_special = False
 
-    def instructions(self, text: str | None) -> "ChatSessionBuilder":
+    def instructions(self, text: str | None) -> ChatSessionBuilder:
         """The system prompt."""
         self._instructions = check_instructions(text)
         return self
 
-    def history(self, messages: Iterable[MessageLike]) -> "ChatSessionBuilder":
+    def history(self, messages: Iterable[MessageLike]) -> ChatSessionBuilder:
         """Earlier messages to continue from. A leading system message becomes the instructions."""
         self._history = as_messages(messages)
         return self
 
-    def generate_params(self, params: GenerateParams) -> "ChatSessionBuilder":
+    def generate_params(self, params: GenerateParams) -> ChatSessionBuilder:
         if not isinstance(params, GenerateParams):
             raise InvalidParamsError(f"generate_params takes a GenerateParams, got {type(params).__name__}.")
         self._params = params
         return self
 
-    def chat_template(self, template: str | os.PathLike[str]) -> "ChatSessionBuilder":
+    def chat_template(self, template: str | os.PathLike[str]) -> ChatSessionBuilder:
         """Use this jinja template (its text or a file path) instead of the tokenizer's own."""
         self._template = read_template(template)
         return self
@@ -89,7 +90,7 @@ class ChatSessionBuilder:
         execution: str = "auto",
         max_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
         errors: str = "return",
-    ) -> "ChatSessionBuilder":
+    ) -> ChatSessionBuilder:
         """Tools the model may call: Python functions (sync or async; the schema from the signature,
         type hints and docstring) or OpenAI-style JSON schema dicts, passed to the template as ``tools``.
 
@@ -103,27 +104,27 @@ class ChatSessionBuilder:
         self._tools, self._tool_options = as_tools(tools), options
         return self
 
-    def max_kv_size(self, tokens: int | None) -> "ChatSessionBuilder":
+    def max_kv_size(self, tokens: int | None) -> ChatSessionBuilder:
         """Keep at most this many tokens in a rotating KV cache."""
         self._cache_options["max_kv_size"] = tokens
         return self
 
-    def kv_bits(self, bits: int | None, *, group_size: int = 64, start: int = 0) -> "ChatSessionBuilder":
+    def kv_bits(self, bits: int | None, *, group_size: int = 64, start: int = 0) -> ChatSessionBuilder:
         """Quantize the KV cache to ``bits`` once it holds ``start`` tokens."""
         self._cache_options.update(kv_bits=bits, kv_group_size=group_size, quantized_kv_start=start)
         return self
 
-    def prefill_step_size(self, tokens: int) -> "ChatSessionBuilder":
+    def prefill_step_size(self, tokens: int) -> ChatSessionBuilder:
         """Process prompts in chunks of this many tokens."""
         self._cache_options["prefill_step_size"] = tokens
         return self
 
-    def prefill_progress(self, callback: ProgressCallback | None) -> "ChatSessionBuilder":
+    def prefill_progress(self, callback: ProgressCallback | None) -> ChatSessionBuilder:
         """Called as ``callback(done, total)`` while a prompt is prefilled."""
         self._progress = callback
         return self
 
-    def cache(self, source: str | os.PathLike[str] | Sequence[Any], *, verify: bool = True) -> "ChatSessionBuilder":
+    def cache(self, source: str | os.PathLike[str] | Sequence[Any], *, verify: bool = True) -> ChatSessionBuilder:
         """Restore a saved cache: a file from ``save_cache`` (conversation and cache) or a raw mlx-lm
         prompt cache (a file from ``save_prompt_cache`` or a list of cache layers).
 
@@ -138,7 +139,7 @@ class ChatSessionBuilder:
         self._restore = (source, verify)
         return self
 
-    def speculative(self, config: SpeculativeConfig | None) -> "ChatSessionBuilder":
+    def speculative(self, config: SpeculativeConfig | None) -> ChatSessionBuilder:
         """Decode speculatively (``None`` turns it off). A draft model cannot be combined with
         :meth:`cache`; prompt lookup can."""
         if config is not None and not isinstance(config, SpeculativeConfig):
@@ -146,7 +147,7 @@ class ChatSessionBuilder:
         self._speculative = config
         return self
 
-    def allow_special_in_content(self, allow: bool = True) -> "ChatSessionBuilder":
+    def allow_special_in_content(self, allow: bool = True) -> ChatSessionBuilder:
         """Read special-token strings inside message content as the special tokens they name.
 
         Off by default: content is text, so a message holding e.g. ``<|im_end|>`` cannot forge a turn.

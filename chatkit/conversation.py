@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .cache.state import CacheState
 from .messages import ChatMessage, Role
@@ -43,7 +43,7 @@ class Conversation:
         self._messages = ()
         self.cache.reset()
 
-    def copy(self) -> "Conversation":
+    def copy(self) -> Conversation:
         """An independent copy (for a fork): the cache layers share memory until one side writes."""
         return Conversation(self._messages, self.cache.copy())
 

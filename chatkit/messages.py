@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import secrets
 import string
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterable, Mapping, Sequence, Union
+from typing import Any
 
 from .errors import InvalidMessageError
 
@@ -21,7 +22,7 @@ class Role(str, Enum):
     TOOL = "tool"
 
     @classmethod
-    def parse(cls, value: "Role | str") -> "Role":
+    def parse(cls, value: Role | str) -> Role:
         """The role named by ``value``; ``InvalidMessageError`` for anything else."""
         if isinstance(value, Role):
             return value
@@ -70,7 +71,7 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": dict(self.arguments)}}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ToolCall":
+    def from_dict(cls, data: Mapping[str, Any]) -> ToolCall:
         """Read the OpenAI form (``arguments`` as an object or a JSON string) or a flat ``{name, arguments}``."""
         if not isinstance(data, Mapping):
             raise InvalidMessageError(f"A tool call must be a dict, got {type(data).__name__}.")
@@ -122,25 +123,25 @@ class ChatMessage:
         object.__setattr__(self, "tool_calls", tuple(calls or ()))
         if self.tool_calls and self.role is not Role.ASSISTANT:
             raise InvalidMessageError("Only an assistant message can hold tool_calls.")
-        for field, text in (("content", self.content), ("name", self.name or ""), ("reasoning", self.reasoning or "")):
-            check_text(f"Message {field}", text)
+        for key, text in (("content", self.content), ("name", self.name or ""), ("reasoning", self.reasoning or "")):
+            check_text(f"Message {key}", text)
 
     @classmethod
-    def system(cls, content: str) -> "ChatMessage":
+    def system(cls, content: str) -> ChatMessage:
         return cls(Role.SYSTEM, content)
 
     @classmethod
-    def user(cls, content: str, name: str | None = None) -> "ChatMessage":
+    def user(cls, content: str, name: str | None = None) -> ChatMessage:
         return cls(Role.USER, content, name)
 
     @classmethod
     def assistant(
         cls, content: str, *, reasoning: str | None = None, tool_calls: Sequence[ToolCall] = ()
-    ) -> "ChatMessage":
+    ) -> ChatMessage:
         return cls(Role.ASSISTANT, content, reasoning=reasoning, tool_calls=tuple(tool_calls))
 
     @classmethod
-    def tool(cls, content: str, name: str | None = None, tool_call_id: str | None = None) -> "ChatMessage":
+    def tool(cls, content: str, name: str | None = None, tool_call_id: str | None = None) -> ChatMessage:
         return cls(Role.TOOL, content, name, tool_call_id=tool_call_id)
 
     def to_dict(self) -> dict[str, Any]:
@@ -158,7 +159,7 @@ class ChatMessage:
         return d
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ChatMessage":
+    def from_dict(cls, data: Mapping[str, Any]) -> ChatMessage:
         """Read an OpenAI-style dict: ``role``, ``content`` (``None`` for a message that only calls
         tools) and optionally ``name``, ``reasoning_content`` (or ``reasoning`` / ``thinking``),
         ``tool_calls``, ``tool_call_id``."""
@@ -200,7 +201,7 @@ def check_text(what: str, text: str) -> None:
         ) from None
 
 
-MessageLike = Union[ChatMessage, Mapping[str, Any]]
+MessageLike = ChatMessage | Mapping[str, Any]
 
 
 def check_instructions(value: str | None) -> str | None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -46,7 +47,7 @@ class GenerateParams:
     thinking: bool | None = None
     max_thinking_tokens: int | None = None
 
-    def copy(self, **changes: Any) -> "GenerateParams":
+    def copy(self, **changes: Any) -> GenerateParams:
         """A copy with ``changes`` applied (containers are copied, not shared)."""
         base = replace(
             self,
@@ -85,7 +86,7 @@ class GenerateParams:
         return kwargs
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "GenerateParams":
+    def from_dict(cls, data: Mapping[str, Any]) -> GenerateParams:
         """Settings from :meth:`to_dict` output; unknown keys are ignored (newer files).
         ``InvalidParamsError`` for data of the wrong shape (e.g. read from a damaged file)."""
         if not isinstance(data, Mapping):

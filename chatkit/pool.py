@@ -6,8 +6,8 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from .builder import ChatSessionBuilder
 from .cache import store

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from . import _tokenizer
 from .aio import AsyncGuidedStream, AsyncResponseStream
@@ -85,7 +86,7 @@ class ChatSession:
         self._last_stats: TurnStats | None = None
 
     @staticmethod
-    def builder(model: LoadedModel | Any, tokenizer: Any = None) -> "ChatSessionBuilder":
+    def builder(model: LoadedModel | Any, tokenizer: Any = None) -> ChatSessionBuilder:
         """Start building a session over a loaded model (``chatkit.load``) or a model and tokenizer."""
         from .builder import ChatSessionBuilder  # the builder makes sessions: it imports this module
 
@@ -253,7 +254,7 @@ class ChatSession:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
         return self._open_turn(None, regenerate=True)
 
-    def fork(self) -> "ChatSession":
+    def fork(self) -> ChatSession:
         """An independent session with the same conversation, settings and a copy of the cache.
 
         The copy shares the cached prefix's memory until one of the two writes, so both branches go on
@@ -447,7 +448,7 @@ class ChatSession:
         stop = self._async_stop
         return stop is not None and stop.is_set() and self._turn.acquire(timeout=STOPPING_TURN_WAIT)
 
-    def _idle(self, action: str) -> "_Idle":
+    def _idle(self, action: str) -> _Idle:
         return _Idle(self, action)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -167,7 +168,7 @@ class ResponseStream:
     def closed(self) -> bool:
         return self._done
 
-    def __iter__(self) -> "ResponseStream":
+    def __iter__(self) -> ResponseStream:
         return self
 
     def __next__(self) -> StreamChunk:
@@ -195,7 +196,7 @@ class ResponseStream:
                 self._finish = self._finish or "cancelled"
                 self._commit()
 
-    def __enter__(self) -> "ResponseStream":
+    def __enter__(self) -> ResponseStream:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -336,7 +337,7 @@ class GuidedStream:
     stats = property(lambda self: self.stream.stats, doc="The turn's ``TurnStats`` once closed.")
     closed = property(lambda self: self.stream.closed)
 
-    def __iter__(self) -> "GuidedStream":
+    def __iter__(self) -> GuidedStream:
         return self
 
     def __next__(self) -> StreamChunk:
@@ -345,7 +346,7 @@ class GuidedStream:
     def close(self) -> None:
         self.stream.close()
 
-    def __enter__(self) -> "GuidedStream":
+    def __enter__(self) -> GuidedStream:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -8,8 +8,9 @@ hardening), so the model's own template and an override take one path.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from . import _tokenizer
 from .capabilities import Capabilities, adapt, probe, warn_dropped_tool_messages, warn_ignored_tools

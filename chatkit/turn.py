@@ -11,8 +11,9 @@ abort; ``settle`` hands the turn back to its session either way. A tool round is
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -87,7 +88,7 @@ class Turn:
         *,
         context_length: int | None,
         **rest: Any,
-    ) -> "Turn":
+    ) -> Turn:
         """Render and check the prompt; ``ContextWindowExceededError`` if it does not fit."""
         prompt = prompting.ids([*base, message], params)
         needed = conversation.cache.ledger.opaque + len(prompt)  # a restored raw cache stays in front

@@ -51,7 +51,7 @@ print(f"from the guided replies: {person!r}")
 print("> Describe me as JSON.  (output=Person, streamed)")
 with guided.stream_respond(session, "Describe me as JSON.", output=Person, describe="none") as stream:
     shown = None
-    for chunk in stream:
+    for _chunk in stream:
         if stream.partial != shown:
             shown = stream.partial
             print(f"  partial: {shown}")

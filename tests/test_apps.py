@@ -5,9 +5,9 @@ import threading
 
 import mlx.core as mx
 import pytest
+from conftest import assert_ledger_matches_cache, fresh_reply, session_for
 
 from chatkit import GenerateParams, SessionBusyError, SessionPool, SpeculativeConfig
-from conftest import assert_ledger_matches_cache, fresh_reply, session_for
 
 
 def endless(lm, max_tokens=400):

@@ -2,7 +2,6 @@
 IncompatibleCacheError (or, for a change that alters nothing chatkit reads, restores the same
 conversation), and a live session asked to restore it is left as it was."""
 
-import os
 import random
 import signal
 import subprocess
@@ -12,13 +11,13 @@ import time
 
 import mlx.core as mx
 import pytest
-from hypothesis import given, settings, strategies as st
+from cachefiles import regions, rewrite_meta
+from conftest import cache_state, session_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx.utils import tree_flatten
 
 from chatkit import CacheFileError, ChatSession, GenerateParams, IncompatibleCacheError
-from chatkit.cache import store
-from cachefiles import regions, rewrite_meta
-from conftest import cache_state, session_for
 
 PARAMS = GenerateParams(max_tokens=8)
 REFUSED = (CacheFileError, IncompatibleCacheError)

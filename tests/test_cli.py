@@ -5,9 +5,8 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
-
 import time
+from pathlib import Path
 
 import pexpect
 import pytest

@@ -11,8 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 import chatkit
-from chatkit import ChatSession, GenerateParams, ModelLoadError
-from chatkit import cli, gguf, models
+from chatkit import ChatSession, GenerateParams, ModelLoadError, cli, gguf, models
 from chatkit.testing import tiny_model_path
 
 GREEDY = GenerateParams(max_tokens=16, temperature=0.0)

@@ -5,7 +5,7 @@ import dataclasses
 import enum
 import json
 import re
-from typing import Annotated, Literal, Optional, TypedDict
+from typing import Annotated, Literal, TypedDict
 
 import mlx.core as mx
 import pytest
@@ -49,7 +49,7 @@ class Person(BaseModel):
     name: Short
     age: Annotated[int, Field(ge=0, le=120)]
     address: Address
-    nickname: Optional[Short] = None
+    nickname: Short | None = None
 
 
 class Item(BaseModel):
@@ -61,7 +61,7 @@ class Item(BaseModel):
 class Order(BaseModel):
     items: Annotated[list[Item], Field(min_length=1, max_length=3)]
     rush: bool
-    notes: Optional[Short] = None
+    notes: Short | None = None
 
 
 @dataclasses.dataclass
@@ -644,7 +644,7 @@ def test_stream_value_before_the_end_is_refused(tiny):
     session = guided_session(lm)
     with stream_respond(session, "Hi", output=bool) as stream:
         with pytest.raises(ChatKitError, match="not ended"):
-            stream.value
+            _ = stream.value
         for _ in stream:
             pass
     assert isinstance(stream.value, bool)
@@ -670,7 +670,7 @@ def test_session_stream_respond_with_output_streams_partial_objects(tiny):
     session = guided_session(lm)
     seen = []
     with session.stream_respond(PROMPTS[1], output=Order) as stream:
-        for chunk in stream:
+        for _chunk in stream:
             seen.append(stream.partial)
     check_order(stream.value)
     assert stream.finish_reason == "stop" and stream.stats.generation_tokens == len(stream.tokens)

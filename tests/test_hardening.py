@@ -15,6 +15,8 @@ import sys
 import textwrap
 
 import pytest
+from cachefiles import join, rewrite_meta, split
+from conftest import session_for
 
 import chatkit
 from chatkit import (
@@ -27,11 +29,9 @@ from chatkit import (
     InvalidParamsError,
     ModelLoadError,
     SessionPool,
+    cli,
 )
-from chatkit import cli
 from chatkit.cache import store
-from cachefiles import rewrite_meta, split, join
-from conftest import session_for
 
 PARAMS = GenerateParams(max_tokens=8)
 
@@ -287,7 +287,7 @@ def test_metadata_with_wrong_types_is_a_cache_file_error_naming_the_file(saved, 
         with pytest.raises(CacheFileError) as err:
             attempt()
         assert str(path) in str(err.value)
-    out, errs = io.StringIO(), io.StringIO()
+    errs = io.StringIO()
     sys_stderr, sys.stderr = sys.stderr, errs
     try:
         assert cli.main(["inspect", str(path)]) == 1  # a message, not a traceback

@@ -8,9 +8,9 @@ import time
 
 import mlx.core as mx
 import pytest
+from conftest import assert_ledger_matches_cache, cache_state, session_for
 
 from chatkit import ChatSession, GenerateParams, SessionBusyError, SessionPool
-from conftest import assert_ledger_matches_cache, cache_state, session_for
 
 PARAMS = GenerateParams(max_tokens=8)
 

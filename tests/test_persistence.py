@@ -8,6 +8,7 @@ import textwrap
 
 import mlx.core as mx
 import pytest
+from conftest import assert_ledger_matches_cache, cache_state, session_for
 from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 import chatkit
@@ -20,8 +21,6 @@ from chatkit import (
     SessionBusyError,
 )
 from chatkit.cache import store
-from chatkit.errors import InvalidParamsError
-from conftest import assert_ledger_matches_cache, cache_state, session_for
 
 PARAMS = GenerateParams(max_tokens=10)
 ROUND_TRIPS = [

@@ -1,7 +1,8 @@
 """The reuse planner on its own: a pure function of (ledger, prompt, capabilities)."""
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from chatkit.cache.ledger import Ledger
 from chatkit.cache.planner import Action, Plan, common_prefix_length, plan

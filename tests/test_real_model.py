@@ -6,11 +6,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import assert_ledger_matches_cache, fresh_reply
 
 import chatkit
 from chatkit import ChatSession, GenerateParams, IncompatibleCacheError
-
-from conftest import assert_ledger_matches_cache, fresh_reply
 
 pytestmark = pytest.mark.real_model
 

@@ -4,6 +4,7 @@ import gc
 
 import mlx.core as mx
 import pytest
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
 
 from chatkit import (
     ChatKitError,
@@ -16,7 +17,6 @@ from chatkit import (
     TemplateError,
 )
 from chatkit.errors import InvalidMessageError, InvalidParamsError
-from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
 
 COMBOS = [
     ("qwen3", "bpe"),

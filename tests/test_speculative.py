@@ -2,8 +2,10 @@
 
 import mlx.core as mx
 import pytest
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
+from test_reuse import Conversation
 
 from chatkit import (
     ChatSession,
@@ -14,8 +16,6 @@ from chatkit import (
 )
 from chatkit.cache._mlx import layer_offset
 from chatkit.errors import InvalidParamsError
-from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
-from test_reuse import Conversation
 
 
 def run(session, prompt, break_after=None):

@@ -2,7 +2,8 @@
 
 import mlx.core as mx
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from chatkit.engine import DraftCount
 from chatkit.segments import Segmenter
@@ -88,7 +89,7 @@ def test_stop_string_across_tokens_is_held_back_and_cut():
 
 def test_break_then_close_commits_once_with_what_was_shown():
     stream, events = make_stream(["", "a", "b", "c"], [1, 2, 3, 1, 2, 3, EOS])
-    for i, chunk in enumerate(stream):
+    for i, _chunk in enumerate(stream):
         if i == 1:
             break
     stream.close()

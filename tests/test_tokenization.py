@@ -5,12 +5,13 @@ import gc
 import threading
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chatkit import ChatMessage, ChatSession, GenerateParams, Role
 from chatkit._tokenizer import PromptEncoder, hf_tokenizer
 from chatkit.template import ChatTemplate
-from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
 
 TOKENIZERS = ["bpe", "bpe-think", "spm", "gemma"]
 ARCH = {"bpe": "qwen3", "bpe-think": "qwen3", "spm": "llama", "gemma": "gemma3_text"}

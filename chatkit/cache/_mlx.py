@@ -7,7 +7,8 @@ against the installed mlx-lm, so an upgrade that changes one fails loudly instea
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Ledger:
         return self.opaque + len(self.tokens)
 
     @classmethod
-    def from_offset(cls, fed: Sequence[int], offset: int, opaque: int = 0) -> "Ledger | None":
+    def from_offset(cls, fed: Sequence[int], offset: int, opaque: int = 0) -> Ledger | None:
         """The ledger of a cache at ``offset`` after ``fed`` went in after the opaque prefix.
 
         mlx-lm leaves the cache holding a prefix of what was fed (all of it, or one token less after a

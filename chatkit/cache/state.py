@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -147,7 +148,7 @@ class CacheState:
         self.draft_layers = None
         self.draft_length = 0
 
-    def copy(self) -> "CacheState":
+    def copy(self) -> CacheState:
         """An independent copy (for a fork): layers, ledger and checkpoints."""
         other = CacheState(self._model, self.options, self._draft_model)
         if self.layers is not None:
@@ -173,7 +174,7 @@ class CacheState:
         ledger: Ledger,
         checkpoints: Sequence[Checkpoint] = (),
         draft_model: Any = None,
-    ) -> "CacheState":
+    ) -> CacheState:
         """A cache state around restored layers (and the checkpoints saved with them). A draft
         model's cache starts empty and is filled from the ledger at the next turn."""
         state = cls(model, options, draft_model)

@@ -18,10 +18,11 @@ import os
 import struct
 import tempfile
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten

@@ -8,7 +8,8 @@ editing and Ctrl-C, ``repl`` the chat loop and its slash commands, ``inspect_cmd
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ..errors import ChatKitError
 from .args import UsageError, check_combination, parser

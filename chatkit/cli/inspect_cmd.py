@@ -12,7 +12,6 @@ def inspect(path: str, out: Any = sys.stdout, *, show_all: bool = False, model: 
     """Print the header of ``path``; with ``model``, also whether the file fits that model."""
     from ..cache.store import check_fingerprint
     from ..cache.store import inspect as inspect_file
-
     from ..errors import CacheFileError, ChatKitError
 
     try:

@@ -7,8 +7,9 @@ import importlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import CacheFileError, ChatKitError, ContextWindowExceededError, DistributedError
 from .args import COMMANDS, KEYS, UsageError, check_save_path, explicit_settings, kv_group_size

@@ -8,9 +8,10 @@ import select
 import signal
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 try:  # POSIX only; elsewhere Ctrl-C falls back to a signal handler
     import termios
@@ -111,7 +112,7 @@ class ReplyKeys:
         self._depth = 0  # a command that streams a reply (/retry) enters twice
 
     @contextmanager
-    def installed(self) -> Iterator["ReplyKeys"]:
+    def installed(self) -> Iterator[ReplyKeys]:
         """For the REPL's lifetime: SIGINT sets :attr:`pressed` instead of raising ``KeyboardInterrupt``
         (reading a line restores the default; see :func:`line_reader`)."""
         previous = signal.signal(signal.SIGINT, lambda *_: self.pressed.set())
@@ -121,7 +122,7 @@ class ReplyKeys:
             signal.signal(signal.SIGINT, previous)
 
     @contextmanager
-    def active(self) -> Iterator["ReplyKeys"]:
+    def active(self) -> Iterator[ReplyKeys]:
         """Watch the terminal for Ctrl-C while the block runs (MLX work: a reply, a load, a save)."""
         if self._depth or not _in_foreground(self._fd):
             yield self

@@ -7,8 +7,9 @@ batching engine, a sharded model or a constrained decoder stands in behind the s
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import mlx.core as mx
 

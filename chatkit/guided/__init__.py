@@ -18,12 +18,12 @@ try:
 except ImportError as e:  # an optional extra: say how to get it
     raise ImportError(f"chatkit.guided needs the guided extra: pip install 'chatkit[guided]' ({e}).") from e
 
+from ..stream import GuidedStream
 from .constraint import Constraint, constraint
 from .describe import instructions, response_format
 from .partial import partial_json
 from .spec import OutputSpec, matches, output_spec, strict_schema
 from .tokenizer import llg_tokenizer
-from ..stream import GuidedStream
 from .turn import guide, respond, stream_respond
 
 __all__ = [

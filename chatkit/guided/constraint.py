@@ -26,7 +26,8 @@ GIL). Only the masking and sampling wait for the mask. Measured in ``bench/guide
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import llguidance
 import mlx.core as mx

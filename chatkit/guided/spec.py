@@ -13,8 +13,9 @@ import copy
 import dataclasses
 import json
 import typing
+from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 import llguidance
 import numpy as np

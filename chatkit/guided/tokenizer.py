@@ -11,7 +11,7 @@ import llguidance.hf
 
 from ..errors import InvalidOutputSpecError
 
-_views: "weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer]" = weakref.WeakKeyDictionary()
+_views: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 

@@ -16,14 +16,15 @@ tokens: the JSON (or regex / grammar text), also when it is incomplete; ``sessio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from ..errors import InvalidOutputSpecError
 from ..messages import ChatMessage
 from .constraint import Constraint
 from .describe import instructions
-from .spec import OutputSpec, output_spec
+from .spec import output_spec
 
 Describe = Literal["prompt", "none"]
 

@@ -243,7 +243,7 @@ def _root_dir() -> Path:
     return _root
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model_path(arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...] = ()) -> Path:
     with _lock:
         name = f"{arch}-{tokenizer}-seed{seed}" + "".join(f"-{k}{v}" for k, v in overrides)
@@ -253,7 +253,7 @@ def _model_path(arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str
         return folder
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...] = ()) -> LoadedModel:
     from ..loading import load
 

@@ -57,7 +57,7 @@ class TokenizerFiles:
         (folder / "tokenizer_config.json").write_text(self.tokenizer_config_json, encoding="utf-8")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokenizer_files(name: str) -> TokenizerFiles:
     """Build (once per process) the files of the test tokenizer ``name``, one of TOKENIZERS."""
     if name in ("bpe", "bpe-think"):
