@@ -6,7 +6,7 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -191,7 +191,7 @@ class GenerateParams:
         return processors + list(self.logits_processors)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

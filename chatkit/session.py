@@ -197,9 +197,10 @@ class ChatSession:
             cache = self._conversation.cache
             if cache.empty or cache.layers is None:
                 raise NoCacheAvailableError("There is no KV cache to save yet: run a turn first.")
+            layers = cache.layers
             return distributed.agree(self._lm.distributed, "save the cache", lambda: store.save(
                 distributed.shard_path(self._lm.distributed, path),
-                cache.layers,
+                layers,
                 cache.ledger,
                 fingerprint=self._lm.fingerprint,
                 instructions=self._instructions,
@@ -290,7 +291,7 @@ class ChatSession:
                                  grammar=grammar, include_schema=include_schema) as stream:
             for _ in stream:
                 pass
-        return stream.value if _guided(output, regex, grammar) else stream.text
+        return stream.value if isinstance(stream, GuidedStream) else stream.text
 
     def stream_respond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,
@@ -344,7 +345,7 @@ class ChatSession:
                                         grammar=grammar, include_schema=include_schema) as stream:
             async for _ in stream:
                 pass
-        return stream.value if _guided(output, regex, grammar) else stream.text
+        return stream.value if isinstance(stream, AsyncGuidedStream) else stream.text
 
     def render(self, prompt: str | MessageLike | None = None, *, role: Role | str = Role.USER) -> str:
         """The prompt text the model would see if ``prompt`` were sent now (the template's output)."""

@@ -110,12 +110,14 @@ def fixed_shapes(layer: Any) -> list[Any] | None:
     keys = getattr(layer, "keys", None)
     if isinstance(layer, QuantizedKVCache) and keys is not None:
         # Packed uint32 words of 32 // bits values: compare as the unquantized width.
-        return [(*a[0].shape[:-2], a[0].shape[-1] * 32 // layer.bits) for a in (layer.keys, layer.values)]
+        packed: tuple[Any, Any] = (layer.keys, layer.values)
+        return [(*a[0].shape[:-2], a[0].shape[-1] * 32 // layer.bits) for a in packed]
     if isinstance(keys, mx.array):
         return [(*a.shape[:-2], a.shape[-1]) for a in (layer.keys, layer.values)]
     if hasattr(layer, "keys"):
         return None  # an attention layer that holds nothing yet
-    return [(name, tuple(v.shape) if isinstance(v, mx.array) else v) for name, v in tree_flatten(layer.state)]
+    flat: list[tuple[str, Any]] = tree_flatten(layer.state)  # type: ignore[assignment]
+    return [(name, tuple(v.shape) if isinstance(v, mx.array) else v) for name, v in flat]
 
 
 def kinds_that_cannot_rewind(model: Any) -> list[str]:

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -284,7 +284,7 @@ def _write_problem(where: str, folder: Path, exc: BaseException) -> str:
         errno.ENOSPC: "the disk is full: free some space or save elsewhere",
         errno.EDQUOT: "the disk quota is exceeded: free some space or save elsewhere",
     }
-    reason = hints.get(code) or (getattr(exc, "strerror", None) or str(exc))
+    reason = (hints.get(code) if isinstance(code, int) else None) or (getattr(exc, "strerror", None) or str(exc))
     return f"Could not write {where}: {reason}. Any earlier file there is intact."
 
 
@@ -296,14 +296,14 @@ def _state_digest(layers: Sequence[Any]) -> dict[str, Any]:
     """Per entry of the layers' states (named as in the file): dtype, shape and CRC-32 of an array's
     bytes, or a scalar's value as the file stores it. Computed the same way at save and at load."""
     digest: dict[str, Any] = {}
-    flat = tree_flatten([c.state for c in layers])
+    flat: list[tuple[str, Any]] = tree_flatten([c.state for c in layers])  # type: ignore[assignment]
     arrays = [v for _, v in flat if isinstance(v, mx.array)]
     mx.eval(arrays)
     for name, value in flat:
         if isinstance(value, mx.array):
             data = value if value.size == 0 else mx.contiguous(value)
             mx.eval(data)
-            digest[name] = [str(value.dtype), list(value.shape), zlib.crc32(memoryview(data))]
+            digest[name] = [str(value.dtype), list(value.shape), zlib.crc32(memoryview(data))]  # type: ignore[arg-type]  # mx.array has the buffer protocol
         elif isinstance(value, (bool, int, float)):
             digest[name] = mx.array(value).item()  # mlx-lm stores scalars as MLX arrays
         else:
@@ -638,7 +638,7 @@ def _classes(metadata: Mapping[str, str], where: str) -> tuple[str, ...]:
     return tuple(classes)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -124,19 +124,20 @@ class ReplyKeys:
     @contextmanager
     def active(self) -> Iterator[ReplyKeys]:
         """Watch the terminal for Ctrl-C while the block runs (MLX work: a reply, a load, a save)."""
-        if self._depth or not _in_foreground(self._fd):
+        fd = self._fd
+        if self._depth or fd is None or not _in_foreground(fd):
             yield self
             return
         self._depth += 1
         saved, stop, watcher = None, threading.Event(), None
         try:
-            saved = termios.tcgetattr(self._fd)
+            saved = termios.tcgetattr(fd)
             mode = list(saved)
             mode[3] &= ~(termios.ISIG | termios.ICANON | termios.ECHO)
             mode[6] = list(mode[6])
             mode[6][termios.VMIN], mode[6][termios.VTIME] = 1, 0
-            termios.tcsetattr(self._fd, termios.TCSANOW, mode)
-            watcher = threading.Thread(target=self._watch, args=(saved, stop), daemon=True)
+            termios.tcsetattr(fd, termios.TCSANOW, mode)
+            watcher = threading.Thread(target=self._watch, args=(fd, saved, stop), daemon=True)
             watcher.start()
         except (termios.error, OSError):
             saved = None
@@ -147,16 +148,16 @@ class ReplyKeys:
             if watcher is not None:
                 watcher.join()
             if saved is not None:
-                termios.tcsetattr(self._fd, termios.TCSANOW, saved)
+                termios.tcsetattr(fd, termios.TCSANOW, saved)
             self._depth -= 1
 
-    def _watch(self, saved: list[Any], stop: threading.Event) -> None:
+    def _watch(self, fd: int, saved: list[Any], stop: threading.Event) -> None:
         intr = saved[6][termios.VINTR]
         intr = intr if isinstance(intr, bytes) else bytes([intr])
         while not stop.is_set():
             try:
-                ready, _, _ = select.select([self._fd], [], [], 0.05)
-                data = os.read(self._fd, 1024) if ready else b""
+                ready, _, _ = select.select([fd], [], [], 0.05)
+                data = os.read(fd, 1024) if ready else b""
             except OSError:
                 return
             if intr in data:

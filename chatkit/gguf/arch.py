@@ -59,7 +59,7 @@ def _llama3_rope(freqs: mx.array, dims: int, base: float) -> dict[str, Any]:
     stored = freqs.astype(mx.float32)
     config = {
         "rope_type": "llama3",
-        "factor": float(stored.max().item()),
+        "factor": float(stored.max().item()),  # type: ignore[arg-type]
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,

@@ -102,7 +102,7 @@ def read(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     Raises ``ModelLoadError`` naming the tensor types MLX cannot read.
     """
     try:
-        return mx.load(str(path), format="gguf", return_metadata=True)  # Ollama blobs have no extension
+        return mx.load(str(path), format="gguf", return_metadata=True)  # type: ignore[return-value]  # Ollama blobs have no extension
     except Exception as exc:  # MLX raises RuntimeError / ValueError without naming the tensor
         try:
             types = tensor_types(path)

@@ -119,9 +119,10 @@ class Constraint:
         opens = self._think_start is None or tokens[:1] == [self._think_start]
         if self._think_end is not None and opens:
             m = len(self._think_end)
-            start = next((i + m for i in range(len(tokens) - m + 1) if tokens[i : i + m] == self._think_end), None)
-            if start is None:
+            end = next((i + m for i in range(len(tokens) - m + 1) if tokens[i : i + m] == self._think_end), None)
+            if end is None:
                 return ""
+            start = end
         return self._llt.decode_str([t for t in tokens[start:] if t not in self._eos])
 
     @property
@@ -293,7 +294,8 @@ class Constraint:
             mx.async_eval(logits)  # the forward pass runs while the matcher works on the CPU
         if self._start is None:
             self._start = tokens.size
-        self.sync(tokens.tolist()[self._start :])
+        shown: list[int] = tokens.tolist()  # type: ignore[assignment]
+        self.sync(shown[self._start :])
         return self.mask_logits(logits)
 
 

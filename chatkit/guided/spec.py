@@ -214,7 +214,7 @@ def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 def _json_grammar(schema: dict[str, Any]) -> str:
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     except ValueError as e:
         raise InvalidOutputSpecError(f"Invalid JSON Schema: {e}. Fix the schema.") from e
 
