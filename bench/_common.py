@@ -162,3 +162,9 @@ def clone(layers):
         out.append(type(c).from_state(state))
     mx.eval([c.state for c in out])
     return out
+
+
+def cache_state(session):
+    """The benchmarks' seam into a session's cache state (layers, ledger): the one place they reach
+    past the public API, to hand raw mlx-lm the very cache chatkit holds."""
+    return session._conversation.cache

@@ -29,7 +29,7 @@ import sys
 import time
 
 import mlx.core as mx
-from _common import OtherLoad, clone, describe, load_model, median, n_params, wait_until_quiet
+from _common import OtherLoad, cache_state, clone, describe, load_model, median, n_params, wait_until_quiet
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -80,7 +80,7 @@ def fresh_case(lm, n_tokens: int):
     bias = {int(e): -1e9 for e in lm.tokenizer.eos_token_ids}
     session = ChatSession.builder(lm).generate_params(GenerateParams(max_tokens=n_tokens, logit_bias=bias)).build()
     session.respond(PROMPT)  # the prompt ids chatkit feeds, read back from its ledger
-    ids = list(session._cache.ledger.tokens[: session.last_stats.prefilled_tokens])
+    ids = list(cache_state(session).ledger.tokens[: session.last_stats.prefilled_tokens])
 
     def chatkit():
         session.clear()
@@ -102,18 +102,18 @@ def context_case(lm, n_tokens: int):
     base.generate_params = params.copy(max_tokens=n_tokens)
     probe = base.fork()
     probe.respond(PROMPT)
-    ledger, stats = probe._cache.ledger.tokens, probe.last_stats
+    ledger, stats = cache_state(probe).ledger.tokens, probe.last_stats
     reused = stats.reused_tokens  # the random model's replies re-tokenize differently: chatkit trims
-    assert ledger[:reused] == base._cache.ledger.tokens[:reused]
+    assert ledger[:reused] == cache_state(base).ledger.tokens[:reused]
     suffix = list(ledger[reused : stats.prompt_tokens])
 
     def chatkit():
         fork = base.fork()
-        fork._cache.layers = clone(base._cache.layers)
+        cache_state(fork).layers = clone(cache_state(base).layers)
         return chatkit_decode(fork.stream_respond(PROMPT))
 
     def raw():
-        cache = clone(base._cache.layers)
+        cache = clone(cache_state(base).layers)
         for c in cache:
             c.trim(c.offset - reused)  # where the prompt leaves the cached ids, as chatkit does
         return raw_decode(lm, suffix, cache, n_tokens, bias)

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from _common import OtherLoad, clone, cpu_model, median, wait_until_quiet
+from _common import OtherLoad, cache_state, clone, cpu_model, median, wait_until_quiet
 from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
@@ -108,18 +108,18 @@ def turns(lm, n_turns: int, reps: int):
     print(rows[0], flush=True)
     totals = {"a": 0.0, "b": 0.0, "c": 0.0}
     for turn, message in enumerate(QUESTIONS[:n_turns], 1):
-        pre = clone(session._cache.layers)
+        pre = clone(cache_state(session).layers)
         probe = session.fork()
         with probe.stream_respond(message) as stream:
             for _ in stream:
                 pass
         st = probe.last_stats
-        prompt = list(probe._cache.ledger.tokens[: st.prompt_tokens])
+        prompt = list(cache_state(probe).ledger.tokens[: st.prompt_tokens])
         suffix = prompt[st.reused_tokens:]
 
         def run_a():
             fork = session.fork()
-            fork._cache.layers = clone(pre)
+            cache_state(fork).layers = clone(pre)
             return chatkit_first_chunk(fork, message)
 
         def run_b():
