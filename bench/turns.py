@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-from _common import OtherLoad, clone, describe, load_model, median, wait_until_quiet
+from _common import OtherLoad, cache_state, clone, describe, load_model, median, wait_until_quiet
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -176,14 +176,14 @@ def conversation(args) -> list[dict]:
             return GenerateParams(max_tokens=MAX_TOKENS, logits_processors=[processor(reply_ids)])
 
         # The turn for real (untimed) on a fork: it tells the prompt, the suffix and the reply.
-        pre_layers = clone(session._cache.layers)
+        pre_layers = clone(cache_state(session).layers)
         probe = session.fork()
         probe.generate_params = params()
         with probe.stream_respond(message) as stream:
             for _ in stream:
                 pass
         stats = probe.last_stats
-        ledger = probe._cache.ledger.tokens
+        ledger = cache_state(probe).ledger.tokens
         prompt = list(ledger[: stats.prompt_tokens])
         reused, suffix = stats.reused_tokens, list(ledger[stats.reused_tokens : stats.prompt_tokens])
         reply = list(stream.tokens)
@@ -196,7 +196,7 @@ def conversation(args) -> list[dict]:
 
         def run_a():
             fork = session.fork()
-            fork._cache.layers = clone(pre_layers)
+            cache_state(fork).layers = clone(pre_layers)
             fork.generate_params = params()
             dt, stream = chatkit_first_chunk(fork, message)
             stream.close()
@@ -299,7 +299,7 @@ def thinking(args, context_tokens: int = 0) -> list[dict]:
         assert stream.text.startswith("<think>\n") and "\n</think>\n\n" in stream.text
         assert stream.finish_reason == "stop" and len(stream.tokens) == len(forced) + THINK_ANSWER_TOKENS + 1
         stats = session.last_stats
-        ledger = session._cache.ledger.tokens
+        ledger = cache_state(session).ledger.tokens
         prompt = list(ledger[: stats.prompt_tokens])
         bound = min(common_prefix_length(prev_ledger, prompt), len(prompt) - 1)
         extends = len(strict_tokens) < len(prompt) and prompt[: len(strict_tokens)] == strict_tokens
