@@ -200,6 +200,14 @@ class ChatSessionBuilder:
                     known = {k: v for k, v in info.cache_options.items() if k in CacheOptions.__dataclass_fields__}
                     options = CacheOptions(**{**known, **self._cache_options})
                     options.validate(self._lm.head_dim)
+                    if options.max_kv_size != known.get("max_kv_size"):
+                        # The layers are what they were saved as: a rotating cache cannot become unbounded
+                        # or change its window, so such a restore would silently keep the saved kind.
+                        raise InvalidParamsError(
+                            f"This file's cache was made with max_kv_size={known.get('max_kv_size')}, not "
+                            f"{options.max_kv_size}: restore it without .max_kv_size(...) (or with the same "
+                            "value), or start from its transcript with .history(...) instead of .cache(...)."
+                        )
             cache = CacheState.restored(self._lm.model, options, saved.layers, saved.ledger, saved.checkpoints)
         session = ChatSession(
             self._lm,

@@ -17,6 +17,7 @@ from chatkit import (
     ChatSession,
     GenerateParams,
     IncompatibleCacheError,
+    InvalidParamsError,
     NoCacheAvailableError,
     SessionBusyError,
 )
@@ -272,3 +273,13 @@ def test_a_failed_write_leaves_the_previous_file_intact(tiny, tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chat.safetensors"], "no temporary file left"
     restored = ChatSession.builder(lm).cache(path).build()
     assert len(restored.history) == 4
+
+
+def test_a_restore_cannot_change_the_caches_kind(tiny, tmp_path):
+    """A saved unbounded cache restored with max_kv_size would silently stay unbounded: refused."""
+    lm = tiny()
+    path = tmp_path / "chat.safetensors"
+    two_turns(lm).save_cache(path)
+    with pytest.raises(InvalidParamsError, match="max_kv_size"):
+        ChatSession.builder(lm).cache(path).max_kv_size(64).build()
+    assert len(ChatSession.builder(lm).cache(path).build().history) == 4  # as saved: fine
