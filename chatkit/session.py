@@ -215,7 +215,7 @@ class ChatSession:
         that evicted it), checked against the model's fingerprint. The conversation itself stays as
         it is: turns reuse as much of the restored cache as matches it."""
         with self._idle("restore the cache"):
-            def read(file: os.PathLike[str]) -> store.LoadedCache:
+            def read(file: str | os.PathLike[str]) -> store.LoadedCache:
                 saved = store.load(file)
                 store.check_fingerprint(self._lm.fingerprint, saved.info.fingerprint, repr(str(file)))
                 store.check_layers(self._lm.model, saved, repr(str(file)))

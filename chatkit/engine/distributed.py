@@ -356,12 +356,13 @@ def check_same_turn(group: Group, request: Request) -> None:
 # -- saved caches: one file per rank --------------------------------------------------------------------
 
 
-def shard_path(group: Group | None, path: str | os.PathLike[str]) -> Path:
-    """This rank's file for ``path``: rank 0 writes ``path`` itself, rank r ``<stem>.rank<r><suffix>``
-    next to it. (On several machines each rank writes on its own disk.)"""
-    target = Path(path)
+def shard_path(group: Group | None, path: str | os.PathLike[str]) -> str | os.PathLike[str]:
+    """This rank's file for ``path``: rank 0 writes ``path`` itself (untouched, so the store still
+    sees a trailing separator), rank r ``<stem>.rank<r><suffix>`` next to it. (On several machines
+    each rank writes on its own disk.)"""
     if group is None or not group.sharded or group.leader:
-        return target
+        return path
+    target = Path(path)
     return target.with_name(f"{target.stem}.rank{group.rank}{target.suffix}")
 
 
@@ -405,7 +406,7 @@ def agree(group: Group | None, action: str, run: Callable[[], T], digest: Callab
     return result
 
 
-def restore(group: Group | None, path: str | os.PathLike[str], read: Callable[[Path], T]) -> T:
+def restore(group: Group | None, path: str | os.PathLike[str], read: Callable[[str | os.PathLike[str]], T]) -> T:
     """``read`` this rank's file of ``path`` (a ``store.LoadedCache``) on every rank: all ranks fail if
     one does, and all must have restored the same conversation (their ledgers are compared)."""
     def digest(saved: Any) -> list[int]:
