@@ -12,10 +12,10 @@ from importlib import metadata
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import mlx.core as mx  # noqa: E402
-
 import chatkit  # noqa: E402  (first: it loads OpenBLAS before MLX)
 import chatkit._blas  # noqa: E402
+
+import mlx.core as mx  # noqa: E402
 
 # A Qwen3-shaped model of ~29M float32 parameters (4.2M of them the tied 8,201-token embedding).
 MODEL_CONFIG = dict(

@@ -34,12 +34,12 @@ HERE = Path(__file__).resolve().parent
 
 def worker(out: Path, rounds: int, tokens: int, prompt_tokens: int) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    import mlx.core as mx
-    from _common import MODEL_CONFIG, median, n_params
-
     import chatkit
     from chatkit import ChatSession, GenerateParams
     from chatkit.testing import tiny_model_path
+
+    import mlx.core as mx
+    from _common import MODEL_CONFIG, median, n_params
 
     path = tiny_model_path("qwen3", "bpe", 0, **MODEL_CONFIG)
     sharded = int(os.environ.get("MLX_WORLD", "1")) > 1

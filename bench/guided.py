@@ -29,13 +29,13 @@ import sys
 import time
 from typing import Annotated, Literal
 
+from chatkit.guided import Constraint, llg_tokenizer, output_spec
+from chatkit.testing import tiny_model
+
 import mlx.core as mx
 from _common import OtherLoad, describe, load_model, median, wait_until_quiet
 from mlx_lm.generate import generate_step
 from pydantic import BaseModel, Field
-
-from chatkit.guided import Constraint, llg_tokenizer, output_spec
-from chatkit.testing import tiny_model
 
 PROMPT = "List the products of our shop as JSON, with their prices, tags and stock."
 
@@ -114,9 +114,9 @@ def full_vocab_mask_table() -> tuple[int, float, list[tuple[str, int, float, flo
     """(vocab size, view build s, rows) of mask times along fixed valid replies over Qwen's whole
     151k-token BPE (no model: the mask cost grows with the vocabulary, the forward pass does not
     matter here). chatkit.testing cuts that BPE to 8,192 ranks; this lifts the cut for one build."""
-    from transformers import PreTrainedTokenizerFast
-
     from chatkit.testing import tokenizers as test_tokenizers
+
+    from transformers import PreTrainedTokenizerFast
 
     test_tokenizers.BPE_RANKS = 10**7
     test_tokenizers._qwen_ranks.cache_clear()

@@ -9,11 +9,11 @@ shows that release_cache() gives the cache's memory back.
 
 from __future__ import annotations
 
+from chatkit import ChatSession, GenerateParams
+
 import mlx.core as mx
 from _common import describe, load_model
 from mlx.utils import tree_flatten
-
-from chatkit import ChatSession, GenerateParams
 
 TURNS = 100
 MB = 2**20

@@ -28,14 +28,14 @@ import pstats
 import sys
 import time
 
+from chatkit import ChatSession, GenerateParams
+from chatkit.testing import tiny_model
+
 import mlx.core as mx
 from _common import OtherLoad, cache_state, clone, describe, load_model, median, n_params, wait_until_quiet
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-from chatkit import ChatSession, GenerateParams
-from chatkit.testing import tiny_model
 
 PROMPT = "Tell me a long story about a dragon who guards a castle in the mountains, and the knight who comes to talk to it."
 HISTORY_TURN = (

@@ -28,14 +28,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import chatkit
+from chatkit import ChatSession, GenerateParams
+
 import mlx.core as mx
 from _common import OtherLoad, cache_state, clone, cpu_model, median, wait_until_quiet
 from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
-
-import chatkit
-from chatkit import ChatSession, GenerateParams
 
 QUESTIONS = [
     "Hi! My name is Ada and I live in Lyon.", "What is the capital of France?", "Name three fruits.",

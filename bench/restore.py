@@ -36,11 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import MODEL_CONFIG, OtherLoad, describe, median, wait_until_quiet
-
 from chatkit import ChatSession, GenerateParams, Role, inspect_cache
 from chatkit.cache import store
 from chatkit.testing import tiny_model
+
+from _common import MODEL_CONFIG, OtherLoad, describe, median, wait_until_quiet
 
 INSTRUCTIONS = (
     "You are the archivist of a mountain castle. Answer questions about its history, its people and "

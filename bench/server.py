@@ -31,11 +31,11 @@ import subprocess
 import sys
 import time
 
-import httpx
-from _common import OtherLoad, describe, load_model, median, wait_until_quiet
-
 import chatkit._blas
 from chatkit import ChatSession, GenerateParams
+
+import httpx
+from _common import OtherLoad, describe, load_model, median, wait_until_quiet
 
 WORDS = ("castle river winter market bridge tower harvest road library mill shepherd valley snow wool "
          "cheese salt iron cloth honey ledger steward gate well fire wall autumn merchant village").split()

@@ -44,13 +44,13 @@ import gc
 import sys
 import time
 
-import mlx.core as mx
-from _common import MODEL_CONFIG, OtherLoad, describe, median, n_params, wait_until_quiet
-from mlx.utils import tree_flatten, tree_unflatten
-
 import chatkit
 from chatkit import ChatSession, GenerateParams, SpeculativeConfig
 from chatkit.testing import tiny_model, tiny_model_path
+
+import mlx.core as mx
+from _common import MODEL_CONFIG, OtherLoad, describe, median, n_params, wait_until_quiet
+from mlx.utils import tree_flatten, tree_unflatten
 
 DRAFT_CONFIG = dict(
     hidden_size=512,

@@ -22,16 +22,16 @@ import argparse
 import gc
 import time
 
-import mlx.core as mx
-from _common import OtherLoad, clone, describe, load_model, median, wait_until_quiet
-from mlx_lm.generate import generate_step
-from mlx_lm.sample_utils import make_sampler
-
 import chatkit.turn
 from chatkit import ChatSession, GenerateParams, Role
 from chatkit.segments import Piece, Segmenter
 from chatkit.testing import Scripted
 from chatkit.testing.templates import QWEN3
+
+import mlx.core as mx
+from _common import OtherLoad, clone, describe, load_model, median, wait_until_quiet
+from mlx_lm.generate import generate_step
+from mlx_lm.sample_utils import make_sampler
 
 HISTORY_TURN = (
     "Here is some background for the conversation, about the castle, its towers, its gates and "

@@ -50,13 +50,13 @@ import sys
 import time
 from pathlib import Path
 
+from chatkit import ChatSession, GenerateParams
+from chatkit.cache.planner import common_prefix_length
+
 import mlx.core as mx
 from _common import OtherLoad, cache_state, clone, describe, load_model, median, wait_until_quiet
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-
-from chatkit import ChatSession, GenerateParams
-from chatkit.cache.planner import common_prefix_length
 
 ROOT = Path(__file__).resolve().parent.parent
 USER_TOKENS = 60

@@ -9,10 +9,10 @@ import argparse
 import asyncio
 import threading
 
-import mlx.core as mx  # noqa: E402
-
 import chatkit  # before mlx: on Linux chatkit can then give MLX the system's faster OpenBLAS
 from chatkit import ChatSession, GenerateParams
+
+import mlx.core as mx  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default="demo")

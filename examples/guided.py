@@ -17,11 +17,11 @@ import argparse
 import re
 from typing import Annotated
 
-from pydantic import BaseModel, Field
-
 import chatkit
 from chatkit import ChatSession, GenerateParams, guided
 from chatkit.errors import IncompleteOutputError
+
+from pydantic import BaseModel, Field
 
 
 class Person(BaseModel):

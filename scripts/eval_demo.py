@@ -23,10 +23,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import train_demo  # noqa: E402  (the dialogue generator)
-
 import chatkit  # noqa: E402  (loads OpenBLAS before MLX)
 from chatkit import ChatSession, ContextWindowExceededError, GenerateParams, SpeculativeConfig  # noqa: E402
+
+import train_demo  # noqa: E402  (the dialogue generator)
 
 GREEDY = GenerateParams(max_tokens=48, temperature=0.0)
 EVAL_STREAM = 7919  # the generator stream of held-out dialogues: training uses streams 1-4 only

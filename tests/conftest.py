@@ -2,12 +2,12 @@
 
 import os
 
-import pytest
-from hypothesis import HealthCheck, settings
-
 import chatkit  # noqa: F401  (loads OpenBLAS before mlx, when present)
 from chatkit import ChatSession, GenerateParams
 from chatkit.cache._mlx import layer_offset
+
+import pytest
+from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

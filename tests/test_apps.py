@@ -3,11 +3,11 @@
 import asyncio
 import threading
 
+from chatkit import GenerateParams, SessionBusyError, SessionPool, SpeculativeConfig
+
 import mlx.core as mx
 import pytest
 from conftest import assert_ledger_matches_cache, fresh_reply, session_for
-
-from chatkit import GenerateParams, SessionBusyError, SessionPool, SpeculativeConfig
 
 
 def endless(lm, max_tokens=400):

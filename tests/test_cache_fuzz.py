@@ -9,6 +9,8 @@ import sys
 import textwrap
 import time
 
+from chatkit import CacheFileError, ChatSession, GenerateParams, IncompatibleCacheError
+
 import mlx.core as mx
 import pytest
 from cachefiles import regions, rewrite_meta
@@ -16,8 +18,6 @@ from conftest import cache_state, session_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten
-
-from chatkit import CacheFileError, ChatSession, GenerateParams, IncompatibleCacheError
 
 PARAMS = GenerateParams(max_tokens=8)
 REFUSED = (CacheFileError, IncompatibleCacheError)

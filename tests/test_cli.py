@@ -8,10 +8,10 @@ import sys
 import time
 from pathlib import Path
 
+from chatkit.testing import tiny_model_path
+
 import pexpect
 import pytest
-
-from chatkit.testing import tiny_model_path
 
 # prompt_toolkit switches bracketed paste on each time it starts reading a line: the REPL is waiting.
 PROMPT = "\x1b[?2004h"

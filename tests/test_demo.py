@@ -4,10 +4,10 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 import chatkit
 from chatkit import ChatSession, GenerateParams, SpeculativeConfig
+
+import pytest
 
 GREEDY = GenerateParams(max_tokens=48, temperature=0.0)
 

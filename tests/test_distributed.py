@@ -17,14 +17,14 @@ import sys
 from functools import cache
 from pathlib import Path
 
-import pytest
-
 import chatkit
 from chatkit import ChatSession, GenerateParams, InvalidParamsError, ModelLoadError
 from chatkit.engine import source_for
 from chatkit.engine.distributed import Group, shard_path
 from chatkit.engine.local import LocalSource
 from chatkit.testing import tiny_model_path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "distributed_session.py"

@@ -2,14 +2,14 @@
 
 import random
 
-import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
 from chatkit import SpeculativeConfig
 from chatkit.errors import InvalidParamsError
 from chatkit.speculative import NgramIndex, new_policy
 from chatkit.speculative.policy import AUTO_MAX, PROBE_MAX, choose, expected_tokens, record_draft, record_plain
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 
 def brute_force_proposal(tokens, k, ngram_min, ngram_max):

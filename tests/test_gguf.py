@@ -6,13 +6,13 @@ import os
 import zipfile
 from pathlib import Path
 
-import mlx.core as mx
-import pytest
-from mlx.utils import tree_flatten
-
 import chatkit
 from chatkit import ChatSession, GenerateParams, ModelLoadError, cli, gguf, models
 from chatkit.testing import tiny_model_path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
 
 GREEDY = GenerateParams(max_tokens=16, temperature=0.0)
 PROMPTS = ["Hello there!", "What is 7 + 5?", "Tell me about MLX."]

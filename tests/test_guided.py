@@ -7,12 +7,6 @@ import json
 import re
 from typing import Annotated, Literal, TypedDict
 
-import mlx.core as mx
-import pytest
-from mlx_lm.generate import generate_step, speculative_generate_step
-from mlx_lm.models.cache import make_prompt_cache
-from pydantic import BaseModel, ConfigDict, Field
-
 from chatkit.errors import ChatKitError, IncompleteOutputError, InvalidOutputSpecError, OutputValidationError
 from chatkit.guided import (
     Constraint,
@@ -24,6 +18,12 @@ from chatkit.guided import (
     response_format,
     strict_schema,
 )
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from pydantic import BaseModel, ConfigDict, Field
 
 TOKENIZERS = ("bpe", "spm", "gemma")
 PROMPTS = ("My name is Ada and I live in Oslo.", "Tell me about the weather, please!")

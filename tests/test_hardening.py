@@ -14,10 +14,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-from cachefiles import join, rewrite_meta, split
-from conftest import session_for
-
 import chatkit
 from chatkit import (
     CacheFileError,
@@ -32,6 +28,10 @@ from chatkit import (
     cli,
 )
 from chatkit.cache import store
+
+import pytest
+from cachefiles import join, rewrite_meta, split
+from conftest import session_for
 
 PARAMS = GenerateParams(max_tokens=8)
 

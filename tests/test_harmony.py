@@ -5,12 +5,12 @@ land in their fields, the template renders them back (reasoning under ``thinking
 import json
 import shutil
 
-import pytest
-from test_real_templates import TEMPLATES
-
 import chatkit
 from chatkit import ChatSession, GenerateParams
 from chatkit.testing import Scripted, tiny_model_path
+
+import pytest
+from test_real_templates import TEMPLATES
 
 SPECIALS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>", "<|return|>", "<|call|>"]
 

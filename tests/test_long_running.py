@@ -6,11 +6,11 @@ import resource
 import threading
 import time
 
+from chatkit import ChatSession, GenerateParams, SessionBusyError, SessionPool
+
 import mlx.core as mx
 import pytest
 from conftest import assert_ledger_matches_cache, cache_state, session_for
-
-from chatkit import ChatSession, GenerateParams, SessionBusyError, SessionPool
 
 PARAMS = GenerateParams(max_tokens=8)
 

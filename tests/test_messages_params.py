@@ -1,10 +1,10 @@
 """Messages and generation parameters: conversion, validation, mapping onto mlx-lm."""
 
-import mlx.core as mx
-import pytest
-
 from chatkit import ChatKitError, ChatMessage, GenerateParams, Role
 from chatkit.errors import InvalidMessageError, InvalidParamsError
+
+import mlx.core as mx
+import pytest
 
 
 def test_message_constructors_and_dict_round_trip():

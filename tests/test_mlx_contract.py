@@ -2,13 +2,13 @@
 against the installed mlx-lm: an upgrade that changes one of these fails here, loudly, instead of
 corrupting caches or text. pyproject pins the mlx-lm range these pass on."""
 
+from chatkit.cache import _mlx
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import TextStateMachine
 from mlx_lm.models import cache as mlx_cache
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
-
-from chatkit.cache import _mlx
 
 
 def kv(n, heads=2, dim=32):

@@ -6,11 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import mlx.core as mx
-import pytest
-from conftest import assert_ledger_matches_cache, cache_state, session_for
-from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
-
 import chatkit
 from chatkit import (
     CacheFileError,
@@ -22,6 +17,11 @@ from chatkit import (
     SessionBusyError,
 )
 from chatkit.cache import store
+
+import mlx.core as mx
+import pytest
+from conftest import assert_ledger_matches_cache, cache_state, session_for
+from mlx_lm.models.cache import make_prompt_cache, save_prompt_cache
 
 PARAMS = GenerateParams(max_tokens=10)
 ROUND_TRIPS = [

@@ -1,11 +1,11 @@
 """The reuse planner on its own: a pure function of (ledger, prompt, capabilities)."""
 
+from chatkit.cache.ledger import Ledger
+from chatkit.cache.planner import Action, Plan, common_prefix_length, plan
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from chatkit.cache.ledger import Ledger
-from chatkit.cache.planner import Action, Plan, common_prefix_length, plan
 
 
 def test_prompt_extending_the_ledger_appends_only_the_new_tokens():

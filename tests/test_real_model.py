@@ -5,11 +5,11 @@ import json
 import subprocess
 from pathlib import Path
 
-import pytest
-from conftest import assert_ledger_matches_cache, fresh_reply
-
 import chatkit
 from chatkit import ChatSession, GenerateParams, IncompatibleCacheError
+
+import pytest
+from conftest import assert_ledger_matches_cache, fresh_reply
 
 pytestmark = pytest.mark.real_model
 

@@ -5,10 +5,10 @@ template was probed to support; a prompt that leaves <think> open starts the rep
 import warnings
 from pathlib import Path
 
-import pytest
-
 from chatkit import ChatMessage, ChatSession, GenerateParams, ToolCall
 from chatkit.testing import Scripted
+
+import pytest
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 ALL = sorted(p.name for p in TEMPLATES.glob("*.jinja"))

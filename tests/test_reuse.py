@@ -1,11 +1,5 @@
 """KV cache reuse across turns: rewind, checkpoints, undo/regenerate/fork, and the equivalence property."""
 
-import mlx.core as mx
-import pytest
-from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
-
 from chatkit import (
     CacheOptions,
     ChatMessage,
@@ -15,6 +9,12 @@ from chatkit import (
     SessionBusyError,
 )
 from chatkit.testing import Scripted
+
+import mlx.core as mx
+import pytest
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 HYBRID = "qwen3_5"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city.",

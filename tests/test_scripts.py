@@ -5,10 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import chatkit
 from chatkit import ChatSession, GenerateParams
+
+import pytest
 
 pytestmark = pytest.mark.slow  # trains a tiny pair in subprocesses: about half of the suite's time
 

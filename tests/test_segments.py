@@ -3,15 +3,15 @@ switch and budget, and the history fields they fill."""
 
 from types import SimpleNamespace
 
-import mlx.core as mx
-import pytest
-from conftest import assert_ledger_matches_cache
-from mlx_lm.tool_parsers import json_tools
-
 from chatkit import ChatMessage, ChatSession, GenerateParams, ToolCall
 from chatkit.segments import Segmenter
 from chatkit.testing import Scripted
 from chatkit.testing.templates import QWEN3
+
+import mlx.core as mx
+import pytest
+from conftest import assert_ledger_matches_cache
+from mlx_lm.tool_parsers import json_tools
 
 QWEN_MARKERS = SimpleNamespace(
     has_thinking=True, think_start="<think>", think_end="</think>",

@@ -6,14 +6,14 @@ import json
 import threading
 import time
 
-import httpx
-import openai
-import pytest
-
 import chatkit
 from chatkit import ChatSession, GenerateParams
 from chatkit.server import ServerConfig, start
 from chatkit.server.protocol import guided_available
+
+import httpx
+import openai
+import pytest
 
 PARAMS = GenerateParams(max_tokens=10, temperature=0.0)
 SYSTEM = "Be brief."

@@ -2,10 +2,6 @@
 
 import gc
 
-import mlx.core as mx
-import pytest
-from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
-
 from chatkit import (
     ChatKitError,
     ChatMessage,
@@ -17,6 +13,10 @@ from chatkit import (
     TemplateError,
 )
 from chatkit.errors import InvalidMessageError, InvalidParamsError
+
+import mlx.core as mx
+import pytest
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
 
 COMBOS = [
     ("qwen3", "bpe"),

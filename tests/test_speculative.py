@@ -1,12 +1,5 @@
 """Speculative decoding: exact greedy output, caches kept across turns, the exclusivity rules."""
 
-import mlx.core as mx
-import pytest
-from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
-from hypothesis import settings
-from hypothesis.stateful import run_state_machine_as_test
-from test_reuse import Conversation
-
 from chatkit import (
     ChatSession,
     GenerateParams,
@@ -16,6 +9,13 @@ from chatkit import (
 )
 from chatkit.cache._mlx import layer_offset
 from chatkit.errors import InvalidParamsError
+
+import mlx.core as mx
+import pytest
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+from test_reuse import Conversation
 
 
 def run(session, prompt, break_after=None):

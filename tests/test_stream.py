@@ -1,13 +1,13 @@
 """ResponseStream on its own, over a scripted token source: text, stop strings, commit exactly once."""
 
+from chatkit.engine import DraftCount
+from chatkit.segments import Segmenter
+from chatkit.stream import ResponseStream
+
 import mlx.core as mx
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from chatkit.engine import DraftCount
-from chatkit.segments import Segmenter
-from chatkit.stream import ResponseStream
 
 EOS = 0
 

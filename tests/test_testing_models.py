@@ -11,6 +11,11 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import chatkit  # noqa: E402, F401  (first: it loads OpenBLAS before mlx is imported)
+from chatkit.errors import InvalidParamsError  # noqa: E402
+from chatkit.loading import LoadedModel, load  # noqa: E402
+from chatkit.testing import ARCHS, TOKENIZERS, tiny_model, tiny_model_path  # noqa: E402
+
 import mlx.core as mx  # noqa: E402
 import pytest  # noqa: E402
 from jinja2.exceptions import TemplateError  # noqa: E402
@@ -24,11 +29,6 @@ from mlx_lm.models.cache import (  # noqa: E402
     make_prompt_cache,
 )
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer  # noqa: E402
-
-import chatkit  # noqa: E402, F401  (first: it loads OpenBLAS before mlx is imported)
-from chatkit.errors import InvalidParamsError  # noqa: E402
-from chatkit.loading import LoadedModel, load  # noqa: E402
-from chatkit.testing import ARCHS, TOKENIZERS, tiny_model, tiny_model_path  # noqa: E402
 
 TEXT = "Hello, world! Ça va? naïve café 你好，世界。こんにちは 🎉🦄👩‍💻 x=1+2 \n\n\tindented  spaces  "
 CONVERSATION = [

@@ -4,14 +4,14 @@ text (no forged turns), replies are committed as what their tokens decode to, ch
 import gc
 import threading
 
+from chatkit import ChatMessage, ChatSession, GenerateParams, Role
+from chatkit._tokenizer import PromptEncoder, hf_tokenizer
+from chatkit.template import ChatTemplate
+
 import pytest
 from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from chatkit import ChatMessage, ChatSession, GenerateParams, Role
-from chatkit._tokenizer import PromptEncoder, hf_tokenizer
-from chatkit.template import ChatTemplate
 
 TOKENIZERS = ["bpe", "bpe-think", "spm", "gemma"]
 ARCH = {"bpe": "qwen3", "bpe-think": "qwen3", "spm": "llama", "gemma": "gemma3_text"}

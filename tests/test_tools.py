@@ -5,9 +5,6 @@ output is forced with a script (random weights cannot write a tool call)."""
 import asyncio
 import json
 
-import pytest
-from conftest import assert_ledger_matches_cache, cache_state, fresh_reply
-
 from chatkit import (
     ChatMessage,
     ChatSession,
@@ -20,6 +17,9 @@ from chatkit import (
 )
 from chatkit.testing import Scripted
 from chatkit.tools import as_tool
+
+import pytest
+from conftest import assert_ledger_matches_cache, cache_state, fresh_reply
 
 
 def get_weather(city: str, unit: str = "celsius") -> dict:
