@@ -5,7 +5,15 @@ import random
 from chatkit import SpeculativeConfig
 from chatkit.errors import InvalidParamsError
 from chatkit.speculative import NgramIndex, new_policy
-from chatkit.speculative.policy import AUTO_MAX, PROBE_MAX, choose, expected_tokens, record_draft, record_plain
+from chatkit.speculative.policy import (
+    AUTO_MAX,
+    PROBE_MAX,
+    choose,
+    expected_tokens,
+    record_draft,
+    record_miss,
+    record_plain,
+)
 
 import pytest
 from hypothesis import given
@@ -47,10 +55,13 @@ def test_lookup_prefers_the_longest_ngram():
     assert index.propose(2) == [7, 2]
 
 
-def simulate(policy, acceptance, extra, tokens=3000, seed=0):
+def simulate(policy, acceptance, extra, tokens=3000, seed=0, proposes=1.0, asking=0.15):
     """Decode ``tokens`` tokens with ``policy`` against a simulated draft: each draft token is accepted
     with probability ``acceptance`` (until the first rejection); a plain step costs 1, a step that
-    drafts k tokens 1 + extra * k. Returns the speed relative to plain decoding (tokens per unit time)."""
+    drafts k tokens 1 + extra * k. The drafter has a proposal with probability ``proposes`` (prompt
+    lookup finds none in text that does not repeat); asking it and getting none costs a plain step
+    plus ``asking`` (the step could not be queued ahead). Returns the speed relative to plain decoding
+    (tokens per unit time)."""
     rng = random.Random(seed)
     done = elapsed = 0.0
     while done < tokens:
@@ -58,6 +69,10 @@ def simulate(policy, acceptance, extra, tokens=3000, seed=0):
         if k == 0:
             record_plain(policy, 1.0)
             done, elapsed = done + 1, elapsed + 1
+            continue
+        if rng.random() >= proposes:
+            record_miss(policy, probe)
+            done, elapsed = done + 1, elapsed + 1 + asking
             continue
         accepted = 0
         while accepted < k and rng.random() < acceptance:
@@ -82,6 +97,18 @@ def test_a_draft_that_never_agrees_costs_under_five_percent(extra):
 @pytest.mark.parametrize("acceptance,extra", [(0.98, 0.05), (0.9, 0.2), (0.7, 0.2), (0.5, 0.05), (0.8, 0.5)])
 def test_the_adaptive_length_comes_within_ten_percent_of_the_best_fixed_one(acceptance, extra):
     assert simulate(new_policy("auto", draft_model=True), acceptance, extra) >= 0.9 * best_fixed(acceptance, extra)
+
+
+@pytest.mark.parametrize("proposes", [0.05, 0.3])
+def test_a_lookup_that_rarely_finds_the_text_is_soon_asked_rarely(proposes):
+    # Text that does not repeat: prompt lookup seldom has a proposal, and the few it has are wrong.
+    speed = simulate(new_policy("auto", draft_model=False), 0.1, 0.1, proposes=proposes)
+    assert speed >= 0.97
+
+
+def test_a_lookup_that_finds_the_text_keeps_drafting():
+    policy = new_policy("auto", draft_model=False)
+    assert simulate(policy, 0.95, 0.05, proposes=0.9) >= 2.0
 
 
 def test_probes_grow_sparser_while_drafting_does_not_pay_and_drafting_resumes_when_it_does():

@@ -14,7 +14,7 @@ from ..cache._mlx import layer_offset, trim_layers
 from ..cache.state import CacheState
 from ..params import LogitsProcessor
 from ..speculative import NgramIndex, SpeculativeConfig, new_policy
-from ..speculative.policy import DraftPolicy, choose, record_draft, record_plain
+from ..speculative.policy import DraftPolicy, choose, record_draft, record_miss, record_plain
 from . import Request, Token
 
 
@@ -232,6 +232,8 @@ def speculative_tokens(
                     _record(policy, *last, now - t_last)
                 t_last, last = now, None
                 drafts = drafter.propose(y, k, held) if k > 0 else None
+                if drafts is not None and drafts.size == 0:
+                    record_miss(policy, probe)
                 if drafts is None or drafts.size == 0:
                     if out + 1 < max_tokens:
                         next_y, next_logprobs = plain_step(y)  # queued before y is read, as generate_step does

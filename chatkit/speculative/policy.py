@@ -102,9 +102,23 @@ def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: floa
     policy.idle = 0
 
 
+def record_miss(policy: DraftPolicy, probe: bool = False) -> None:
+    """The drafter had nothing to propose when asked (prompt lookup found no earlier occurrence).
+
+    Counted as one rejected draft token: asking is not free (the step must wait for the last token
+    before it can look it up, so it cannot be queued ahead as a plain step is), and a drafter that
+    rarely has a proposal rarely pays. Without this, text that does not repeat kept the policy
+    asking at every step and decoding slower than plain steps."""
+    policy.hits *= DECAY
+    policy.tries = policy.tries * DECAY + 1.0
+    if probe:
+        policy.probe_every = min(2 * policy.probe_every, PROBE_MAX)
+        policy.idle = 0
+
+
 def _smooth(old: float, new: float) -> float:
     return (1.0 - SMOOTH) * old + SMOOTH * new
 
 
 __all__ = ["AUTO_MAX", "DraftPolicy", "best_length", "choose", "expected_tokens", "new_policy", "record_draft",
-           "record_plain"]
+           "record_miss", "record_plain"]
