@@ -242,7 +242,9 @@ def test_every_drafting_mode_decodes_as_standard_over_turns_breaks_undo_regenera
         list(stream)
     assert stream.tokens == regen_expected
     assert_ledger_matches_cache(spec)
-    if mode != "model-auto":  # a random draft model may be switched off after its first misses
+    # An adaptive session may stop drafting after its first misses: a random draft model, or prompt
+    # lookup over a random model's text, which seldom repeats (the copying replies must draft).
+    if not mode.endswith("-auto") or params is COPYING:
         assert drafted > 0
     if params is COPYING and mode.startswith("lookup"):
         assert accepted > 0, "copied text is what prompt lookup drafts"
