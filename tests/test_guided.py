@@ -598,15 +598,20 @@ def test_a_guided_turn_commits_its_text_and_the_next_turn_reuses_the_cache(tiny,
     assert session.last_stats.reused_tokens > 0
 
 
-def test_guided_turns_with_speculative_decoding_equal_standard_ones(tiny):
-    lm, draft = tiny("qwen3", "bpe"), tiny("qwen3", "bpe", seed=1)
+@pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
+def test_guided_turns_with_speculative_decoding_equal_standard_ones(tiny, drafter):
+    lm = tiny("qwen3", "bpe")
+    draft = tiny("qwen3", "bpe", seed=1) if drafter == "model" else "prompt_lookup"
     standard = guided_session(lm)
-    speculative = guided_session(lm, speculative=SpeculativeConfig(draft, num_draft_tokens=3))
+    speculative = guided_session(lm, speculative=SpeculativeConfig(draft, num_draft_tokens=3, ngram_min=1))
+    proposed = 0
     for prompt in PROMPTS:
         a = respond(standard, prompt, output=Order)
         b = respond(speculative, prompt, output=Order)
         check_order(a)
         assert a == b and standard.history == speculative.history
+        proposed += speculative.last_stats.draft_tokens_proposed
+    assert proposed > 0  # the drafts were checked against the grammar, not skipped
 
 
 def test_an_incomplete_guided_turn_is_committed_as_far_as_it_went(tiny):
