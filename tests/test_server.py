@@ -487,7 +487,11 @@ def test_a_tool_call_round_trip_over_two_requests_reuses_the_cache(think):
         assert (tc.type, tc.function.name, json.loads(tc.function.arguments)) == ("function", "get_weather",
                                                                                   {"city": "Paris"})
         # The client appends the message object as the openai client returned it, then the tool's result.
-        messages += [m, {"role": "tool", "tool_call_id": tc.id, "content": "sunny"}]
+        result = {"role": "tool", "tool_call_id": tc.id, "content": "sunny"}
+        status, data = post(running, "/chat/completions", {"messages": [*messages, m.model_dump(), {
+            **result, "tool_call_id": "nope"}], "tools": [WEATHER]})
+        assert status == 400 and data["error"]["param"] == "messages[3]" and "'nope'" in data["error"]["message"]
+        messages += [m, result]
         r2 = chat(c, messages, tools=[WEATHER], max_tokens=8)
     # everything the first request saw and produced is reused: only the tool result and glue are new
     assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens + r1.usage.completion_tokens
@@ -524,6 +528,12 @@ def test_streamed_tool_calls_and_reasoning_add_up_to_the_message_and_continue_it
         status, data = post(running, "/chat/completions", {"messages": [*messages, assistant, results[1]],
                                                            "tools": [WEATHER, TIME]})
         assert status == 400 and data["error"]["param"] == "messages[2]" and calls[0].id in data["error"]["message"]
+        # A second result over the context window: 413, after the first was taken in on a copy of the
+        # session that is dropped, so the conversation is unchanged.
+        huge = {**results[1], "content": "word " * 5000}
+        status, data = post(running, "/chat/completions", {"messages": [*messages, assistant, results[0], huge],
+                                                           "tools": [WEATHER, TIME], "stream": True})
+        assert status == 413 and data["error"]["code"] == "context_length_exceeded"
         r2 = chat(c, [*messages, assistant, *results], tools=[WEATHER, TIME], max_tokens=8)
         assert r2.usage.prompt_tokens_details.cached_tokens == first.prompt_tokens + first.completion_tokens
         # and the conversation goes on from there, as a client re-sending the reply continues it
@@ -619,3 +629,21 @@ def test_responses_function_calls_round_trip(think):
         chatkit.ToolCall(fc.call_id, "get_weather", {"city": "Paris"})])
     fresh = tool_session(think, [chatkit.ChatMessage.user("Weather in Paris?"), asked])
     assert r2.output_text == fresh.respond("sunny", role="tool", tool_call_id=fc.call_id)
+
+
+def test_a_tool_round_goes_on_after_a_restart(think, tmp_path):
+    # The conversation's tools are stored with it (--store): after a restart the tool result lands on
+    # the restored session, whose cache came back from disk.
+    script = Scripted(think.tokenizer, [THINK_AND_CALL])
+    config = ServerConfig(defaults=GenerateParams(max_tokens=60, logits_processors=[script]), store=str(tmp_path))
+    messages = [{"role": "system", "content": SYSTEM}, user("Weather in Paris?")]
+    with start(think, config) as running:
+        r1 = chat(client(running), messages, tools=[WEATHER])
+    m = r1.choices[0].message
+    messages += [m, {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny"}]
+    with start(think, config) as running:
+        r2 = chat(client(running), messages, tools=[WEATHER], max_tokens=8)
+    assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens + r1.usage.completion_tokens
+    asked = chatkit.ChatMessage.from_dict({**m.model_dump(exclude_none=True), "content": None})
+    fresh = tool_session(think, [chatkit.ChatMessage.user("Weather in Paris?"), asked])
+    assert r2.choices[0].message.content == fresh.respond("sunny", role="tool", tool_call_id=m.tool_calls[0].id)
