@@ -647,3 +647,18 @@ def test_a_tool_round_goes_on_after_a_restart(think, tmp_path):
     asked = chatkit.ChatMessage.from_dict({**m.model_dump(exclude_none=True), "content": None})
     fresh = tool_session(think, [chatkit.ChatMessage.user("Weather in Paris?"), asked])
     assert r2.choices[0].message.content == fresh.respond("sunny", role="tool", tool_call_id=m.tool_calls[0].id)
+
+
+def test_reasoning_comes_as_reasoning_content_streamed_or_not(think):
+    reply = "<think>\nFirst, think.\n\n</think>\n\nSunny today.\n"
+    with scripted_server(think, [reply, reply]) as running:
+        c = client(running)
+        whole = chat(c, [user("Weather?")]).choices[0].message
+        chunks = list(chat(c, [user("Weather, streamed?")], stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    # The deltas add up to the message the session committed: the newlines around the think block are
+    # the template's glue, not text (a client re-sending what it streamed continues the session).
+    assert (whole.reasoning_content, whole.content) == ("First, think.", "Sunny today.")
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "First, think."
+    assert "".join(d.content or "" for d in deltas) == "Sunny today."
+    assert chunks[-1].choices[0].finish_reason == "stop" and whole.tool_calls is None
