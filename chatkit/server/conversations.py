@@ -1,10 +1,12 @@
 """The server's memory: conversations as pooled chat sessions, found by what a request says came before,
 and stored responses that chain by ``previous_response_id``; both kept on disk with ``--store``.
 
-A request names a conversation by content: its instructions and the messages before the new one.
-``Conversations`` indexes every pooled session by a hash of exactly that (its instructions and its
-history), so a client that re-sends the whole conversation lands on the session that holds it and
-pays only for the new message. After each turn the session is indexed under its new history.
+A request names a conversation by content: its instructions, its tools and the messages before the
+new ones. ``Conversations`` indexes every pooled session by a hash of exactly that (its instructions,
+tools and history), so a client that re-sends the whole conversation lands on the session that holds
+it and pays only for the new message (or the results of the tools the last reply called: the client
+runs them, each session is built with ``execution="manual"``). After each turn the session is indexed
+under its new history.
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """OpenAI's wire format: requests read into plain data, replies and stream events built from it.
 
-Only what chatkit can honour is accepted; a field it cannot (tools, n > 1, logprobs, penalties it has
-no sampler for) is a 400 naming the field rather than being ignored.
+Only what chatkit can honour is accepted; a field it cannot (n > 1, logprobs, penalties it has no
+sampler for, a tool_choice that forces a call) is a 400 naming the field rather than being ignored.
+Function tools, assistant tool calls, tool results and reasoning travel in OpenAI's fields
+(``tool_calls``, ``role: "tool"`` + ``tool_call_id``, ``reasoning_content``; on ``/v1/responses``
+``function_call`` / ``function_call_output`` / ``reasoning`` items). A tool's ``strict`` flag is
+accepted but not enforced (the model's call is parsed as written).
 """
 
 from __future__ import annotations
