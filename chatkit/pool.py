@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .builder import ChatSessionBuilder
 from .cache import store
-from .errors import CacheFileError, ChatKitError, InvalidParamsError
+from .errors import CacheFileError, ChatKitError, InvalidParamsError, SessionBusyError
 from .loading import LoadedModel
 from .session import ChatSession
 
@@ -23,7 +23,9 @@ class SessionPool:
     used caches are saved to ``folder`` and released; a session gets its cache back when next used.
 
     ``configure`` sets up each new session's builder (instructions, params, ...). Get the session
-    from the pool for each use (``pool.session(key)``), so the pool knows what is in use.
+    from the pool for each use (``pool.session(key)``), so the pool knows what is in use. A session
+    built elsewhere (with a history, a restored cache, a fork) joins the pool with ``add``; ``get``
+    looks one up without using it.
     """
 
     def __init__(
@@ -69,6 +71,30 @@ class SessionPool:
                     session.restore_cache(self.path(key))
                 except ChatKitError:
                     pass  # file gone or damaged: the transcript is the truth, the next turn re-prefills
+            self.enforce_budget(keep=key)
+            return session
+
+    def get(self, key: str) -> ChatSession | None:
+        """The session for ``key`` as it is (``None`` if there is none), to look at: it is neither
+        created, nor marked as used, nor given back an evicted cache. Use ``session(key)`` to use it."""
+        with self._lock:
+            return self._sessions.get(key)
+
+    def add(self, key: str, session: ChatSession) -> ChatSession:
+        """Put ``session`` (built by the caller over the pool's model) in the pool under ``key`` as the
+        most recently used, replacing the session there; returns it. ``SessionBusyError`` if the
+        session it would replace is generating; ``InvalidParamsError`` for a session over another model."""
+        if not isinstance(key, str) or not key:
+            raise InvalidParamsError("A session key is a non-empty str.")
+        if not isinstance(session, ChatSession) or session.model is not self._lm:
+            raise InvalidParamsError("SessionPool.add takes a ChatSession built over the pool's own model.")
+        with self._lock:
+            old = self._sessions.get(key)
+            if old is not None and old is not session and old.busy:
+                raise SessionBusyError(f"The session {key!r} is generating a reply: replace it once its stream is closed.")
+            self._sessions[key] = session
+            self._sessions.move_to_end(key)
+            self._evicted.discard(key)  # the new session's cache is in memory; a saved file is stale
             self.enforce_budget(keep=key)
             return session
 

@@ -3,7 +3,7 @@
 import asyncio
 import threading
 
-from chatkit import GenerateParams, SessionBusyError, SessionPool, SpeculativeConfig
+from chatkit import GenerateParams, InvalidParamsError, SessionBusyError, SessionPool, SpeculativeConfig
 
 import mlx.core as mx
 import pytest
@@ -277,6 +277,35 @@ def test_pool_never_evicts_a_busy_session(tiny, tmp_path):
     stream.close()
     pool.session("y")
     assert pool.evicted("x")
+
+
+def test_pool_adds_sessions_built_elsewhere_and_looks_them_up(tiny, tmp_path):
+    lm = tiny()
+    pool = SessionPool(lm, folder=tmp_path, max_cache_bytes=0,
+                       configure=lambda b: b.generate_params(GenerateParams(max_tokens=6)))
+    assert pool.get("a") is None and "a" not in pool  # a look-up creates nothing
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    built = session_for(lm, params=GenerateParams(max_tokens=6), history=history)
+    assert pool.add("a", built) is built and pool.get("a") is built and pool.session("a") is built
+    built.respond("And?")
+    pool.session("b").respond("Hi")  # a budget of 0: "a" goes to disk
+    assert pool.evicted("a") and pool.get("a") is built and pool.evicted("a")  # get() restores nothing
+    assert list(pool) == ["a", "b"]  # nor marks "a" as used
+    # add() replaces: the fork goes on from the same cache, the evicted file is no longer "a"'s cache
+    fork = pool.session("a").fork()
+    assert pool.add("a", fork) is fork and not pool.evicted("a") and list(pool) == ["b", "a"]
+    expected = fresh_reply(fork, "Once more")
+    with fork.stream_respond("Once more") as stream:
+        list(stream)
+    assert stream.tokens == expected and fork.last_stats.reused_tokens > 0
+    stream = fork.stream_respond("Busy now")
+    next(stream)
+    with pytest.raises(SessionBusyError, match="generating"):
+        pool.add("a", built)  # never replaces a session in the middle of a turn
+    stream.close()
+    with pytest.raises(InvalidParamsError, match="pool's own model"):
+        pool.add("c", session_for(tiny(seed=1)))
+    assert "c" not in pool
 
 
 def test_pool_with_speculative_sessions(tiny, tmp_path):

@@ -10,6 +10,7 @@ import chatkit
 from chatkit import ChatSession, GenerateParams
 from chatkit.server import ServerConfig, start
 from chatkit.server.protocol import guided_available
+from chatkit.testing import Scripted
 
 import httpx
 import openai
@@ -241,7 +242,22 @@ def user(text):
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [user("hi"), {"role": "assistant", "content": "a"}]}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]"),
-    ({"messages": [user("hi")], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [user("hi")], "tools": [{"type": "web_search"}]}, "tools[0]"),
+    ({"messages": [user("hi")], "tools": [{"type": "function", "function": {}}]}, "tools[0]"),
+    ({"messages": [user("hi")], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [user("hi")], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"messages": [user("hi")], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"messages": [user("hi")], "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": [user("hi"), {"role": "tool", "tool_call_id": "abc", "content": "1"}]}, "messages[1]"),
+    ({"messages": [user("hi"), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "abc", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
+        {"role": "tool", "tool_call_id": "abc", "content": "1"}]}, "messages[1].tool_calls[0]"),
+    ({"messages": [user("hi"), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "abc", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "1"}]}, "messages[2]"),
     ({"messages": [user("hi")], "n": 2}, "n"),
     ({"messages": [user("hi")], "temperature": -1}, "temperature"),
     ({"messages": [user("hi")], "max_tokens": 0}, "max_tokens"),
@@ -423,3 +439,226 @@ def test_speculative_decoding_behind_the_server(demo, tmp_path):
         last = chat(client(running), [*messages, user(prompts[2])])
     assert [*replies, last.choices[0].message.content] == replies_in_process(demo, prompts, params=params)
     assert last.usage.prompt_tokens_details.cached_tokens == usages[1].prompt_tokens + usages[1].completion_tokens
+
+
+# -- tools, tool calls and reasoning in OpenAI's fields --------------------------------------------
+# A random model cannot write a tool call: a script forces its replies (chatkit.testing.Scripted), in
+# the Qwen3 format of the bpe-think tokenizer; the turns after the script are free greedy decoding.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {
+    "name": "local_time", "description": "The local time of a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def call_text(name, **arguments):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+THINK_AND_CALL = "<think>\nLook it up.\n</think>\n\n" + call_text("get_weather", city="Paris")
+
+
+@pytest.fixture(scope="module")
+def think(tiny):
+    return tiny("qwen3", "bpe-think", 0)
+
+
+def scripted_server(lm, replies, max_tokens=60):
+    script = Scripted(lm.tokenizer, replies)
+    return start(lm, ServerConfig(defaults=GenerateParams(max_tokens=max_tokens, logits_processors=[script])))
+
+
+def tool_session(lm, history, tools=(WEATHER,), max_tokens=8):
+    """The ground truth: a fresh in-process session with that history, the client running the tools."""
+    builder = ChatSession.builder(lm).instructions(SYSTEM).history(history).tools(list(tools), execution="manual")
+    return builder.generate_params(GenerateParams(max_tokens=max_tokens)).build()
+
+
+def test_a_tool_call_round_trip_over_two_requests_reuses_the_cache(think):
+    with scripted_server(think, [THINK_AND_CALL]) as running:
+        c = client(running)
+        messages = [{"role": "system", "content": SYSTEM}, user("Weather in Paris?")]
+        r1 = chat(c, messages, tools=[WEATHER])
+        m = r1.choices[0].message
+        assert r1.choices[0].finish_reason == "tool_calls" and m.content is None
+        assert m.reasoning_content == "Look it up."
+        (tc,) = m.tool_calls
+        assert (tc.type, tc.function.name, json.loads(tc.function.arguments)) == ("function", "get_weather",
+                                                                                  {"city": "Paris"})
+        # The client appends the message object as the openai client returned it, then the tool's result.
+        result = {"role": "tool", "tool_call_id": tc.id, "content": "sunny"}
+        status, data = post(running, "/chat/completions", {"messages": [*messages, m.model_dump(), {
+            **result, "tool_call_id": "nope"}], "tools": [WEATHER]})
+        assert status == 400 and data["error"]["param"] == "messages[3]" and "'nope'" in data["error"]["message"]
+        messages += [m, result]
+        r2 = chat(c, messages, tools=[WEATHER], max_tokens=8)
+    # everything the first request saw and produced is reused: only the tool result and glue are new
+    assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens + r1.usage.completion_tokens
+    assert r2.usage.prompt_tokens - r2.usage.prompt_tokens_details.cached_tokens < 20
+    asked = chatkit.ChatMessage.assistant("", reasoning="Look it up.", tool_calls=[
+        chatkit.ToolCall(tc.id, "get_weather", {"city": "Paris"})])
+    fresh = tool_session(think, [chatkit.ChatMessage.user("Weather in Paris?"), asked])
+    assert r2.choices[0].message.content == fresh.respond("sunny", role="tool", tool_call_id=tc.id)
+
+
+def test_streamed_tool_calls_and_reasoning_add_up_to_the_message_and_continue_it(think):
+    both = call_text("get_weather", city="Paris") + "\n" + call_text("local_time", city="Rome")
+    with scripted_server(think, ["<think>\nTwo things.\n</think>\n\n" + both]) as running:
+        c = client(running)
+        messages = [{"role": "system", "content": SYSTEM}, user("Weather in Paris, time in Rome?")]
+        chunks = list(chat(c, messages, tools=[WEATHER, TIME], stream=True, stream_options={"include_usage": True}))
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+        calls = [tc for d in deltas for tc in d.tool_calls or ()]
+        assert reasoning == "Two things." and content == ""
+        assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == [
+            (0, "get_weather", {"city": "Paris"}), (1, "local_time", {"city": "Rome"})]
+        assert all(tc.id and tc.type == "function" for tc in calls)
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+        first = chunks[-1].usage
+        # What was streamed, re-sent with both results in one request, continues the same session.
+        assistant = {"role": "assistant", "content": None, "reasoning_content": reasoning,
+                     "tool_calls": [{"id": tc.id, "type": "function", "function": {
+                         "name": tc.function.name, "arguments": tc.function.arguments}} for tc in calls]}
+        results = [{"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"},
+                   {"role": "tool", "tool_call_id": calls[1].id, "content": "noon"}]
+        # Only one of the two results: refused (as OpenAI does), and nothing changes.
+        status, data = post(running, "/chat/completions", {"messages": [*messages, assistant, results[1]],
+                                                           "tools": [WEATHER, TIME]})
+        assert status == 400 and data["error"]["param"] == "messages[2]" and calls[0].id in data["error"]["message"]
+        # A second result over the context window: 413, after the first was taken in on a copy of the
+        # session that is dropped, so the conversation is unchanged.
+        huge = {**results[1], "content": "word " * 5000}
+        status, data = post(running, "/chat/completions", {"messages": [*messages, assistant, results[0], huge],
+                                                           "tools": [WEATHER, TIME], "stream": True})
+        assert status == 413 and data["error"]["code"] == "context_length_exceeded"
+        r2 = chat(c, [*messages, assistant, *results], tools=[WEATHER, TIME], max_tokens=8)
+        assert r2.usage.prompt_tokens_details.cached_tokens == first.prompt_tokens + first.completion_tokens
+        # and the conversation goes on from there, as a client re-sending the reply continues it
+        answer = {"role": "assistant", "content": r2.choices[0].message.content}
+        r3 = chat(c, [*messages, assistant, *results, answer, user("Thanks")], tools=[WEATHER, TIME], max_tokens=8)
+    asked = chatkit.ChatMessage.from_dict(assistant)
+    fresh = tool_session(think, [chatkit.ChatMessage.user(messages[1]["content"]), asked], tools=(WEATHER, TIME))
+    fresh.respond("sunny", role="tool", tool_call_id=calls[0].id)
+    assert r2.choices[0].message.content == fresh.respond("noon", role="tool", tool_call_id=calls[1].id)
+    # Qwen3's template drops the reasoning of turns before the last user message: the session trims its
+    # cache there, exactly as the same conversation in process does.
+    assert r3.choices[0].message.content == fresh.respond("Thanks")
+    assert r3.usage.prompt_tokens_details.cached_tokens == fresh.last_stats.reused_tokens
+    assert fresh.last_stats.plan == "trim" and 0 < fresh.last_stats.reused_tokens < r2.usage.prompt_tokens
+
+
+def test_changed_tools_start_another_conversation(think):
+    with scripted_server(think, [THINK_AND_CALL]) as running:
+        c = client(running)
+        messages = [{"role": "system", "content": SYSTEM}, user("Weather in Paris?")]
+        r1 = chat(c, messages, tools=[WEATHER])
+        (tc,) = r1.choices[0].message.tool_calls
+        messages += [r1.choices[0].message, {"role": "tool", "tool_call_id": tc.id, "content": "sunny"}]
+        # Other tools render another prompt: the request is a conversation of its own, prefilled whole,
+        # and answers as a fresh session with those tools and that history would.
+        other = chat(c, messages, tools=[WEATHER, TIME], max_tokens=8)
+        # The first conversation, with its own tools, is untouched and still reuses its cache.
+        same = chat(c, messages, tools=[WEATHER], max_tokens=8)
+    asked = chatkit.ChatMessage.assistant("", reasoning="Look it up.", tool_calls=[
+        chatkit.ToolCall(tc.id, "get_weather", {"city": "Paris"})])
+    history = [chatkit.ChatMessage.user("Weather in Paris?"), asked]
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    fresh = tool_session(think, history, tools=(WEATHER, TIME))
+    assert other.choices[0].message.content == fresh.respond("sunny", role="tool", tool_call_id=tc.id)
+    assert same.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens + r1.usage.completion_tokens
+    fresh = tool_session(think, history)
+    assert same.choices[0].message.content == fresh.respond("sunny", role="tool", tool_call_id=tc.id)
+
+
+class Favour:
+    """A logits processor that pushes one token far ahead of the others."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        return logits + 50.0 * (mx.arange(logits.shape[-1]) == self.token)
+
+
+def test_tool_choice_none_keeps_the_model_from_calling(think):
+    start_call = think.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    assert len(start_call) == 1
+    params = GenerateParams(max_tokens=6, logits_processors=[Favour(start_call[0])])
+    with start(think, ServerConfig(defaults=params)) as running:
+        c = client(running)
+        auto = chat(c, [user("Weather?")], tools=[WEATHER])
+        none = chat(c, [user("Weather?")], tools=[WEATHER], tool_choice="none")
+    assert auto.choices[0].message.tool_calls  # it could not help calling (an unreadable call, cut short)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+
+
+def test_responses_function_calls_round_trip(think):
+    flat = {"type": "function", **WEATHER["function"]}
+    with scripted_server(think, [THINK_AND_CALL]) as running:
+        c = client(running)
+        with c.responses.stream(model="any", input="Weather in Paris?", instructions=SYSTEM, tools=[flat]) as stream:
+            events = list(stream)
+            r1 = stream.get_final_response()
+        assert [item.type for item in r1.output] == ["reasoning", "function_call"] and r1.output_text == ""
+        reasoning, fc = r1.output
+        assert reasoning.content[0].text == "Look it up." and (fc.name, json.loads(fc.arguments)) == (
+            "get_weather", {"city": "Paris"})
+        kinds = [e.type for e in events]
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Look it up."
+        assert [e.arguments for e in events if e.type == "response.function_call_arguments.done"] == [fc.arguments]
+        assert kinds[-1] == "response.completed"
+        result = {"type": "function_call_output", "call_id": fc.call_id, "output": "sunny"}
+        r2 = c.responses.create(model="any", input=[result], instructions=SYSTEM, tools=[flat],
+                                previous_response_id=r1.id, max_output_tokens=8)
+        assert r2.usage.input_tokens_details.cached_tokens == r1.usage.input_tokens + r1.usage.output_tokens
+        # A client that keeps the context itself re-sends the output items: the same conversation (which
+        # went on meanwhile: this request branches off it, reusing all they share).
+        items = [{"role": "user", "content": "Weather in Paris?"}, *[i.model_dump() for i in r1.output], result]
+        again = c.responses.create(model="any", input=items, instructions=SYSTEM, tools=[flat], max_output_tokens=8)
+        assert again.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens + r1.usage.output_tokens
+        assert again.output_text == r2.output_text
+        status, data = post(running, "/responses", {"input": [{**result, "call_id": "nope"}], "tools": [flat],
+                                                    "previous_response_id": r1.id})
+        assert status == 400 and "nope" in data["error"]["message"]
+    asked = chatkit.ChatMessage.assistant("", reasoning="Look it up.", tool_calls=[
+        chatkit.ToolCall(fc.call_id, "get_weather", {"city": "Paris"})])
+    fresh = tool_session(think, [chatkit.ChatMessage.user("Weather in Paris?"), asked])
+    assert r2.output_text == fresh.respond("sunny", role="tool", tool_call_id=fc.call_id)
+
+
+def test_a_tool_round_goes_on_after_a_restart(think, tmp_path):
+    # The conversation's tools are stored with it (--store): after a restart the tool result lands on
+    # the restored session, whose cache came back from disk.
+    script = Scripted(think.tokenizer, [THINK_AND_CALL])
+    config = ServerConfig(defaults=GenerateParams(max_tokens=60, logits_processors=[script]), store=str(tmp_path))
+    messages = [{"role": "system", "content": SYSTEM}, user("Weather in Paris?")]
+    with start(think, config) as running:
+        r1 = chat(client(running), messages, tools=[WEATHER])
+    m = r1.choices[0].message
+    messages += [m, {"role": "tool", "tool_call_id": m.tool_calls[0].id, "content": "sunny"}]
+    with start(think, config) as running:
+        r2 = chat(client(running), messages, tools=[WEATHER], max_tokens=8)
+    assert r2.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens + r1.usage.completion_tokens
+    asked = chatkit.ChatMessage.from_dict({**m.model_dump(exclude_none=True), "content": None})
+    fresh = tool_session(think, [chatkit.ChatMessage.user("Weather in Paris?"), asked])
+    assert r2.choices[0].message.content == fresh.respond("sunny", role="tool", tool_call_id=m.tool_calls[0].id)
+
+
+def test_reasoning_comes_as_reasoning_content_streamed_or_not(think):
+    reply = "<think>\nFirst, think.\n\n</think>\n\nSunny today.\n"
+    with scripted_server(think, [reply, reply]) as running:
+        c = client(running)
+        whole = chat(c, [user("Weather?")]).choices[0].message
+        chunks = list(chat(c, [user("Weather, streamed?")], stream=True))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    # The deltas add up to the message the session committed: the newlines around the think block are
+    # the template's glue, not text (a client re-sending what it streamed continues the session).
+    assert (whole.reasoning_content, whole.content) == ("First, think.", "Sunny today.")
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "First, think."
+    assert "".join(d.content or "" for d in deltas) == "Sunny today."
+    assert chunks[-1].choices[0].finish_reason == "stop" and whole.tool_calls is None

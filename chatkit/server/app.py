@@ -10,7 +10,7 @@ import json
 import logging
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from .. import segments
 from ..errors import ChatKitError
 from ..loading import LoadedModel
 from ..messages import ChatMessage
@@ -112,26 +113,34 @@ def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette
 
     async def chat_completions(request: Request) -> Response:
         req = wire.parse_chat(await _json(request), config.defaults)
-        lease, release = await _open(req.instructions, req.history, req)
+        lease, release = await _open(req.instructions, req.history, req.added, req)
         cid = wire.new_id("chatcmpl")
         if not req.stream:
             async with _settled(lease, release):
                 finish = None
                 async for chunk in lease.stream:
                     finish = chunk.finish_reason
-            return JSONResponse(wire.chat_completion(cid, config.model_id, lease.stream.text, finish,
-                                                     lease.stream.stats))
+            return JSONResponse(wire.chat_completion(cid, config.model_id, _reply(lease), finish, lease.stream.stats))
 
         async def events() -> AsyncIterator[str]:
             async with _settled(lease, release):
                 try:
                     yield _sse(wire.chat_chunk(cid, config.model_id, {"role": "assistant", "content": ""}))
-                    finish = None
+                    finish, calls, deltas = None, 0, wire.Deltas()
                     async for chunk in lease.stream:
                         finish = chunk.finish_reason
-                        if chunk.text:
-                            yield _sse(wire.chat_chunk(cid, config.model_id, {"content": chunk.text}))
-                    yield _sse(wire.chat_chunk(cid, config.model_id, {}, wire.FINISH.get(finish, "stop")))
+                        for kind, value in deltas.feed(chunk):
+                            if kind == "call":
+                                delta = {"tool_calls": [wire.tool_call_object(value, calls)]}
+                                calls += 1
+                            else:
+                                delta = {"reasoning_content" if kind == "reasoning" else "content": value}
+                            yield _sse(wire.chat_chunk(cid, config.model_id, delta))
+                    for kind, value in deltas.end():
+                        delta = {"reasoning_content" if kind == "reasoning" else "content": value}
+                        yield _sse(wire.chat_chunk(cid, config.model_id, delta))
+                    reason = wire.FINISH.get(finish, "stop")
+                    yield _sse(wire.chat_chunk(cid, config.model_id, {}, "tool_calls" if calls and reason == "stop" else reason))
                     if req.include_usage:
                         await lease.stream.aclose()
                         usage = wire.chat_usage(lease.stream.stats)
@@ -146,24 +155,28 @@ def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette
         req = wire.parse_responses(await _json(request), config.defaults)
         store: ResponseStore = state["responses"]
         before = store.transcript(req.previous_response_id) if req.previous_response_id else ()
-        instructions, history, message = wire.split_conversation(req.instructions, [*before, *req.added])
-        lease, release = await _open(instructions, history, req, keep=req.store)
-        rid, mid, created = wire.new_id("resp"), wire.new_id("msg"), int(time.time())
+        linked = wire.link_tool_results([*before, *req.added], "input", offset=len(before))
+        added = tuple(linked[len(before):])  # tool results named after their calls
+        instructions, history, new = wire.split_conversation(req.instructions, linked)
+        lease, release = await _open(instructions, history, new, req, keep=req.store)
+        rid, created = wire.new_id("resp"), int(time.time())
+        items = wire.OutputItems()
 
-        def response(status: str, text: str | None, finish: str | None = None) -> dict[str, Any]:
+        def response(status: str, output: list[dict[str, Any]], finish: str | None = None) -> dict[str, Any]:
             stats = lease.stream.stats
             return wire.response_object(
-                rid, config.model_id, created_at=created, status=status, text=text, message_id=mid,
+                rid, config.model_id, created_at=created, status=status, output=output,
                 previous_response_id=req.previous_response_id, store=req.store,
                 usage=wire.responses_usage(stats) if stats is not None else None, echo=req.echo,
                 incomplete=finish == "length",
             )
 
         def keep(finish: str | None) -> dict[str, Any]:
-            status = "incomplete" if finish == "length" else "completed"
-            obj = response(status, lease.stream.text, finish)
-            if req.store and lease.stream.stats is not None and lease.stream.tokens:  # committed
-                store.add(obj, req.added, lease.stream.text)
+            reply = _reply(lease)
+            obj = response("incomplete" if finish == "length" else "completed", items.of(reply, finish == "length"),
+                           finish)
+            if req.store and lease.reply() is not None:  # committed
+                store.add(obj, added, reply)
             return obj
 
         if not req.stream:
@@ -179,46 +192,101 @@ def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette
             def event(kind: str, **data: Any) -> str:
                 return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(seq), **data})}\n\n"
 
-            item = {"type": "message", "id": mid, "status": "in_progress", "role": "assistant", "content": []}
-            where = {"item_id": mid, "output_index": 0, "content_index": 0}
+            kinds: list[str] = []  # the kind of each output item streamed so far, by output_index
+            state: dict[str, Any] = {"open": None, "text": ""}  # the reasoning or message item being streamed
+
+            def close_item() -> Iterator[str]:
+                """The done events of the reasoning or message item being streamed, if any."""
+                kind, text, index = state["open"], state["text"], len(kinds) - 1
+                state["open"] = None
+                if kind == "reasoning":
+                    where = {"item_id": items.id("reasoning"), "output_index": index, "content_index": 0}
+                    yield event("response.reasoning_text.done", **where, text=text)
+                    yield event("response.output_item.done", output_index=index, item=items.reasoning(text))
+                elif kind == "text":
+                    where = {"item_id": items.id("message"), "output_index": index, "content_index": 0}
+                    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                    yield event("response.output_text.done", **where, text=text, logprobs=[])
+                    yield event("response.content_part.done", **where, part=part)
+                    yield event("response.output_item.done", output_index=index, item=items.message(text))
+
+            def pieces(kind: str, value: Any) -> Iterator[str]:
+                """The events of one piece of the reply (``wire.Deltas``)."""
+                if kind != state["open"]:
+                    yield from close_item()
+                    index = len(kinds)
+                    kinds.append(kind)
+                    if kind == "call":
+                        where = {"item_id": items.id(value.id), "output_index": index}
+                        done = items.call(value)
+                        yield event("response.output_item.added", output_index=index,
+                                    item=items.call(value, "in_progress"))
+                        yield event("response.function_call_arguments.delta", **where, delta=done["arguments"])
+                        yield event("response.function_call_arguments.done", **where, arguments=done["arguments"],
+                                    name=value.name)
+                        yield event("response.output_item.done", output_index=index, item=done)
+                        return
+                    state.update(open=kind, text="")
+                    if kind in kinds[:-1]:
+                        items.renew("reasoning" if kind == "reasoning" else "message")
+                    if kind == "reasoning":
+                        item = {**items.reasoning("", "in_progress"), "content": []}
+                        yield event("response.output_item.added", output_index=index, item=item)
+                    else:
+                        yield event("response.output_item.added", output_index=index,
+                                    item=items.message("", "in_progress"))
+                        yield event("response.content_part.added", item_id=items.id("message"), output_index=index,
+                                    content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+                state["text"] += value
+                where = {"output_index": len(kinds) - 1, "content_index": 0, "delta": value}
+                if kind == "reasoning":
+                    yield event("response.reasoning_text.delta", item_id=items.id("reasoning"), **where)
+                elif value:
+                    yield event("response.output_text.delta", item_id=items.id("message"), **where, logprobs=[])
+
             finish, kept = None, {}
             try:
                 async with _settled(lease, release):
                     try:
-                        yield event("response.created", response=response("in_progress", None))
-                        yield event("response.in_progress", response=response("in_progress", None))
-                        yield event("response.output_item.added", output_index=0, item=item)
-                        yield event("response.content_part.added", **where,
-                                    part={"type": "output_text", "text": "", "annotations": []})
+                        yield event("response.created", response=response("in_progress", []))
+                        yield event("response.in_progress", response=response("in_progress", []))
+                        deltas = wire.Deltas()
                         async for chunk in lease.stream:
                             finish = chunk.finish_reason
-                            if chunk.text:
-                                yield event("response.output_text.delta", **where, delta=chunk.text, logprobs=[])
+                            for kind, value in deltas.feed(chunk):
+                                for text in pieces(kind, value):
+                                    yield text
+                        for kind, value in deltas.end():
+                            for text in pieces(kind, value):
+                                yield text
                     except Exception as exc:
                         yield event("error", **error_body(exc)[1]["error"])
                         return
             finally:  # also when the client went away: the turn committed as far as it got, so is stored
                 kept.update(keep(finish))
-            obj = kept
-            text = lease.stream.text
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            yield event("response.output_text.done", **where, text=text, logprobs=[])
-            yield event("response.content_part.done", **where, part=part)
-            yield event("response.output_item.done", output_index=0, item=obj["output"][0])
-            yield event("response.incomplete" if obj["status"] == "incomplete" else "response.completed", response=obj)
+            if not any(k != "reasoning" for k in kinds):  # an empty answer still has its message item
+                for text in pieces("text", ""):
+                    yield text
+            for text in close_item():
+                yield text
+            yield event("response.incomplete" if kept["status"] == "incomplete" else "response.completed",
+                        response=kept)
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def get_response(request: Request) -> Response:
         return JSONResponse(state["responses"].get(request.path_params["rid"]))
 
-    async def _open(instructions: str | None, history: tuple[ChatMessage, ...], req: wire.TurnRequest,
-                    keep: bool = True) -> tuple[Lease, Callable[[], None]]:
+    async def _open(instructions: str | None, history: tuple[ChatMessage, ...], added: tuple[ChatMessage, ...],
+                    req: wire.TurnRequest, keep: bool = True) -> tuple[Lease, Callable[[], None]]:
+        params = req.params
+        if req.tools and req.tool_choice == "none":
+            params = params.copy(logit_bias={**(params.logit_bias or {}), **_no_tool_calls(lm)})
         limiter: Limiter = state["limiter"]
         await limiter.acquire()
         try:
-            lease = await state["conversations"].start(instructions, history, req.message, req.params, keep=keep,
-                                                       schema=req.schema)
+            lease = await state["conversations"].start(instructions, history, added, params, tools=req.tools,
+                                                       keep=keep, schema=req.schema)
         except BaseException:
             limiter.release()
             raise
@@ -247,6 +315,26 @@ def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette
             Route(f"{prefix}/responses/{{rid}}", endpoint(get_response), methods=["GET"]),
         ]
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+
+
+def _reply(lease: Lease) -> ChatMessage:
+    """The reply the turn committed (what a client re-sends to go on), or what streamed if it did not."""
+    return lease.reply() or ChatMessage.assistant(lease.stream.text)
+
+
+def _no_tool_calls(lm: LoadedModel) -> dict[int, float]:
+    """A logit bias that keeps the model from starting a tool call (``tool_choice="none"``): its
+    tool-call start markers, when each is one token; ``BadRequestError`` when one is not."""
+    markers = {marker for edges in segments.transitions(lm.tokenizer).values() for marker, dst in edges if dst == "tool"}
+    bias = {}
+    for marker in markers:
+        ids = lm.tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) != 1:
+            raise BadRequestError(
+                f"tool_choice 'none': this model starts a tool call with {marker!r}, which is not one token, so "
+                "chatkit cannot keep it from calling; leave the tools out of this request instead.", param="tool_choice")
+        bias[ids[0]] = -1e9
+    return bias
 
 
 def _authorize(request: Request, api_key: str | None) -> None:

@@ -1,10 +1,12 @@
 """The server's memory: conversations as pooled chat sessions, found by what a request says came before,
 and stored responses that chain by ``previous_response_id``; both kept on disk with ``--store``.
 
-A request names a conversation by content: its instructions and the messages before the new one.
-``Conversations`` indexes every pooled session by a hash of exactly that (its instructions and its
-history), so a client that re-sends the whole conversation lands on the session that holds it and
-pays only for the new message. After each turn the session is indexed under its new history.
+A request names a conversation by content: its instructions, its tools and the messages before the
+new ones. ``Conversations`` indexes every pooled session by a hash of exactly that (its instructions,
+tools and history), so a client that re-sends the whole conversation lands on the session that holds
+it and pays only for the new message (or the results of the tools the last reply called: the client
+runs them, each session is built with ``execution="manual"``). After each turn the session is indexed
+under its new history.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import logging
 import os
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,11 +26,10 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from ..aio import AsyncResponseStream
-from ..builder import ChatSessionBuilder
 from ..cache.store import inspect as inspect_cache
-from ..errors import ChatKitError, SessionBusyError
+from ..errors import ChatKitError, ContextWindowExceededError, SessionBusyError
 from ..loading import LoadedModel
-from ..messages import ChatMessage
+from ..messages import ChatMessage, Role
 from ..params import GenerateParams
 from ..pool import SessionPool
 from ..session import ChatSession
@@ -40,10 +41,15 @@ T = TypeVar("T")
 MANIFEST = "conversations.json"
 
 
-def prefix_keys(instructions: str | None, history: Sequence[ChatMessage]) -> list[str]:
-    """The index keys of a conversation's prefixes: ``keys[k]`` hashes the instructions and the first
-    ``k`` messages (a hash chain, so all of them cost one pass)."""
-    digest = hashlib.sha256(json.dumps(instructions).encode("utf-8")).hexdigest()
+Tools = Sequence[Mapping[str, Any]] | None
+
+
+def prefix_keys(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None) -> list[str]:
+    """The index keys of a conversation's prefixes: ``keys[k]`` hashes the instructions, the tools
+    and the first ``k`` messages (a hash chain, so all of them cost one pass). The tools are part of
+    the root: the same messages with other tools render another prompt, so another conversation."""
+    root = json.dumps(instructions) if not tools else json.dumps([instructions, list(tools)], sort_keys=True)
+    digest = hashlib.sha256(root.encode("utf-8")).hexdigest()
     keys = [digest]
     for m in history:
         data = digest + json.dumps(m.to_dict(), ensure_ascii=False, sort_keys=True)
@@ -52,18 +58,28 @@ def prefix_keys(instructions: str | None, history: Sequence[ChatMessage]) -> lis
     return keys
 
 
-def conversation_key(instructions: str | None, history: Sequence[ChatMessage]) -> str:
-    """The index key of a conversation: a hash of its instructions and messages."""
-    return prefix_keys(instructions, history)[-1]
+def conversation_key(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None) -> str:
+    """The index key of a conversation: a hash of its instructions, tools and messages."""
+    return prefix_keys(instructions, history, tools)[-1]
 
 
 @dataclass
 class Lease:
-    """A turn in progress on a session: ``conv`` is its pool key (``None`` for a throwaway session)."""
+    """A turn in progress on a session: ``conv`` is its pool key (``None`` for a throwaway session);
+    ``replaces``: the session is a copy that takes the pooled one's place once its turn commits."""
 
     session: ChatSession
     stream: AsyncResponseStream
     conv: str | None
+    base: int  # messages the session held when the turn started
+    replaces: bool = False
+
+    def reply(self) -> ChatMessage | None:
+        """The assistant message the turn committed (``None`` before it committed, or if it never did)."""
+        history = self.session.history
+        if len(history) > self.base + 1 and history[-1].role is Role.ASSISTANT:
+            return history[-1]
+        return None
 
 
 class Conversations:
@@ -89,67 +105,74 @@ class Conversations:
         self._speculative = speculative
         self._persist = persist
         self._folder = Path(folder)
-        self._pending: tuple[str | None, Sequence[ChatMessage]] = (None, ())  # what the next new session holds
-        self.pool = SessionPool(lm, folder=self._folder / "caches", max_cache_bytes=max_cache_bytes,
-                                configure=self._configure)
+        self.pool = SessionPool(lm, folder=self._folder / "caches", max_cache_bytes=max_cache_bytes)
         self._max = max_conversations
         self._index: dict[str, str] = {}  # conversation_key -> pool key
         self._key_of: dict[str, str] = {}  # pool key -> its conversation_key
         self._prefixes: dict[str, str] = {}  # a prefix's key -> a pool key whose conversation starts so
         self._chain_of: dict[str, list[str]] = {}  # pool key -> its prefix keys
+        self._tools: dict[str, tuple[Mapping[str, Any], ...]] = {}  # pool key -> its tools, when it has some
         self._dormant: dict[str, tuple[str | None, tuple[ChatMessage, ...]]] = {}  # saved by an earlier run
         self._leased: set[str] = set()
-        self._sessions: dict[str, ChatSession] = {}  # pool key -> its session (the pool's own object)
         self._lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="chatkit-server")
         if persist:
             self._load_manifest()
 
     # -- a turn ---------------------------------------------------------------------------------
-    async def start(self, instructions: str | None, history: Sequence[ChatMessage], message: ChatMessage,
-                    params: GenerateParams, *, keep: bool = True, schema: dict[str, Any] | None = None) -> Lease:
-        """Open a turn answering ``message`` after ``instructions`` + ``history``: on the pooled session
-        that holds exactly that conversation, else on a new one. ``keep=False``: on a throwaway copy
-        that is not pooled. ``SessionBusyError`` if that conversation is generating now."""
+    async def start(self, instructions: str | None, history: Sequence[ChatMessage], added: Sequence[ChatMessage],
+                    params: GenerateParams, *, tools: Tools = None, keep: bool = True,
+                    schema: dict[str, Any] | None = None) -> Lease:
+        """Open a turn answering ``added`` (a message, or the tool results answering the last reply's
+        calls: all but the last join the history first) after ``instructions`` + ``tools`` + ``history``:
+        on the pooled session that holds exactly that conversation, else on a new one. ``keep=False``:
+        on a throwaway copy that is not pooled. ``SessionBusyError`` if that conversation is generating
+        now; a refused turn changes no conversation."""
+        tools = tuple(tools) if tools else None
         async with self._lock:
-            chain = prefix_keys(instructions, history)
-            key = chain[-1]
-            conv = self._index.get(key)
-            created = False
-            if conv is not None and not history and self._sessions.get(conv, None) is not None \
-                    and self._sessions[conv].busy:
+            chain = prefix_keys(instructions, history, tools)
+            conv = self._index.get(chain[-1])
+            if conv is not None and not history and self._busy(conv):
                 conv = None  # a new conversation: independent of another one that starts the same way
+            replaces = created = False
             if conv is not None:
-                session = await self._run(self._session, conv)
-                if session.busy:
+                if self._busy(conv):
                     raise SessionBusyError(
                         "This conversation is already generating a reply: wait for it to finish "
                         "(or stop that request) before sending the next message."
                     )
-                if not keep:
-                    session, conv = await self._run(session.fork), None
+                session = await self._run(self._session, conv)
+                if not keep or len(added) > 1:
+                    # The tool results before the last join the history before the turn: on a copy, which
+                    # replaces the pooled session only once the turn commits (a refused turn changes nothing).
+                    session, replaces = await self._run(session.fork), keep
+                    conv = conv if keep else None
+                for message in added[:-1]:
+                    await self._run(session.respond, message)  # answers a call; another one waits: no reply
             else:
                 source = self._longest_prefix(chain)
-                if keep:
-                    conv, created = f"conv_{uuid.uuid4().hex}", True
-                    session = await self._run(self._create, conv, instructions, history)
-                    self._index_conv(conv, chain)
-                else:
-                    session = await self._run(lambda: self._setup(ChatSession.builder(self._lm), instructions,
-                                                                 history).build())
+                held = (*history, *added[:-1])
+                session = await self._run(self._build, instructions, held, tools)
                 if source is not None:
                     await self._run(self._seed, session, source)
+                if keep:
+                    conv, created = f"conv_{uuid.uuid4().hex}", True
+                    await self._run(self.pool.add, conv, session)
+                    self._remember(conv, prefix_keys(instructions, held, tools), tools)
             try:
+                if tools or added[-1].role is Role.TOOL:
+                    await self._run(self._check_fits, session, added[-1])
                 session.generate_params = params
                 extra: dict[str, Any] = {"output": schema} if schema is not None else {}
-                stream = await self._run(lambda: session.astream_respond(message, **extra))
+                base = len(session.history)
+                stream = await self._run(lambda: session.astream_respond(added[-1], **extra))
             except BaseException:
                 if created and conv is not None:
-                    self._forget(conv)
+                    self._forget(conv)  # created for this request, which was refused
                 raise
             if conv is not None:
                 self._leased.add(conv)
-            return Lease(session, stream, conv)
+            return Lease(session, stream, conv, base, replaces)
 
     async def finish(self, lease: Lease) -> None:
         """After the lease's stream is closed (its turn committed or aborted): index the conversation
@@ -161,7 +184,13 @@ class Conversations:
             self._leased.discard(conv)
             if conv not in self.pool:
                 return
-            self._index_conv(conv, prefix_keys(lease.session.instructions, lease.session.history))
+            if lease.replaces:
+                if lease.reply() is None:
+                    return  # the copy never got its reply: the pooled conversation stays as it was
+                await self._run(self.pool.add, conv, lease.session)
+            session = lease.session
+            self._remember(conv, prefix_keys(session.instructions, session.history, self._tools.get(conv)),
+                           self._tools.get(conv))
             await self._run(self.pool.enforce_budget)
             self._trim()
 
@@ -179,8 +208,9 @@ class Conversations:
     def _save_all(self) -> None:
         kept = list(self._dormant)
         for conv in self.pool:
-            session = self._sessions[conv]
-            if not self.pool.evicted(conv) and not session.busy and session.cache_info().tokens:
+            session = self.pool.get(conv)
+            if session is not None and not self.pool.evicted(conv) and not session.busy \
+                    and session.cache_info().tokens:
                 try:
                     session.save_cache(self.pool.path(conv))
                 except ChatKitError as exc:
@@ -188,13 +218,15 @@ class Conversations:
                     continue
             if self.pool.path(conv).exists():
                 kept.append(conv)
+        tools = {conv: list(self._tools[conv]) for conv in kept if conv in self._tools}
         tmp = self._folder / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps({"conversations": kept}))
+        tmp.write_text(json.dumps({"conversations": kept, "tools": tools}))
         os.replace(tmp, self._folder / MANIFEST)
 
     def _load_manifest(self) -> None:
         try:
-            convs = json.loads((self._folder / MANIFEST).read_text())["conversations"]
+            manifest = json.loads((self._folder / MANIFEST).read_text())
+            convs, tools = manifest["conversations"], dict(manifest.get("tools") or {})
         except FileNotFoundError:
             return
         except (ValueError, KeyError, TypeError) as exc:
@@ -207,7 +239,8 @@ class Conversations:
             except ChatKitError as exc:
                 log.warning("conversation %s cannot be restored (%s): it starts over", conv, exc)
                 continue
-            self._index_conv(conv, prefix_keys(info.instructions, history))
+            conv_tools = tuple(tools[conv]) if tools.get(conv) else None
+            self._remember(conv, prefix_keys(info.instructions, history, conv_tools), conv_tools)
             self._dormant[conv] = (info.instructions, history)
 
     # -- internals (on the worker thread) ---------------------------------------------------------
@@ -220,36 +253,40 @@ class Conversations:
             except ChatKitError as exc:  # an unreadable evicted cache: the next turn prefills again
                 log.warning("conversation %s: cache not restored (%s)", conv, exc)
                 return self.pool.session(conv)
-        session = self._create(conv, *dormant)
+        session = self._build(*dormant, self._tools.get(conv))
         try:
             session.restore_cache(self.pool.path(conv))
         except ChatKitError as exc:  # the transcript is the truth: the first turn prefills it again
             log.warning("conversation %s: cache not restored (%s)", conv, exc)
-        return session
+        return self.pool.add(conv, session)
 
-    def _create(self, conv: str, instructions: str | None, history: Sequence[ChatMessage]) -> ChatSession:
-        # SessionPool builds its sessions through one `configure` callback: tell it what this one holds.
-        self._pending = (instructions, tuple(history))
-        try:
-            session = self._sessions[conv] = self.pool.session(conv)
-            return session
-        finally:
-            self._pending = (None, ())
+    def _build(self, instructions: str | None, history: Sequence[ChatMessage], tools: Tools) -> ChatSession:
+        builder = ChatSession.builder(self._lm).generate_params(self._defaults.copy())
+        builder = builder.instructions(instructions).history(history)
+        if tools:  # the client runs the tools: a reply that calls them ends the turn
+            builder = builder.tools([dict(t) for t in tools], execution="manual")
+        return (builder.speculative(self._speculative) if self._speculative is not None else builder).build()
 
-    def _configure(self, builder: ChatSessionBuilder) -> ChatSessionBuilder:
-        return self._setup(builder, *self._pending)
+    def _check_fits(self, session: ChatSession, message: ChatMessage) -> None:
+        """A session with tools opens its turn only as its stream is read, after the response's status
+        went out: check the prompt fits the context window now, so that it is a 413 (the turn checks again)."""
+        limit = self._lm.context_length
+        if limit is None:
+            return
+        needed = len(self._lm.tokenizer.encode(session.render(message, role=message.role), add_special_tokens=False))
+        if needed >= limit:
+            raise ContextWindowExceededError(
+                f"The prompt is {needed} tokens but the model's context window is {limit}: shorten the conversation "
+                "(or the tool results).", prompt_tokens=needed, context_length=limit)
 
-    def _setup(self, builder: ChatSessionBuilder, instructions: str | None,
-               history: Sequence[ChatMessage]) -> ChatSessionBuilder:
-        builder = builder.generate_params(self._defaults.copy()).instructions(instructions).history(history)
-        return builder.speculative(self._speculative) if self._speculative is not None else builder
-
-    def _index_conv(self, conv: str, chain: list[str]) -> None:
+    def _remember(self, conv: str, chain: list[str], tools: Tools) -> None:
         """Index ``conv`` under its conversation's key (``chain[-1]``) and its prefixes' keys."""
         self._unindex(conv)
         self._index[chain[-1]], self._key_of[conv], self._chain_of[conv] = conv, chain[-1], chain
         for k in chain[1:]:  # prefixes with at least one message (instructions alone are cheap to prefill)
             self._prefixes[k] = conv
+        if tools:
+            self._tools[conv] = tuple(tools)
 
     def _unindex(self, conv: str) -> None:
         key = self._key_of.pop(conv, None)
@@ -263,25 +300,27 @@ class Conversations:
         """An idle conversation sharing the longest prefix (at least one message) with ``chain``."""
         for k in reversed(chain[1:]):
             conv = self._prefixes.get(k)
-            if conv is not None and conv not in self._leased and not self._busy(conv):
+            if conv is not None and not self._busy(conv):
                 return conv
         return None
 
     def _busy(self, conv: str) -> bool:
-        session = self._sessions.get(conv)
-        return session is not None and session.busy
+        """Whether ``conv`` has a turn open (its stream, or a copy's turn that will replace it)."""
+        session = self.pool.get(conv)
+        return conv in self._leased or (session is not None and session.busy)
 
     def _seed(self, session: ChatSession, source: str) -> None:
         """Give a new session the KV cache of ``source``, a conversation that starts as its own does:
         its first turn reuses the common prefix (the planner trims the rest) instead of prefilling it
         all. The public way across sessions is a cache file: the pool's, or a handoff file written now."""
         path = self.pool.path(source)
-        handoff = source not in self._dormant and not self.pool.evicted(source)
+        pooled = self.pool.get(source)
+        handoff = pooled is not None and source not in self._dormant and not self.pool.evicted(source)
         if handoff:
             path = self._folder / "handoff.safetensors"
         try:
-            if handoff:
-                self._sessions[source].save_cache(path)
+            if pooled is not None and handoff:
+                pooled.save_cache(path)
             session.restore_cache(path)
         except ChatKitError as exc:  # e.g. no cache yet: the first turn prefills everything
             log.info("conversation not seeded from %s: %s", source, exc)
@@ -292,7 +331,7 @@ class Conversations:
     def _forget(self, conv: str) -> None:
         self._unindex(conv)
         self._dormant.pop(conv, None)
-        self._sessions.pop(conv, None)
+        self._tools.pop(conv, None)
         self.pool.remove(conv)
 
     def _trim(self) -> None:
@@ -300,7 +339,7 @@ class Conversations:
         for conv in list(self.pool):  # least recently used first
             if len(self.pool) <= self._max:
                 break
-            if conv not in self._leased and not self._sessions[conv].busy:
+            if not self._busy(conv):
                 self._forget(conv)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -323,9 +362,9 @@ class ResponseStore:
                 except (OSError, ValueError, KeyError, TypeError) as exc:
                     log.warning("ignoring the unreadable stored response %s: %s", path.name, exc)
 
-    def add(self, response: dict[str, Any], added: Sequence[ChatMessage], output: str) -> None:
+    def add(self, response: dict[str, Any], added: Sequence[ChatMessage], reply: ChatMessage) -> None:
         """Keep ``response`` (an OpenAI response object) with the messages it added and its reply."""
-        record = {"response": response, "added": [m.to_dict() for m in added], "output": output}
+        record = {"response": response, "added": [m.to_dict() for m in added], "reply": reply.to_dict()}
         self._records[response["id"]] = record
         if self._folder is not None:
             path = self._folder / f"{response['id']}.json"
@@ -349,7 +388,8 @@ class ResponseStore:
         messages: list[ChatMessage] = []
         for record in reversed(chain):
             messages += [ChatMessage.from_dict(m) for m in record["added"]]
-            messages.append(ChatMessage.assistant(record["output"]))
+            reply = record.get("reply")
+            messages.append(ChatMessage.from_dict(reply) if reply else ChatMessage.assistant(record["output"]))
         return tuple(messages)
 
     def _record(self, rid: str) -> dict[str, Any]:

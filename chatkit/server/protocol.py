@@ -1,22 +1,28 @@
 """OpenAI's wire format: requests read into plain data, replies and stream events built from it.
 
-Only what chatkit can honour is accepted; a field it cannot (tools, n > 1, logprobs, penalties it has
-no sampler for) is a 400 naming the field rather than being ignored.
+Only what chatkit can honour is accepted; a field it cannot (n > 1, logprobs, penalties it has no
+sampler for, a tool_choice that forces a call) is a 400 naming the field rather than being ignored.
+Function tools, assistant tool calls, tool results and reasoning travel in OpenAI's fields
+(``tool_calls``, ``role: "tool"`` + ``tool_call_id``, ``reasoning_content``; on ``/v1/responses``
+``function_call`` / ``function_call_output`` / ``reasoning`` items). A tool's ``strict`` flag is
+accepted but not enforced (the model's call is parsed as written).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import ChatKitError
-from ..messages import ChatMessage, Role
+from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
-from ..stream import TurnStats
+from ..segments import REASONING, TEXT, TOOL_CALL
+from ..stream import StreamChunk, TurnStats
 from .errors import BadRequestError
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", None: "stop"}
@@ -24,18 +30,20 @@ FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", None: "stop"}
 
 @dataclass(frozen=True)
 class TurnRequest:
-    """One request as chatkit sees it: answer ``message`` after ``instructions`` + ``history``."""
+    """One request as chatkit sees it: after ``instructions`` + ``history``, the messages ``added``
+    (a user message, or the tool results answering the last reply's calls) are answered."""
 
     instructions: str | None
     history: tuple[ChatMessage, ...]
-    message: ChatMessage
+    added: tuple[ChatMessage, ...]  # the messages this request adds to the conversation; the last is answered
     params: GenerateParams
     stream: bool = False
     include_usage: bool = False
     schema: dict[str, Any] | None = None  # response_format's JSON Schema (guided generation)
     previous_response_id: str | None = None  # /v1/responses only
     store: bool = True
-    added: tuple[ChatMessage, ...] = ()  # the messages this request adds to the conversation
+    tools: tuple[dict[str, Any], ...] | None = None  # function schemas, {"type": "function", "function": {...}}
+    tool_choice: str = "auto"  # or "none": the model may not call them
     echo: dict[str, Any] = field(default_factory=dict)  # request fields a response repeats back
 
 
@@ -52,7 +60,7 @@ def guided_available() -> bool:
 def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
     """A ``POST /v1/chat/completions`` body."""
     body = _object(body)
-    _refuse_tools(body)
+    tools, choice = _tools(body, flat=False)
     if body.get("n", 1) != 1:
         raise BadRequestError("n: chatkit answers with one choice per request; send n=1.", param="n")
     if body.get("logprobs") or body.get("top_logprobs"):
@@ -60,25 +68,27 @@ def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("messages: a non-empty list of {role, content} objects is required.", param="messages")
-    parsed = [_chat_message(m, i) for i, m in enumerate(messages)]
-    instructions, history, message = split_conversation(None, parsed)
+    parsed = link_tool_results([_message(m, f"messages[{i}]") for i, m in enumerate(messages)], "messages")
+    instructions, history, added = split_conversation(None, parsed)
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     options = body.get("stream_options") or {}
     if not isinstance(options, Mapping):
         raise BadRequestError("stream_options must be an object.", param="stream_options")
     return TurnRequest(
-        instructions, history, message,
+        instructions, history, added,
         params=_params(body, defaults, max_tokens, "max_tokens"),
         stream=_bool(body, "stream", False),
         include_usage=bool(options.get("include_usage", False)),
         schema=_chat_schema(body.get("response_format")),
+        tools=tools, tool_choice=choice,
     )
 
 
 def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
-    """A ``POST /v1/responses`` body."""
+    """A ``POST /v1/responses`` body. ``added`` is its input as messages (function calls and their
+    outputs as assistant tool calls and tool messages); the app puts it after the stored conversation."""
     body = _object(body)
-    _refuse_tools(body)
+    tools, choice = _tools(body, flat=True)
     if body.get("reasoning"):
         raise BadRequestError("reasoning options are not supported by chatkit serve yet: leave them out.",
                               param="reasoning")
@@ -92,33 +102,37 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
     if isinstance(raw, str):
         items = [ChatMessage.user(raw)]
     elif isinstance(raw, list) and raw:
-        items = [_input_item(m, i) for i, m in enumerate(raw)]
+        items = _input_items(raw)
     else:
         raise BadRequestError("input: a string or a non-empty list of messages is required.", param="input")
     if items[-1].role is Role.ASSISTANT:
-        raise BadRequestError("input: the last item must be a user message for the model to answer.", param="input")
+        raise BadRequestError("input: the last item must be a user message or a function_call_output for the "
+                              "model to answer.", param="input")
     if not items[-1].content.strip():
         raise BadRequestError("input: the last message is empty: send some text.", param="input")
     text = body.get("text") or {}
     schema = _format_schema(text.get("format") if isinstance(text, Mapping) else None, "text.format")
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "temperature", "top_p", "metadata")}
+    echo["tools"] = [{"type": "function", **t["function"], "strict": False} for t in tools or ()]
+    echo["tool_choice"] = choice
     return TurnRequest(
-        instructions, (), items[-1],
+        instructions, (), tuple(items),
         params=_params(body, defaults, body.get("max_output_tokens"), "max_output_tokens"),
         stream=_bool(body, "stream", False),
         schema=schema,
         previous_response_id=previous,
         store=_bool(body, "store", True),
-        added=tuple(items),
+        tools=tools, tool_choice=choice,
         echo=echo,
     )
 
 
 def split_conversation(
     instructions: str | None, messages: Sequence[ChatMessage]
-) -> tuple[str | None, tuple[ChatMessage, ...], ChatMessage]:
-    """(instructions, history, new message): leading system messages join the instructions (as a
-    session's builder would take them), the last message is the one to answer."""
+) -> tuple[str | None, tuple[ChatMessage, ...], tuple[ChatMessage, ...]]:
+    """(instructions, history, new messages): leading system messages join the instructions (as a
+    session's builder would take them); the new messages are the last one, or the tool results that
+    end the conversation (they answer the calls of the assistant message before them)."""
     messages = list(messages)
     parts = [instructions] if instructions is not None else []
     while len(messages) > 1 and messages[0].role is Role.SYSTEM:
@@ -126,11 +140,54 @@ def split_conversation(
     last = messages[-1]
     if last.role is Role.ASSISTANT:
         raise BadRequestError(
-            "The last message is the assistant's: end with a user message for the model to answer.", param="messages"
+            "The last message is the assistant's: end with a user message (or the results of its tool calls) "
+            "for the model to answer.", param="messages"
         )
-    if not last.content.strip():
-        raise BadRequestError("The last message is empty: send some text.", param="messages")
-    return ("\n\n".join(parts) if parts else None), tuple(messages[:-1]), last
+    count = 1
+    while last.role is Role.TOOL and count < len(messages) and messages[-count - 1].role is Role.TOOL:
+        count += 1
+    new = messages[-count:]
+    for m in new:
+        if not m.content.strip():
+            what = "a tool message (the tool's result)" if m.role is Role.TOOL else "the last message"
+            raise BadRequestError(f"{what.capitalize()} is empty: send some text.", param="messages")
+    return ("\n\n".join(parts) if parts else None), tuple(messages[:-count]), tuple(new)
+
+
+def link_tool_results(messages: Sequence[ChatMessage], param: str, offset: int = 0) -> list[ChatMessage]:
+    """Check that every tool message answers a call of the assistant message before it (by
+    ``tool_call_id``) and that every call is answered before the conversation goes on, as OpenAI
+    does; each tool message gets its call's ``name`` (as a session's own tool results have it).
+    ``offset``: how many of ``messages`` came before the request's own (named ``param[i]``)."""
+    out: list[ChatMessage] = []
+    pending: dict[str, ToolCall] = {}
+    asked = ""  # where the assistant message whose calls are pending is
+
+    def unanswered() -> BadRequestError:
+        return BadRequestError(
+            f"{asked}: its tool calls {sorted(pending)} have no result: send one tool message per call (with its "
+            "tool_call_id) right after it.", param=asked)
+
+    for i, m in enumerate(messages):
+        where = f"{param}[{i - offset}]" if i >= offset else param
+        if m.role is Role.TOOL:
+            if m.tool_call_id is None:
+                raise BadRequestError(f"{where}: a tool message needs the tool_call_id of the call it answers.",
+                                      param=where)
+            call = pending.pop(m.tool_call_id, None)
+            if call is None:
+                raise BadRequestError(
+                    f"{where}: tool_call_id {m.tool_call_id!r} answers no unanswered call of the assistant message "
+                    f"before it (those are {sorted(pending) or 'none'}).", param=where)
+            m = replace(m, name=m.name or call.name)
+        elif pending:
+            raise unanswered()
+        elif m.role is Role.ASSISTANT:
+            pending, asked = {c.id: c for c in m.tool_calls}, where
+        out.append(m)
+    if pending and out[-1].role is Role.TOOL:
+        raise unanswered()
+    return out
 
 
 def _object(body: Any) -> Mapping[str, Any]:
@@ -148,13 +205,51 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _refuse_tools(body: Mapping[str, Any]) -> None:
-    for name in ("tools", "functions"):
+def _tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, Any], ...] | None, str]:
+    """The request's function tools, each as ``{"type": "function", "function": {name, description,
+    parameters}}`` (``flat``: the Responses API's ``{"type": "function", "name", ...}``), and its tool choice."""
+    for name in ("functions", "function_call"):
         if body.get(name):
-            raise BadRequestError(
-                f"{name}: tool calling is not supported by chatkit serve yet; send the request without tools.",
-                param=name,
-            )
+            raise BadRequestError(f"{name} is the deprecated form of tools: send tools and tool_choice instead.",
+                                  param=name)
+    raw = body.get("tools")
+    tools: list[dict[str, Any]] | None = None
+    if raw:
+        if not isinstance(raw, list):
+            raise BadRequestError("tools must be a list of function tools.", param="tools")
+        tools = []
+        for j, item in enumerate(raw):
+            where = f"tools[{j}]"
+            if not isinstance(item, Mapping) or item.get("type", "function") != "function":
+                kind = item.get("type") if isinstance(item, Mapping) else type(item).__name__
+                raise BadRequestError(f"{where}: only function tools are supported, got {kind!r}.", param=where)
+            function = item if flat else item.get("function")
+            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
+                shape = '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
+                raise BadRequestError(f"{where}: a function tool needs a name: {shape}.", param=where)
+            schema: dict[str, Any] = {"name": function["name"]}
+            for key, kind in (("description", str), ("parameters", Mapping)):
+                value = function.get(key)
+                if value is not None and not isinstance(value, kind):
+                    raise BadRequestError(f"{where}: {key} must be a {'string' if kind is str else 'JSON Schema object'}.",
+                                          param=where)
+                if value is not None:
+                    schema[key] = dict(value) if isinstance(value, Mapping) else value
+            tools.append({"type": "function", "function": schema})
+        names = [t["function"]["name"] for t in tools]
+        if len(set(names)) != len(names):
+            raise BadRequestError(f"tools: names must be unique, got {names}.", param="tools")
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto"
+    if choice not in ("auto", "none"):
+        raise BadRequestError(
+            f"tool_choice {choice!r}: chatkit cannot force a tool call; send 'auto' (the model decides) or 'none'.",
+            param="tool_choice")
+    if body.get("parallel_tool_calls") is False and tools:
+        raise BadRequestError("parallel_tool_calls=false: chatkit cannot hold the model to one call per reply; "
+                              "leave it out (or true) and run the calls you want.", param="parallel_tool_calls")
+    return (tuple(tools) if tools else None), choice
 
 
 def _text(content: Any, where: str) -> str:
@@ -178,31 +273,94 @@ def _text(content: Any, where: str) -> str:
 def _message(data: Any, where: str) -> ChatMessage:
     if not isinstance(data, Mapping):
         raise BadRequestError(f"{where} must be an object with role and content.", param=where)
-    if data.get("tool_calls") or data.get("function_call") or data.get("role") in ("tool", "function"):
-        raise BadRequestError(f"{where}: tool calls and tool results are not supported by chatkit serve yet.",
-                              param=where)
     role = data.get("role")
+    if role == "function" or data.get("function_call"):
+        raise BadRequestError(f"{where}: function messages are the deprecated form of tool calls: send tool_calls "
+                              "and tool messages instead.", param=where)
     if role == "developer":
         role = "system"
-    if role not in ("system", "user", "assistant"):
-        raise BadRequestError(f"{where}: unknown role {role!r}: use system, user or assistant.", param=where)
+    if role not in ("system", "user", "assistant", "tool"):
+        raise BadRequestError(f"{where}: unknown role {role!r}: use system, user, assistant or tool.", param=where)
     name = data.get("name")
-    content = _text(data.get("content"), f"{where}.content")
+    raw_calls = data.get("tool_calls") or []
+    if raw_calls and role != "assistant":
+        raise BadRequestError(f"{where}: only an assistant message has tool_calls.", param=f"{where}.tool_calls")
+    if not isinstance(raw_calls, list):
+        raise BadRequestError(f"{where}.tool_calls must be a list.", param=f"{where}.tool_calls")
+    calls = tuple(_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(raw_calls))
+    content = data.get("content")
+    text = "" if content is None and role == "assistant" and calls else _text(content, f"{where}.content")
+    reasoning = next((data[k] for k in ("reasoning_content", "reasoning") if data.get(k) is not None), None)
+    if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
+        raise BadRequestError(f"{where}: reasoning_content is an assistant message's string.", param=where)
+    call_id = data.get("tool_call_id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise BadRequestError(f"{where}.tool_call_id must be a string.", param=f"{where}.tool_call_id")
     try:
-        return ChatMessage(Role(role), content, name if isinstance(name, str) else None)
+        return ChatMessage(Role(role), text, name if isinstance(name, str) else None, reasoning=reasoning,
+                           tool_calls=calls, tool_call_id=call_id if role == "tool" else None)
     except ChatKitError as exc:
         raise BadRequestError(f"{where}: {exc}", param=where) from exc
 
 
-def _chat_message(data: Any, i: int) -> ChatMessage:
-    return _message(data, f"messages[{i}]")
+def _tool_call(data: Any, where: str) -> ToolCall:
+    """An assistant message's call, ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+    if not isinstance(data, Mapping) or data.get("type", "function") != "function" or not data.get("id"):
+        raise BadRequestError(f'{where}: a tool call is {{"id", "type": "function", "function": {{"name", '
+                              '"arguments"}}}} with the id the tool message answers.', param=where)
+    try:
+        return ToolCall.from_dict(data)
+    except ChatKitError as exc:
+        raise BadRequestError(f"{where}: {exc}", param=where) from exc
 
 
-def _input_item(data: Any, i: int) -> ChatMessage:
-    where = f"input[{i}]"
-    if isinstance(data, Mapping) and data.get("type", "message") != "message":
-        raise BadRequestError(f"{where}: only message items are supported, got {data.get('type')!r}.", param=where)
-    return _message(data, where)
+def _input_items(raw: list[Any]) -> list[ChatMessage]:
+    """The Responses API's input items as messages: a reasoning item, an assistant message and the
+    function_call items after it are one assistant message; a function_call_output is a tool message."""
+    out: list[ChatMessage] = []
+    joinable = False  # the last message is an assistant turn the next output items belong to
+    for i, item in enumerate(raw):
+        where = f"input[{i}]"
+        if not isinstance(item, Mapping):
+            raise BadRequestError(f"{where} must be an object (a message or another input item).", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            message = _message(item, where)
+            last = out[-1] if out and joinable else None
+            if message.role is Role.ASSISTANT and last is not None and not last.content and not last.tool_calls:
+                out[-1] = replace(last, content=message.content)  # after its reasoning item
+            else:
+                out.append(message)
+            joinable = message.role is Role.ASSISTANT
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            texts = [p.get("text") for p in parts if isinstance(p, Mapping)] if isinstance(parts, list) else [None]
+            if not all(isinstance(t, str) for t in texts):
+                raise BadRequestError(f"{where}: a reasoning item's content is a list of {{type, text}} parts.",
+                                      param=where)
+            out.append(ChatMessage.assistant("", reasoning="".join(t for t in texts if t)))
+            joinable = True
+        elif kind == "function_call":
+            call = _tool_call({"id": item.get("call_id"), "function": {"name": item.get("name"),
+                                                                       "arguments": item.get("arguments", "{}")}},
+                              where)
+            if out and joinable:
+                out[-1] = replace(out[-1], tool_calls=(*out[-1].tool_calls, call))
+            else:
+                out.append(ChatMessage.assistant("", tool_calls=[call]))
+            joinable = True
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise BadRequestError(f"{where}: a function_call_output needs the call_id it answers.", param=where)
+            output = item.get("output")
+            text = output if isinstance(output, str) else _text(output, f"{where}.output")
+            out.append(ChatMessage.tool(text, tool_call_id=call_id))
+            joinable = False
+        else:
+            raise BadRequestError(f"{where}: input items of type {kind!r} are not supported: send messages, "
+                                  "function_call and function_call_output items.", param=where)
+    return out
 
 
 def _params(body: Mapping[str, Any], defaults: GenerateParams, max_tokens: Any, max_name: str) -> GenerateParams:
@@ -274,6 +432,74 @@ def _format_schema(fmt: Any, param: str) -> dict[str, Any] | None:
 
 
 # -- building replies -------------------------------------------------------------------------
+def finish_reason(finish: str | None, reply: ChatMessage) -> str:
+    """OpenAI's finish reason: ``"tool_calls"`` when a reply that ended by itself called tools."""
+    reason = FINISH.get(finish, "stop")
+    return "tool_calls" if reply.tool_calls and reason == "stop" else reason
+
+
+def tool_call_object(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A call in a chat message (``index`` set: in a stream delta), arguments as a JSON string."""
+    obj: dict[str, Any] = {"id": call.id, "type": "function",
+                           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    return obj if index is None else {"index": index, **obj}
+
+
+def chat_message(reply: ChatMessage) -> dict[str, Any]:
+    """The assistant message of a chat completion: ``content`` (``None`` when it only calls tools),
+    ``reasoning_content`` when it reasoned, ``tool_calls`` when it called tools."""
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": reply.content if reply.content or not reply.tool_calls else None}
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        message["tool_calls"] = [tool_call_object(c) for c in reply.tool_calls]
+    return message
+
+
+class Deltas:
+    """A reply's chunks as the pieces a client is sent, ``("reasoning" | "text", str)`` or ``("call",
+    ToolCall)``, so that they add up to the message the session commits: when a reply reasons or calls
+    tools, the newlines around the markers are the template's glue and the session drops them
+    (``Segmenter.reply``); so newlines at either end of a kind's text are held back until text
+    follows them, and at the end are sent only for a plain reply. A client that re-sends what it was
+    streamed then continues the session exactly."""
+
+    def __init__(self) -> None:
+        self._glue = False  # the reply has reasoning or a tool call
+        self._started: set[str] = set()
+        self._held: dict[str, str] = {}
+
+    def feed(self, chunk: StreamChunk) -> list[tuple[str, Any]]:
+        if chunk.kind == TOOL_CALL:
+            self._glue = True
+            return [("call", chunk.tool_call)] if chunk.tool_call is not None else []
+        if chunk.kind not in (TEXT, REASONING) or not chunk.text:
+            return []
+        kind, text = chunk.kind, chunk.text
+        self._glue = self._glue or kind == REASONING
+        held = self._held.pop(kind, "")
+        if kind not in self._started:
+            body = text.lstrip("\n")
+            if not body:
+                self._held[kind] = held + text
+                return []
+            self._started.add(kind)
+            text = body if self._glue else held + text
+            held = ""
+        body = text.rstrip("\n")
+        if body:
+            self._held[kind] = text[len(body):]
+            return [(kind, held + body)]
+        self._held[kind] = held + text
+        return []
+
+    def end(self) -> list[tuple[str, Any]]:
+        """What is still held back, for a plain reply (a reasoning or tool reply's newlines are glue)."""
+        held, self._held = self._held, {}
+        return [] if self._glue else [(kind, text) for kind, text in held.items() if text]
+
+
 def chat_usage(stats: TurnStats | None) -> dict[str, Any]:
     prompt = stats.prompt_tokens if stats else 0
     completion = stats.generation_tokens if stats else 0
@@ -285,11 +511,12 @@ def chat_usage(stats: TurnStats | None) -> dict[str, Any]:
     }
 
 
-def chat_completion(cid: str, model: str, text: str, finish: str | None, stats: TurnStats | None) -> dict[str, Any]:
+def chat_completion(cid: str, model: str, reply: ChatMessage, finish: str | None,
+                    stats: TurnStats | None) -> dict[str, Any]:
     return {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": FINISH.get(finish, "stop"), "logprobs": None}],
+        "choices": [{"index": 0, "message": chat_message(reply), "finish_reason": finish_reason(finish, reply),
+                     "logprobs": None}],
         "usage": chat_usage(stats),
     }
 
@@ -317,26 +544,63 @@ def responses_usage(stats: TurnStats | None) -> dict[str, Any]:
     }
 
 
-def response_object(rid: str, model: str, *, created_at: int, status: str, text: str | None, message_id: str,
+class OutputItems:
+    """The output items of one response (reasoning, message, function calls), with ids that stay the
+    same from the first stream event to the stored response."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, str] = {}
+
+    def id(self, key: str) -> str:
+        """The item id for ``"reasoning"``, ``"message"`` or a call id."""
+        if key not in self._ids:
+            prefix = {"reasoning": "rs", "message": "msg"}.get(key, "fc")
+            self._ids[key] = new_id(prefix)
+        return self._ids[key]
+
+    def renew(self, key: str) -> None:
+        """A second reasoning or message item (after a tool call) gets an id of its own."""
+        self._ids.pop(key, None)
+
+    def reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.id("reasoning"), "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+    def message(self, text: str, status: str = "completed") -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
+        return {"type": "message", "id": self.id("message"), "status": status, "role": "assistant", "content": content}
+
+    def call(self, call: ToolCall, status: str = "completed") -> dict[str, Any]:
+        arguments = json.dumps(call.arguments, ensure_ascii=False) if status != "in_progress" else ""
+        return {"type": "function_call", "id": self.id(call.id), "call_id": call.id, "name": call.name,
+                "arguments": arguments, "status": status}
+
+    def of(self, reply: ChatMessage, incomplete: bool = False) -> list[dict[str, Any]]:
+        """A reply's items: its reasoning, its answer (also when empty, unless it only calls tools), its calls."""
+        status = "incomplete" if incomplete else "completed"
+        items = [self.reasoning(reply.reasoning, status)] if reply.reasoning else []
+        if reply.content or not reply.tool_calls:
+            items.append(self.message(reply.content, status))
+        return items + [self.call(c, status) for c in reply.tool_calls]
+
+
+def response_object(rid: str, model: str, *, created_at: int, status: str, output: list[dict[str, Any]],
                     previous_response_id: str | None, store: bool, usage: dict[str, Any] | None,
                     echo: Mapping[str, Any], incomplete: bool = False) -> dict[str, Any]:
-    """A ``response`` object; ``text=None`` while it is in progress (no output yet)."""
-    output = []
-    if text is not None:
-        output = [{"type": "message", "id": message_id, "status": "incomplete" if incomplete else "completed",
-                   "role": "assistant", "content": [{"type": "output_text", "text": text, "annotations": [],
-                                                     "logprobs": []}]}]
+    """A ``response`` object (``output`` empty while it is in progress)."""
     return {
         "id": rid, "object": "response", "created_at": created_at, "status": status, "model": model,
         "output": output, "previous_response_id": previous_response_id, "store": store, "usage": usage,
         "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": echo.get("instructions"), "max_output_tokens": echo.get("max_output_tokens"),
         "temperature": echo.get("temperature"), "top_p": echo.get("top_p"), "metadata": echo.get("metadata") or {},
-        "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
+        "parallel_tool_calls": True, "tool_choice": echo.get("tool_choice", "auto"), "tools": echo.get("tools", []),
+        "text": {"format": {"type": "text"}},
     }
 
 
 __all__ = [
-    "TurnRequest", "chat_chunk", "chat_completion", "chat_usage", "guided_available", "new_id", "parse_chat",
-    "parse_responses", "response_object", "responses_usage", "split_conversation",
+    "Deltas", "OutputItems", "TurnRequest", "chat_chunk", "chat_completion", "chat_message", "chat_usage",
+    "finish_reason", "guided_available", "link_tool_results", "new_id", "parse_chat", "parse_responses",
+    "response_object", "responses_usage", "split_conversation", "tool_call_object",
 ]
