@@ -166,6 +166,46 @@ def test_max_thinking_tokens_forces_the_end_of_thinking_and_the_model_answers(ti
     assert stream.reasoning == tok.decode(tokens[:budget]).strip("\n") and stream.text == tok.decode(tokens[budget + 1 :]).strip("\n")
 
 
+def budget_run(lm, budget, speculative=None, copy=False):
+    tok = lm.tokenizer
+    (end,) = tok.think_end_tokens
+    processors = [ban(end, *tok.eos_token_ids)]  # left alone, the model would think until max_tokens
+    if copy:
+        from test_speculative import copier
+
+        processors.insert(0, copier)  # the reply copies its prompt: prompt lookup's drafts are accepted
+    builder = (ChatSession.builder(lm).chat_template(THINK_OPEN)
+               .generate_params(GenerateParams(max_tokens=budget + 8, max_thinking_tokens=budget, logits_processors=processors)))
+    if speculative is not None:
+        builder = builder.speculative(speculative)
+    session = builder.build()
+    prompt = "Say: the red fox jumps over the lazy dog and the red fox jumps again over the lazy dog"
+    with session.stream_respond(prompt) as stream:
+        for _ in stream:
+            pass
+    return stream.tokens, session.last_stats
+
+
+@pytest.mark.parametrize("budget", [2, 5])
+@pytest.mark.parametrize("mode", ["draft-model", "prompt-lookup"])
+def test_max_thinking_tokens_with_speculative_decoding_forces_the_end_at_the_budget_as_plain_decoding(tiny, mode, budget):
+    """The budget is a function of the tokens shown: a draft model runs it on its drafts too (it drafts the
+    forced marker), and drafts the target rejects do not spend it."""
+    from chatkit import SpeculativeConfig
+
+    lm = tiny(tokenizer="bpe-think")
+    (end,) = lm.tokenizer.think_end_tokens
+    if mode == "draft-model":  # the target as its own draft: every draft is accepted, also the forced marker
+        config, copy = SpeculativeConfig(tiny(tokenizer="bpe-think"), 3), False
+    else:
+        config, copy = SpeculativeConfig("prompt_lookup", 3, ngram_min=1), True
+    expected, _ = budget_run(lm, budget, copy=copy)
+    got, stats = budget_run(lm, budget, config, copy=copy)
+    assert expected[budget] == end and end not in expected[:budget]
+    assert got == expected
+    assert stats.draft_tokens_accepted > 0
+
+
 def test_history_fields_round_trip_through_dicts_and_old_dicts_still_load():
     call = ToolCall("abc123XYZ", "f", {"x": [1, "two"]})
     messages = [
