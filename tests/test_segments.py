@@ -179,7 +179,8 @@ def budget_run(lm, budget, speculative=None, copy=False):
     if speculative is not None:
         builder = builder.speculative(speculative)
     session = builder.build()
-    prompt = "Say: the red fox jumps over the lazy dog and the red fox jumps again over the lazy dog"
+    # The prompt's last tokens, "<think>\n", come earlier followed by text: the copier copies that text.
+    prompt = "Say: <think>\nthe red fox jumps over the lazy dog and the red fox jumps again over the lazy dog"
     with session.stream_respond(prompt) as stream:
         for _ in stream:
             pass
