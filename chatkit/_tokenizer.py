@@ -24,6 +24,8 @@ from typing import Any
 from jinja2.exceptions import SecurityError
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
+from .errors import TemplateError
+
 # Content placeholders: a marker character, then one character naming the special token.
 _MARK = "\U000f0000"
 _FIRST = 0xF0001
@@ -114,6 +116,11 @@ def _render_mutable(
 
     hf = hf_tokenizer(tokenizer)
     text = template if template is not None else chat_template(tokenizer)
+    if text is None:  # a Python template (mlx-lm's) never raises the sandbox's error: nothing to render again
+        raise TemplateError(
+            "The chat template changes its own lists, which chatkit renders from its jinja text: pass that text "
+            "with ChatSession.builder(...).chat_template(text_or_path)."
+        )
     base = _compile_jinja_template(text).environment
     env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters.update(base.filters)

@@ -25,6 +25,7 @@ import string
 from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from . import templates
 
@@ -118,7 +119,7 @@ def _qwen_ranks() -> dict[bytes, int]:
     return ranks
 
 
-def _qwen_bpe():
+def _qwen_bpe() -> Any:
     """Qwen's byte-level BPE over the first BPE_RANKS ranks, without added tokens."""
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
     from transformers.convert_slow_tokenizer import TikTokenConverter
