@@ -270,6 +270,8 @@ FAMILY_REPLIES = [
     (HARMONY, '<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary '
               'json<|message|>{"city": "Paris"}', "", "Hmm."),
     (family("<|python_tag|>", "<|eom_id|>"), '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "", ""),
+    (family("<|python_tag|>", "<|eom_id|>"), '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", ""),  # bare JSON
+    (family("<|python_tag|>", "<|eom_id|>"), '\n { "type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}', "", ""),
     (family("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", thinking=True),
      "<think>R1 thinks.</think>Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
      '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me check.", "R1 thinks."),
@@ -296,3 +298,13 @@ def test_a_harmony_final_answer_after_analysis():
     seg = Segmenter(HARMONY)
     seg.feed("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi there.", final=True)
     assert (seg.reasoning, seg.text, seg.tool_calls) == ("Think.", "Hi there.", [])
+
+
+@pytest.mark.parametrize("reply", ['{"answer": 42}', 'Sure: {"name": "get_weather"}', "{ plain braces }", "{", ' {"na'])
+def test_a_llama3_reply_that_only_starts_like_a_json_call_stays_text(reply):
+    llama3 = family("<|python_tag|>", "<|eom_id|>")
+    for cut in range(1, len(reply)):
+        seg = Segmenter(llama3)
+        pieces = seg.feed(reply[:cut]) + seg.feed(reply[cut:], final=True)
+        assert (seg.text, seg.tool_calls) == (reply, []), cut
+        assert "".join(p.text for p in pieces) == reply
