@@ -1,6 +1,7 @@
 """Tool rounds and segmentation: what structured turns cost.
 
     .venv/bin/python bench/tools.py [--rounds 12] [--tokens 128] [--history 6]
+    .venv/bin/python bench/tools.py --reuse     # cache reuse per vendored template (counts, no timing)
 
 Two measurements on the benchmark model with Qwen3's template (``bpe-think``), each timed in
 alternating rounds (A/B, then B/A, ...) after a warm-up:
@@ -14,6 +15,12 @@ alternating rounds (A/B, then B/A, ...) after a warm-up:
   reasoning / answer / tool-call segments by mlx-lm's ``TextStateMachine`` against the same stream
   handing the text out uncut. The reply starts in reasoning (the prompt leaves ``<think>`` open), so
   every character goes through the reasoning state's marker trie. Target: with >= 0.98x without.
+
+``--reuse``: for each model family of ``tests/families.py`` (its test tokenizer, its real template, its
+reply format forced), three questions, each answered by a tool call, the tool's result and an answer:
+per turn, the tokens the cache held (the previous prompt and reply), how many the new prompt shares
+with them (the template's ceiling), how many the turn reused and its plan. Counts, not times: any
+machine gives the same table (tests/test_families.py checks reused == shared for every turn).
 """
 
 from __future__ import annotations
@@ -157,12 +164,40 @@ def alternate(a, b, rounds: int):
     return out
 
 
+def reuse_table(exchanges: int = 3) -> None:
+    """Reuse per template over ``exchanges`` questions with a tool call each (see the module docstring)."""
+    import sys
+    import warnings
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from families import FAMILIES, reuse_over_turns
+
+    warnings.filterwarnings("ignore", message="This chat template does not render the tools")
+    print(f"reuse per template: {exchanges} questions, each a tool call, its result and an answer; per turn after the "
+          "first:\n  reused/held = the share of the previous prompt + reply the turn reused (its plan)")
+    print(f"  {'family':<22}{'tool rounds (result -> reply)':<48}questions (next question -> reply)")
+    for family in FAMILIES:
+        steps = reuse_over_turns(family, exchanges)
+        assert all(s.reused == s.shared for s in steps[1:]), family.name
+
+        def cell(kind: str) -> str:
+            parts = [f"{s.plan} {s.reused / s.held:.0%}" for s in steps[1:] if s.kind == kind]
+            return ", ".join(parts)
+
+        print(f"  {family.name:<22}{cell('tool'):<48}{cell('user')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--history", type=int, default=6)
+    ap.add_argument("--reuse", action="store_true", help="cache reuse per vendored template (counts only)")
     args = ap.parse_args()
+    if args.reuse:
+        reuse_table()
+        return
     lm = load_model("bpe-think")
     print(describe(lm))
     what, ck, raw = tool_round_case(lm, args.history)

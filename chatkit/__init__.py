@@ -5,6 +5,7 @@ The whole public API is here (``chatkit.X``); submodules are implementation::
     lm = chatkit.load(path_or_repo_or_"demo")          -> LoadedModel  (distributed="tensor": sharded, lockstep)
     session = ChatSession.builder(lm)...build()         -> ChatSession        (ChatSessionBuilder)
     session.respond(prompt) / .stream_respond(prompt)   -> str / ResponseStream of StreamChunk
+                                                        (with tools: ToolLoopStream, every round)
     session.arespond / .astream_respond                 -> async: str / AsyncResponseStream
     session.undo() .regenerate() .fork() .clear()       editing the conversation
     session.save_cache(path); builder.cache(path)       persistence (inspect_cache -> CacheFileInfo)
@@ -53,6 +54,7 @@ from .pool import SessionPool
 from .session import ChatSession
 from .speculative import SpeculativeConfig
 from .stream import ResponseStream, StreamChunk, TurnStats
+from .tools import ToolLoopStream
 
 __version__ = "0.1.0"
 
@@ -91,6 +93,7 @@ __all__ = [
     "ToolCall",
     "ToolExecutionError",
     "ToolLoopLimitError",
+    "ToolLoopStream",
     "TurnStats",
     "inspect_cache",
     "load",

@@ -21,7 +21,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jinja2.exceptions import SecurityError
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+
+from .errors import TemplateError
 
 # Content placeholders: a marker character, then one character naming the special token.
 _MARK = "\U000f0000"
@@ -81,9 +84,56 @@ def apply_chat_template(
     kwargs = dict(template_kwargs)
     if template is not None:
         kwargs["chat_template"] = template
-    return tokenizer.apply_chat_template(
-        list(messages), tools=list(tools) if tools is not None else None, add_generation_prompt=add_generation_prompt,
-        tokenize=False, **kwargs,
+    try:
+        return tokenizer.apply_chat_template(
+            list(messages), tools=list(tools) if tools is not None else None, add_generation_prompt=add_generation_prompt,
+            tokenize=False, **kwargs,
+        )
+    except SecurityError as exc:
+        if not _MUTATES.search(str(exc)):
+            raise
+        return _render_mutable(tokenizer, messages, tools, add_generation_prompt, template_kwargs, template)
+
+
+_MUTATES = re.compile(r"attribute '\w+' of '(list|dict)' object is unsafe")
+
+
+def _render_mutable(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    add_generation_prompt: bool,
+    template_kwargs: Mapping[str, Any],
+    template: str | None,
+) -> str:
+    """Render again where a template changes its own lists or dicts (Kimi-K2 queues its call ids with
+    ``list.append`` / ``pop``): transformers' immutable sandbox refuses that, llama.cpp's minja and
+    jinja's plain sandbox allow it. Written here because transformers has no switch for it: its own
+    environment's filters and globals (``tojson``, ``raise_exception``, ``namespace`` ...) in jinja's
+    plain sandbox, over JSON copies of the inputs, so a template changes only its copies."""
+    from jinja2.sandbox import SandboxedEnvironment
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    hf = hf_tokenizer(tokenizer)
+    text = template if template is not None else chat_template(tokenizer)
+    if text is None:  # a Python template (mlx-lm's) never raises the sandbox's error: nothing to render again
+        raise TemplateError(
+            "The chat template changes its own lists, which chatkit renders from its jinja text: pass that text "
+            "with ChatSession.builder(...).chat_template(text_or_path)."
+        )
+    base = _compile_jinja_template(text).environment
+    env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters.update(base.filters)
+    env.globals.update(base.globals)
+    data = json.loads(json.dumps({
+        "messages": [{k: v for k, v in m.items() if v is not None} for m in messages],  # as transformers drops None
+        "tools": list(tools) if tools is not None else None,
+        "kwargs": {**hf.special_tokens_map, **template_kwargs},
+    }))
+    options = data["kwargs"]
+    options.setdefault("enable_thinking", bool(getattr(tokenizer, "has_thinking", False)))  # as mlx-lm's wrapper
+    return env.from_string(text).render(
+        messages=data["messages"], tools=data["tools"], add_generation_prompt=add_generation_prompt, **options
     )
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 
 from .stream import GuidedStream, ResponseStream, StreamChunk, TurnStats
+from .tools.loop import ToolLoopStream
 
 END = object()  # what pump() hands over after the last chunk
 LOOKAHEAD = 2  # chunks a worker may compute before the consumer takes them
@@ -23,7 +24,7 @@ class Failure:
 
 
 def pump(
-    stream: ResponseStream,
+    stream: ResponseStream | ToolLoopStream,
     put: Callable[[Any], None],
     cancel: threading.Event,
     credits: threading.Semaphore,
@@ -60,7 +61,8 @@ def _may_go_on(credits: threading.Semaphore, cancel: threading.Event, consumer_a
 
 
 class AsyncResponseStream:
-    """The reply of one turn for ``async for``; use it as an async context manager.
+    """The reply of one turn for ``async for`` (with tools, of every round: it wraps the session's
+    ``ToolLoopStream``); use it as an async context manager.
 
     Generation runs on a worker thread started for the turn (all of its MLX work on that thread) and
     never blocks the event loop; it stays at most ``LOOKAHEAD`` chunks ahead of the consumer.
@@ -69,7 +71,7 @@ class AsyncResponseStream:
     took, plus at most those few chunks.
     """
 
-    def __init__(self, stream: ResponseStream, stop: threading.Event | None = None) -> None:
+    def __init__(self, stream: ResponseStream | ToolLoopStream, stop: threading.Event | None = None) -> None:
         """``stop``: an event to set when the turn is told to stop (the session waits on its commit)."""
         self._stream = stream
         self._cancel = stop if stop is not None else threading.Event()
@@ -149,7 +151,7 @@ class AsyncResponseStream:
         threading.Thread(target=_work, args=args, name="chatkit-turn", daemon=False).start()
 
 
-def _work(stream: ResponseStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, done: asyncio.Future,
+def _work(stream: ResponseStream | ToolLoopStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, done: asyncio.Future,
           cancel: threading.Event, credits: threading.Semaphore) -> None:
     """A turn's worker thread: pump the stream into the event loop's queue, then resolve ``done``."""
     try:

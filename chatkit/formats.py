@@ -8,7 +8,9 @@ is described here once: the text-state-machine transitions (as mlx-lm's chat-tem
 * ``harmony`` (gpt-oss): ``<|channel|>analysis<|message|>`` is reasoning, ``final`` the answer,
   ``commentary to=functions.NAME ... <|message|>ARGS`` a tool call; ``<|end|>`` / ``<|start|>assistant``
   go back to the header between messages.
-* ``llama3`` (Llama 3.1 / 3.2): ``<|python_tag|>{"name": ..., "parameters": {...}}`` to the end.
+* ``llama3`` (Llama 3.1 / 3.2): ``<|python_tag|>{"name": ..., "parameters": {...}}`` to the end, or the
+  same JSON with no marker at all as the whole reply (how their templates render a custom tool's call;
+  llama.cpp reads a reply that starts with ``{"name"`` the same way).
 * ``deepseek`` (R1 and V3.1): ``<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>``, R1 with ``function<｜tool▁sep｜>NAME``
   and fenced JSON, V3.1 with ``NAME<｜tool▁sep｜>ARGS``.
 * ``granite`` (Granite 3.x): ``<|tool_call|>[{"name": ..., "arguments": ...}]`` to the end.
@@ -40,6 +42,9 @@ class Format:
     parse: Callable[[str, Any], Any] | None = None
     initial_state: str = "normal"
     hidden: frozenset[str] = field(default_factory=frozenset)
+    # A call written without a marker: given the reply's text so far, whether the reply is one (True),
+    # is not (False) or cannot be told yet (None); ``final`` when no more text will come.
+    bare_call: Callable[[str, bool], bool | None] | None = None
 
 
 def _json(text: str) -> Any:
@@ -60,6 +65,25 @@ def _harmony_call(text: str, tools: Any = None) -> dict[str, Any]:
 def _llama3_call(text: str, tools: Any = None) -> dict[str, Any]:
     call = _json(text)
     return {"name": call.get("name"), "arguments": call.get("parameters", call.get("arguments", {}))}
+
+
+_BARE_KEYS = ('"name"', '"type"')  # {"name": ..., "parameters": ...} or {"type": "function", "name": ...}
+
+
+def _llama3_bare(text: str, final: bool) -> bool | None:
+    """A Llama 3 reply that is a JSON call: it starts (after whitespace) with ``{`` and then a
+    ``"name"`` (or ``"type"``) key."""
+    head = text.lstrip()
+    if not head:
+        return False if final else None
+    if head[0] != "{":
+        return False
+    key = head[1:].lstrip()
+    if any(key.startswith(k) for k in _BARE_KEYS):
+        return True
+    if not final and any(k.startswith(key) for k in _BARE_KEYS):
+        return None
+    return False
 
 
 def _deepseek_call(text: str, tools: Any = None) -> dict[str, Any]:
@@ -95,7 +119,8 @@ FORMATS: tuple[Format, ...] = (
         },
         _harmony_call, initial_state="header", hidden=frozenset({"header"}),
     ),
-    Format("llama3", ("<|python_tag|>", "<|eom_id|>"), {"normal": [("<|python_tag|>", "tool")], "tool": []}, _llama3_call),
+    Format("llama3", ("<|python_tag|>", "<|eom_id|>"), {"normal": [("<|python_tag|>", "tool")], "tool": []}, _llama3_call,
+           bare_call=_llama3_bare),
     Format(
         "deepseek", ("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"),
         {

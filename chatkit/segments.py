@@ -121,6 +121,10 @@ class Segmenter:
         fmt = reply_format(tokenizer)
         self._parser: Callable[..., Any] | None = fmt.parse if fmt is not None else getattr(tokenizer, "tool_parser", None)
         self._hidden = fmt.hidden if fmt is not None else frozenset()
+        # A format whose calls may come without a marker (Llama 3's bare JSON): the reply's first text is
+        # held back until it shows whether the whole reply is a call.
+        self._bare = fmt.bare_call if fmt is not None and self.state == "normal" else None
+        self._lead = ""
         self._tools = list(tools) if tools else None
         self._call_text = ""
         self.text = ""
@@ -134,8 +138,9 @@ class Segmenter:
         newlines next to their markers are template glue, not text (templates write ``</think>\n\n`` and
         ``\n<tool_call>`` themselves): they are stripped so the template renders the reply back as the
         model wrote it, and the next turn reuses the cache past it. A plain reply stays exact."""
+        reasoning = self.reasoning.strip("\n") if self._entered_reasoning else None  # None: it did not reason
         if self._entered_reasoning or self.tool_calls:
-            return self.text.strip("\n"), self.reasoning.strip("\n")
+            return self.text.strip("\n"), reasoning
         return self.text, None
 
     @property
@@ -148,6 +153,14 @@ class Segmenter:
         not the start of a marker is let out, an unfinished tool call is read as it is)."""
         if self.stopped:
             return []
+        if self._bare is not None:
+            self._lead += new
+            is_call = self._bare(self._lead, final)
+            if is_call is None:
+                return [Piece(TEXT, "")]
+            new, self._lead, self._bare = self._lead, "", None
+            if is_call:
+                self._state = self._machine.make_state("tool")
         self._state, segments = TextStateMachine.split(self._state, new)
         if self._state[0] is None:
             self.stopped = True
@@ -226,39 +239,51 @@ def _guess_name(text: str) -> str:
 class ThinkingBudget:
     """A logits processor that ends reasoning after ``budget`` tokens: it forces the end-of-thinking
     marker's tokens, then lets the model answer. ``start_in_reasoning`` when the prompt left a think
-    block open. (mlx-lm calls processors with the fed suffix plus every generated token.)"""
+    block open; ``prompt_length``: the prompt tokens before the reply in what it is shown (a token
+    source shows processors the whole prompt, then every generated token: ``engine.Request``).
 
-    def __init__(self, tokenizer: Any, budget: int, *, start_in_reasoning: bool) -> None:
-        self._start = tuple(tokenizer.think_start_tokens or ())
-        self._end = tuple(tokenizer.think_end_tokens or ())
+    What it forces is a function of the tokens it is shown, so a speculative source may call it for
+    drafts it later rejects, and a draft model with it drafts the forced marker too: the reply is the
+    one plain decoding gives. (It keeps the states of the reply's prefixes, so each call costs the
+    tokens that are new since a call it shares a prefix with.)"""
+
+    def __init__(self, tokenizer: Any, budget: int, *, start_in_reasoning: bool, prompt_length: int) -> None:
+        self._start = list(tokenizer.think_start_tokens or ())
+        self._end = list(tokenizer.think_end_tokens or ())
         self._budget = budget
-        self._in_reasoning = start_in_reasoning
-        self._spent = 0
-        self._forcing: list[int] = []
-        self._calls = 0
-        self._recent: list[int] = []
+        self._prompt = prompt_length
+        self._seen: list[int] = []  # the reply's tokens whose states are known
+        # The state after reply[:i], for each i: (in reasoning, the reply index its reasoning began at).
+        self._states: list[tuple[bool, int]] = [(start_in_reasoning, 0)]
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        if self._calls:
-            self._see(int(cast(int, tokens[-1].item())))
-        self._calls += 1
-        if self._in_reasoning and not self._forcing and self._spent >= self._budget:
-            self._forcing = list(self._end)
-        if not self._forcing:
+        reply = cast(list[int], tokens[self._prompt :].tolist()) if tokens.size > self._prompt else []
+        in_reasoning, begin = self._state_after(reply)
+        if not in_reasoning or not self._end:
             return logits
-        token = self._forcing.pop(0)
+        n, end = len(reply), self._end
+        # The marker's first tokens may be forced already (a marker of several tokens): force the next.
+        done = next((j for j in range(len(end) - 1, 0, -1) if n - j >= begin and reply[n - j :] == end[:j]), 0)
+        if n - done - begin < self._budget:
+            return logits
         forced = mx.full(logits.shape, -float("inf"), dtype=logits.dtype)
-        forced[..., token] = 0.0
+        forced[..., end[done]] = 0.0
         return forced
 
-    def _see(self, token: int) -> None:
-        self._recent = (self._recent + [token])[-max(len(self._start), len(self._end), 1) :]
-        if self._in_reasoning:
-            self._spent += 1
-            if self._end and tuple(self._recent[-len(self._end) :]) == self._end:
-                self._in_reasoning, self._forcing = False, []
-        elif self._start and tuple(self._recent[-len(self._start) :]) == self._start:
-            self._in_reasoning, self._spent = True, 0
+    def _state_after(self, reply: list[int]) -> tuple[bool, int]:
+        seen = self._seen
+        if reply[: len(seen)] != seen:  # another branch (a rejected draft): back to the shared prefix
+            shared = next((i for i, (a, b) in enumerate(zip(seen, reply)) if a != b), min(len(seen), len(reply)))
+            del seen[shared:], self._states[shared + 1 :]
+        in_reasoning, begin = self._states[-1]
+        for token in reply[len(seen) :]:
+            seen.append(token)
+            if in_reasoning and self._end and seen[-len(self._end) :] == self._end:
+                in_reasoning = False
+            elif not in_reasoning and self._start and seen[-len(self._start) :] == self._start:
+                in_reasoning, begin = True, len(seen)
+            self._states.append((in_reasoning, begin))
+        return in_reasoning, begin
 
 
 __all__ = [

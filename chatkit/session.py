@@ -10,7 +10,7 @@ import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from . import _tokenizer
 from .aio import AsyncGuidedStream, AsyncResponseStream
@@ -293,20 +293,35 @@ class ChatSession:
                 pass
         return stream.value if isinstance(stream, GuidedStream) else stream.text
 
+    @overload
+    def stream_respond(
+        self, prompt: str | MessageLike, *, role: Role | str = ..., tool_call_id: str | None = ...,
+        output: None = None, regex: None = None, grammar: None = None, include_schema: bool = ...,
+    ) -> ResponseStream | ToolLoopStream: ...
+
+    @overload
+    def stream_respond(
+        self, prompt: str | MessageLike, *, role: Role | str = ..., tool_call_id: str | None = ...,
+        output: Any = ..., regex: str | None = ..., grammar: str | None = ..., include_schema: bool = ...,
+    ) -> ResponseStream | ToolLoopStream | GuidedStream: ...
+
     def stream_respond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,
         output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
-    ) -> ResponseStream | GuidedStream:
-        """Send ``prompt`` and return the reply as a :class:`ResponseStream` of text chunks.
+    ) -> ResponseStream | ToolLoopStream | GuidedStream:
+        """Send ``prompt`` and return the reply as a stream of :class:`StreamChunk` s.
 
         ``prompt`` is the text of a message from ``role`` (user by default; tool results with
         ``Role.TOOL`` and the ``tool_call_id`` they answer), or a ``ChatMessage``/dict. Nothing runs
-        until the stream is iterated. With tools, the stream is a ``chatkit.tools.ToolLoopStream``
-        over every round (see ``builder.tools``); a tool result while other calls of the same reply
-        are still unanswered is added to the history and nothing is generated. With ``output=`` /
-        ``regex=`` / ``grammar=`` it is one turn whose reply is a value (a ``GuidedStream`` with
-        ``partial`` and ``value``; no tool round); ``include_schema`` appends the spec's description
-        to a text prompt (the model then follows it with fewer forced tokens).
+        until the stream is iterated. Without tools the stream is a :class:`ResponseStream` (one
+        turn). With tools, or for a tool result, it is a :class:`ToolLoopStream` over every round (see
+        ``builder.tools``): the same surface (``text``, ``reasoning``, ``tool_calls``, ``tokens``,
+        ``finish_reason``, ``stats``, ``close``), plus ``rounds`` and ``tool_results``; a tool result
+        while other calls of the same reply are still unanswered is added to the history and nothing
+        is generated. With ``output=`` / ``regex=`` / ``grammar=`` it is one turn whose reply is a
+        value (a ``chatkit.guided.GuidedStream`` with ``partial`` and ``value``; no tool round);
+        ``include_schema`` appends the spec's description to a text prompt (the model then follows
+        it with fewer forced tokens).
         """
         message = _prompt_message(prompt, role, tool_call_id, self._conversation.messages)
         if _guided(output, regex, grammar):
@@ -319,7 +334,7 @@ class ChatSession:
             return GuidedStream(self._open_turn(message, constraint=constraint), constraint)
         if self._tools is None and message.role is not Role.TOOL:
             return self._open_turn(message)
-        return self._tool_loop(message)  # type: ignore[return-value]  # a ResponseStream in all but name
+        return self._tool_loop(message)
 
     def astream_respond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,

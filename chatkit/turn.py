@@ -145,7 +145,8 @@ class Turn:
         budget, tokenizer = self.params.max_thinking_tokens, self.segmenter.tokenizer
         if budget is None or not getattr(tokenizer, "has_thinking", False) or not tokenizer.think_end_tokens:
             return []
-        return [ThinkingBudget(tokenizer, budget, start_in_reasoning=self.segmenter.state == "reasoning")]
+        return [ThinkingBudget(tokenizer, budget, start_in_reasoning=self.segmenter.state == "reasoning",
+                               prompt_length=len(self.prompt))]
 
     def _on_progress(self, done: int, total: int) -> None:
         if done == total - 1:  # the whole prompt but its last token is in: a rewind point

@@ -7,7 +7,7 @@ PUBLIC = {
     # loading and sessions
     "load", "LoadedModel", "ChatSession", "ChatSessionBuilder", "SessionPool",
     # streaming
-    "ResponseStream", "AsyncResponseStream", "StreamChunk", "TurnStats",
+    "ResponseStream", "ToolLoopStream", "AsyncResponseStream", "StreamChunk", "TurnStats",
     # messages and settings
     "ChatMessage", "Role", "ToolCall", "GenerateParams", "CacheOptions", "CacheInfo", "SpeculativeConfig",
     # persistence

@@ -81,3 +81,13 @@ def test_generated_tool_call_ids_render_in_mistral_templates_that_require_nine_a
     (pending,) = session.pending_tool_calls
     prompt = session.render(ChatMessage.tool("rain", tool_call_id=pending.id))
     assert f'"id": "{pending.id}"' in prompt and '"call_id": "' + pending.id in prompt
+
+
+def test_a_template_that_changes_its_own_lists_renders_calls_in_its_own_format(lm):
+    # Kimi-K2 queues call ids with list.append, which transformers' immutable sandbox refuses: chatkit
+    # renders it in jinja's plain sandbox instead of falling back to calls written as JSON text.
+    session = (ChatSession.builder(lm).chat_template(TEMPLATES / "Kimi-K2-Instruct.jinja").tools([WEATHER])
+               .history(HISTORY).build())
+    prompt = session.render("Thanks!")
+    assert '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Lisbon"}' in prompt
+    assert "## Return of functions.get_weather:0\nsunny_result_text" in prompt and '{"tool_calls"' not in prompt

@@ -254,6 +254,22 @@ class Conversation(RuleBasedStateMachine):
         assert (s.history[-1].reasoning or "") == reasoning and s.history[-1].content == text
         self.turn(ChatMessage.tool("Sunny, 21 C", name="get_weather", tool_call_id=pending.id))
 
+    @precondition(lambda self: self.tools and self.lm.tokenizer.has_thinking)  # scripted replies, as tool_exchange
+    @rule(reasoning=st.sampled_from(["Let me think.", "First this.\nThen that."]), text=st.sampled_from(["Hello.", "Fine, thanks."]))
+    def reasoning_reply(self, reasoning, text):
+        """A reply that reasons and answers, without a tool call (forced), then a turn answered exactly as
+        a fresh session replaying that history answers it (the template may drop the old reasoning)."""
+        s = self.session
+        params = s.generate_params
+        reply = f"<think>\n{reasoning}\n</think>\n\n{text}"
+        s.generate_params = params.copy(max_tokens=60, logits_processors=[Scripted(self.lm.tokenizer, [reply])])
+        try:
+            s.respond("Think first, then answer.")
+        finally:
+            s.generate_params = params
+        assert (s.history[-1].reasoning, s.history[-1].content, s.history[-1].tool_calls) == (reasoning, text, ())
+        self.turn("And then?")
+
     @rule()
     def fork(self):
         self.session = self.session.fork()

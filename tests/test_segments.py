@@ -166,6 +166,47 @@ def test_max_thinking_tokens_forces_the_end_of_thinking_and_the_model_answers(ti
     assert stream.reasoning == tok.decode(tokens[:budget]).strip("\n") and stream.text == tok.decode(tokens[budget + 1 :]).strip("\n")
 
 
+def budget_run(lm, budget, speculative=None, copy=False):
+    tok = lm.tokenizer
+    (end,) = tok.think_end_tokens
+    processors = [ban(end, *tok.eos_token_ids)]  # left alone, the model would think until max_tokens
+    if copy:
+        from test_speculative import copier
+
+        processors.insert(0, copier)  # the reply copies its prompt: prompt lookup's drafts are accepted
+    builder = (ChatSession.builder(lm).chat_template(THINK_OPEN)
+               .generate_params(GenerateParams(max_tokens=budget + 8, max_thinking_tokens=budget, logits_processors=processors)))
+    if speculative is not None:
+        builder = builder.speculative(speculative)
+    session = builder.build()
+    # The prompt's last tokens, "<think>\n", come earlier followed by text: the copier copies that text.
+    prompt = "Say: <think>\nthe red fox jumps over the lazy dog and the red fox jumps again over the lazy dog"
+    with session.stream_respond(prompt) as stream:
+        for _ in stream:
+            pass
+    return stream.tokens, session.last_stats
+
+
+@pytest.mark.parametrize("budget", [2, 5])
+@pytest.mark.parametrize("mode", ["draft-model", "prompt-lookup"])
+def test_max_thinking_tokens_with_speculative_decoding_forces_the_end_at_the_budget_as_plain_decoding(tiny, mode, budget):
+    """The budget is a function of the tokens shown: a draft model runs it on its drafts too (it drafts the
+    forced marker), and drafts the target rejects do not spend it."""
+    from chatkit import SpeculativeConfig
+
+    lm = tiny(tokenizer="bpe-think")
+    (end,) = lm.tokenizer.think_end_tokens
+    if mode == "draft-model":  # the target as its own draft: every draft is accepted, also the forced marker
+        config, copy = SpeculativeConfig(tiny(tokenizer="bpe-think"), 3), False
+    else:
+        config, copy = SpeculativeConfig("prompt_lookup", 3, ngram_min=1), True
+    expected, _ = budget_run(lm, budget, copy=copy)
+    got, stats = budget_run(lm, budget, config, copy=copy)
+    assert expected[budget] == end and end not in expected[:budget]
+    assert got == expected
+    assert stats.draft_tokens_accepted > 0
+
+
 def test_history_fields_round_trip_through_dicts_and_old_dicts_still_load():
     call = ToolCall("abc123XYZ", "f", {"x": [1, "two"]})
     messages = [
@@ -229,6 +270,8 @@ FAMILY_REPLIES = [
     (HARMONY, '<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary '
               'json<|message|>{"city": "Paris"}', "", "Hmm."),
     (family("<|python_tag|>", "<|eom_id|>"), '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "", ""),
+    (family("<|python_tag|>", "<|eom_id|>"), '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", ""),  # bare JSON
+    (family("<|python_tag|>", "<|eom_id|>"), '\n { "type": "function", "name": "get_weather", "parameters": {"city": "Paris"}}', "", ""),
     (family("<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", thinking=True),
      "<think>R1 thinks.</think>Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
      '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "Let me check.", "R1 thinks."),
@@ -255,3 +298,13 @@ def test_a_harmony_final_answer_after_analysis():
     seg = Segmenter(HARMONY)
     seg.feed("<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi there.", final=True)
     assert (seg.reasoning, seg.text, seg.tool_calls) == ("Think.", "Hi there.", [])
+
+
+@pytest.mark.parametrize("reply", ['{"answer": 42}', 'Sure: {"name": "get_weather"}', "{ plain braces }", "{", ' {"na'])
+def test_a_llama3_reply_that_only_starts_like_a_json_call_stays_text(reply):
+    llama3 = family("<|python_tag|>", "<|eom_id|>")
+    for cut in range(1, len(reply)):
+        seg = Segmenter(llama3)
+        pieces = seg.feed(reply[:cut]) + seg.feed(reply[cut:], final=True)
+        assert (seg.text, seg.tool_calls) == (reply, []), cut
+        assert "".join(p.text for p in pieces) == reply

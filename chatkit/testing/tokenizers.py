@@ -5,6 +5,14 @@
   Qwen3's template with thinking (``"bpe-think"``).
 * ``"spm"``: a SentencePiece-style BPE with byte fallback and Llama 2's ``[INST]`` template.
 * ``"gemma"``: the same pieces with Gemma's specials, no dummy prefix, and Gemma's template.
+
+FAMILIES are the byte-level BPE with another model family's special tokens, for its real output
+format (tool calls, reasoning channels) and its real chat template, which the caller passes
+(``tiny_model(tokenizer="llama3", chat_template=text_or_path)``; the vendored templates are test data,
+not part of the package): ``"llama3"`` (Llama 3.1 / 3.2), ``"mistral"`` (Nemo, Small 3.1),
+``"deepseek"`` (R1 distills, V3.1), ``"granite"`` (Granite 3.x), ``"command-r"`` (Command R7B),
+``"kimi"`` (Kimi K2), ``"minimax"`` (MiniMax M2), ``"harmony"`` (gpt-oss). Qwen3, QwQ and Hermes use
+``"bpe-think"``'s tokens.
 """
 
 from __future__ import annotations
@@ -14,13 +22,15 @@ import functools
 import json
 import re
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from . import templates
 
 TOKENIZERS: tuple[str, ...] = ("bpe", "bpe-think", "spm", "gemma")
+FAMILIES: tuple[str, ...] = ("llama3", "mistral", "deepseek", "granite", "command-r", "kimi", "minimax", "harmony")
 
 BPE_RANKS = 8192  # ranks of qwen.tiktoken kept: 256 bytes + 7,936 merges
 SPM_PIECES = 3837  # trained pieces: with 3 specials and 256 byte tokens, "spm" has 4,096 tokens
@@ -58,15 +68,23 @@ class TokenizerFiles:
 
 
 @functools.cache
-def tokenizer_files(name: str) -> TokenizerFiles:
-    """Build (once per process) the files of the test tokenizer ``name``, one of TOKENIZERS."""
+def tokenizer_files(name: str, chat_template: str | None = None) -> TokenizerFiles:
+    """Build (once per process) the files of the test tokenizer ``name``, one of TOKENIZERS or
+    FAMILIES; ``chat_template`` replaces its own template (a family tokenizer has none of its own)."""
     if name in ("bpe", "bpe-think"):
-        return _qwen(name)
-    if name == "spm":
-        return _llama()
-    if name == "gemma":
-        return _gemma()
-    raise ValueError(f"Unknown test tokenizer {name!r}; choose one of {', '.join(TOKENIZERS)}.")
+        files = _qwen(name)
+    elif name == "spm":
+        files = _llama()
+    elif name == "gemma":
+        files = _gemma()
+    elif name in _FAMILY_TOKENS:
+        files = _family(name)
+    else:
+        raise ValueError(f"Unknown test tokenizer {name!r}; choose one of {', '.join(TOKENIZERS + FAMILIES)}.")
+    if chat_template is None:
+        return files
+    config = {**json.loads(files.tokenizer_config_json), "chat_template": chat_template}
+    return replace(files, tokenizer_config_json=json.dumps(config, indent=2, ensure_ascii=False))
 
 
 def _files(name, tok, config, *, bos, eos, pad) -> TokenizerFiles:
@@ -101,8 +119,9 @@ def _qwen_ranks() -> dict[bytes, int]:
     return ranks
 
 
-def _qwen(name: str) -> TokenizerFiles:
-    from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
+def _qwen_bpe() -> Any:
+    """Qwen's byte-level BPE over the first BPE_RANKS ranks, without added tokens."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
     class Converter(TikTokenConverter):
@@ -119,6 +138,13 @@ def _qwen(name: str) -> TokenizerFiles:
     )
     tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)  # type: ignore[call-arg]
+    return tok
+
+
+def _qwen(name: str) -> TokenizerFiles:
+    from tokenizers import AddedToken
+
+    tok = _qwen_bpe()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _QWEN_SPECIALS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in _QWEN_ADDED])
     config = {
@@ -132,6 +158,70 @@ def _qwen(name: str) -> TokenizerFiles:
         "chat_template": templates.QWEN3 if name == "bpe-think" else templates.CHATML,
     }
     return _files(name, tok, config, bos=None, eos=("<|im_end|>", "<|endoftext|>"), pad="<|endoftext|>")
+
+
+# --- other families over the same byte-level BPE ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Family:
+    specials: tuple[str, ...]  # special tokens (content cannot produce them)
+    added: tuple[str, ...] = ()  # plain added tokens (special: false), as the family's tokenizer.json has them
+    eos: tuple[str, ...] = ()  # the tokenizer's eos first, then the other end-of-turn tokens
+    bos: str | None = None
+
+
+# Each family's special tokens as its released tokenizer names them (the ones its template and its
+# output format use), over Qwen's truncated byte-level BPE: every one of these families is byte-level BPE.
+_FAMILY_TOKENS: dict[str, _Family] = {
+    "llama3": _Family(("<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad_id|>", "<|start_header_id|>",
+                       "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"),
+                      eos=("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"), bos="<|begin_of_text|>"),
+    "mistral": _Family(("<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                        "[TOOL_RESULTS]", "[/TOOL_RESULTS]", "[TOOL_CALLS]", "[IMG]", "[SYSTEM_PROMPT]",
+                        "[/SYSTEM_PROMPT]"), eos=("</s>",), bos="<s>"),
+    "deepseek": _Family(("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+                         "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                         "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                         "<｜tool▁output▁end｜>", "<｜tool▁sep｜>"),
+                        added=("<think>", "</think>"), eos=("<｜end▁of▁sentence｜>",), bos="<｜begin▁of▁sentence｜>"),
+    "granite": _Family(("<|end_of_text|>", "<|start_of_role|>", "<|end_of_role|>", "<|tool_call|>"),
+                       eos=("<|end_of_text|>",), bos="<|end_of_text|>"),
+    "command-r": _Family(("<BOS_TOKEN>", "<EOS_TOKEN>", "<|START_OF_TURN_TOKEN|>", "<|END_OF_TURN_TOKEN|>",
+                          "<|USER_TOKEN|>", "<|CHATBOT_TOKEN|>", "<|SYSTEM_TOKEN|>", "<|START_THINKING|>",
+                          "<|END_THINKING|>", "<|START_ACTION|>", "<|END_ACTION|>", "<|START_RESPONSE|>",
+                          "<|END_RESPONSE|>", "<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"),
+                         eos=("<|END_OF_TURN_TOKEN|>", "<EOS_TOKEN>"), bos="<BOS_TOKEN>"),
+    "kimi": _Family(("[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
+                     "<|im_middle|>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
+                     "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"),
+                    eos=("<|im_end|>", "[EOS]"), bos="[BOS]"),
+    "minimax": _Family(("]~!b[", "]~b]", "[e~[", "]!p~[", "]!d~["),
+                       added=("<think>", "</think>", "<minimax:tool_call>", "</minimax:tool_call>"),
+                       eos=("[e~[",), bos="]~!b["),
+    "harmony": _Family(("<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                        "<|constrain|>", "<|return|>", "<|call|>"),
+                       eos=("<|return|>", "<|call|>"), bos="<|startoftext|>"),
+}
+
+
+def _family(name: str) -> TokenizerFiles:
+    from tokenizers import AddedToken
+
+    family = _FAMILY_TOKENS[name]
+    tok = _qwen_bpe()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in family.specials])
+    if family.added:
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.added])
+    config = {
+        "bos_token": family.bos,
+        "eos_token": family.eos[0],
+        "pad_token": None,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "split_special_tokens": False,
+    }
+    return _files(name, tok, config, bos=family.bos, eos=family.eos, pad=None)
 
 
 # --- SentencePiece-style BPE with byte fallback ------------------------------------------------
@@ -248,4 +338,4 @@ def _gemma() -> TokenizerFiles:
     return _files("gemma", tok, config, bos="<bos>", eos=("<eos>", "<end_of_turn>"), pad="<pad>")
 
 
-__all__ = ["TOKENIZERS", "TokenizerFiles", "tokenizer_files"]
+__all__ = ["FAMILIES", "TOKENIZERS", "TokenizerFiles", "tokenizer_files"]

@@ -59,7 +59,8 @@ def pending_calls(history: Sequence[ChatMessage]) -> list[ToolCall]:
 
 
 class ToolLoopStream:
-    """A reply that may take several rounds, streamed: the chunks of every round, with a chunk of kind
+    """What ``session.stream_respond`` returns when the session has tools (or the prompt is a tool
+    result): a reply that may take several rounds, streamed: the chunks of every round, with a chunk of kind
     ``"tool_result"`` per tool result between rounds (``chunk.tool_call`` is the call it answers,
     ``chunk.token`` is -1). A round that ends by calling tools ends with ``finish_reason="tool_calls"``.
 
