@@ -287,21 +287,31 @@ def test_manual_mode_returns_strict_calls(models):
     pending = session.pending_tool_calls
     assert pending and all(valid(c) for c in pending)
     assert list(session.history[-1].tool_calls) == pending
+    session.regenerate()  # the session's default holds for a regenerated reply too
+    again = session.pending_tool_calls
+    assert again and all(valid(c) for c in again) and len(session.history) == 2
 
 
-def test_speculative_strict_turns_equal_standard_ones(models):
-    lm, draft = models("bpe-think"), models("bpe-think", seed=1)
+@pytest.mark.parametrize("draft", ["agreeing", "disagreeing", "prompt_lookup"])
+def test_speculative_strict_turns_equal_standard_ones(models, draft):
+    lm = models("bpe-think")
+    drafts = {"agreeing": models("bpe-think"), "disagreeing": models("bpe-think", seed=1), "prompt_lookup": draft}
+    config = SpeculativeConfig(drafts[draft], num_draft_tokens=3)
     standard = strict_session(lm)
     speculative = ChatSession.builder(lm).tools(TOOLS, strict_tools=True).generate_params(standard.generate_params) \
-        .speculative(SpeculativeConfig(draft, num_draft_tokens=3)).build()
+        .speculative(config).build()
+    accepted = 0
     for prompt in PROMPTS[:2]:
         standard.respond(prompt)
         speculative.respond(prompt)
+        accepted += speculative.last_stats.draft_tokens_accepted
+
     def seen(history):  # call ids are random: everything else
         return [(m.role, m.content, m.reasoning, [(c.name, c.arguments, c.error) for c in m.tool_calls]) for m in history]
 
     assert seen(speculative.history) == seen(standard.history)
     assert len(standard.history) > 4 and all(valid(c) for m in standard.history for c in m.tool_calls)
+    assert accepted > 0 or draft != "agreeing"  # the same weights: drafts inside calls were checked and kept
 
 
 def test_reasoning_stays_free_and_the_call_after_it_is_strict(models):
