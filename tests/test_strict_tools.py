@@ -196,7 +196,7 @@ def test_text_before_the_call_stays_free_and_the_call_is_constrained(models):
 
 def test_marker_text_cannot_open_a_call_mid_token_nor_end_one_inside_a_string(models):
     """chatkit reads calls from the text: a start marker spelled in pieces opens a constrained call, and
-    the end marker's text cannot appear inside a JSON string (it would cut the call short)."""
+    the end marker's text (or a stop string) cannot appear inside a JSON string (it would cut the call short)."""
     lm = models("bpe-think")
     tok = lm.tokenizer
     note = {"type": "function", "function": {"name": "note", "parameters": {
@@ -216,20 +216,51 @@ def test_marker_text_cannot_open_a_call_mid_token_nor_end_one_inside_a_string(mo
     closing = tok.encode(">", add_special_tokens=False)[0]
     allowed = c.allowed(lm.model.args.vocab_size)
     assert not allowed[closing] and allowed.sum() > 100  # any other character of the text
-    with pytest.raises(ChatKitError, match="inside the call"):
-        c.advance(closing)
+    # A token the grammar refuses (the source did not apply the mask) raises and changes nothing.
+    with pytest.raises(ChatKitError, match="grammar"):
+        c.advance(tok.eos_token_id)
+    assert c.in_call and c.allowed(lm.model.args.vocab_size).sum() == allowed.sum()
+    # Stop strings end a reply in any state: one the model can avoid is kept out of the call; one the
+    # grammar's own text holds (stop="\n": the newline after <tool_call>) is left to end the reply.
+    marker, newline = tok.tool_call_start_tokens[0], tok.encode("\n", add_special_tokens=False)[0]
+    vocab = lm.model.args.vocab_size
+    s = ToolCallConstraint(grammar, tok, stop=["zq"])
+    for t in [marker, *tok.encode('\n{"name": "note", "arguments": {"text": "z', add_special_tokens=False)]:
+        s.advance(t)
+    q = [t for t in range(vocab) if tok.decode([t]).startswith("q")]
+    allowed = s.allowed(vocab)
+    assert len(q) > 5 and not allowed[q].any() and allowed.sum() > 100
+    s = ToolCallConstraint(grammar, tok, stop=["\n"])
+    s.advance(marker)
+    assert s.allowed(vocab)[newline]
     # Free text may not write the marker with more text in the same token (the call's first bytes
     # would escape the grammar): find such a token in the vocabulary and check it is refused.
     free = ToolCallConstraint(grammar, tok)
     for t in tok.encode("Hi <tool_call", add_special_tokens=False):
         free.advance(t)
-    vocab = lm.model.args.vocab_size
     glued = [i for i in range(vocab) if tok.decode([i]).startswith(">") and tok.decode([i]) != ">"]
     allowed = free.allowed(vocab)
     assert len(glued) > 5 and not allowed[glued].any() and allowed.sum() == vocab - len(glued)
     assert allowed[closing] and not free.in_call
     free.advance(closing)
     assert free.in_call
+
+
+def test_after_a_call_the_reply_may_only_call_again_or_end(models):
+    lm = models("bpe-think")
+    tok, vocab = lm.tokenizer, lm.model.args.vocab_size
+    c = ToolCallConstraint(tool_call_grammar(tok, SCHEMAS), tok)
+    call = '<tool_call>\n{"name": "local_time", "arguments": {"city": "Oslo", "days": 2}}\n</tool_call>'
+    for t in tok.encode(call, add_special_tokens=False):
+        c.advance(t)
+    assert not c.in_call and c.calls == 1
+    allowed = np.flatnonzero(c.allowed(vocab))
+    words = [n * "\n" + "<tool_call>" for n in range(3)]
+    assert {tok.tool_call_start_tokens[0], tok.eos_token_id} <= set(allowed.tolist())
+    assert all(t in tok.eos_token_ids or any(w.startswith(tok.decode([t])) for w in words) for t in allowed)
+    for t in tok.encode("\n<tool_call>", add_special_tokens=False):
+        c.advance(t)
+    assert c.in_call and c.calls == 2
 
 
 # -- strict_tools in a session ------------------------------------------------------------------------------

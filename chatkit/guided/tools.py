@@ -228,7 +228,18 @@ class _Table:
     def __init__(self, llt: llguidance.LLTokenizer) -> None:
         self.bytes = [llt.decode_bytes([i]) for i in range(llt.vocab_size)]
         self._watches: dict[bytes, _Watch] = {}
+        self._continuing: dict[tuple[tuple[bytes, ...], bytes], list[int]] = {}
         self._lock = threading.Lock()
+
+    def continuing(self, words: tuple[bytes, ...], text: bytes) -> list[int]:
+        """The tokens after which ``text`` is still a prefix of one of ``words`` (cached)."""
+        key = (words, text)
+        found = self._continuing.get(key)
+        if found is None:
+            found = self._continuing[key] = [
+                t for t, b in enumerate(self.bytes) if b and any(w.startswith(text + b) for w in words)
+            ]
+        return found
 
     def watch(self, text: str) -> _Watch:
         pattern = text.encode("utf-8")
@@ -294,8 +305,7 @@ class ToolCallConstraint:
         self._start: int | None = None  # the processor's prompt length (from its first call)
         self._bitmask = np.full((self._llt.vocab_size + 31) // 32, -1, dtype=np.int32)
         start = shape.start.encode("utf-8")
-        self._glue_words = [b"\n" * n + start for n in range(GLUE_NEWLINES + 1)]
-        self._glue: dict[bytes, list[int]] = {}
+        self._glue_words = tuple(b"\n" * n + start for n in range(GLUE_NEWLINES + 1))
         self.mask_seconds = 0.0  # CPU time spent computing masks inside calls (for benchmarks)
 
     @property
@@ -345,10 +355,6 @@ class ToolCallConstraint:
             self._consumed += 1
             if matcher.is_stopped():
                 phase = AFTER if self.grammar.shape.end else END
-            elif any(hit >= 0 for _, hit in moved[1:]):
-                matcher.rollback(1)
-                self._consumed -= 1
-                self._refuse(token, "ends the tool segment inside the call")
         elif token not in self._eos:
             self._refuse(token, "follows a call that runs to the end of the reply")
         self._tokens.append(token)
@@ -430,29 +436,25 @@ class ToolCallConstraint:
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little").view(bool)
         n = min(bits.size, vocab_size)
         allowed[:n] = bits[:n]
-        for w, k in zip(self._inside, at.states[1:], strict=True):
-            for t in w.completing(k):
-                if t < vocab_size and allowed[t] and not self._closes(t):
-                    allowed[t] = False
+        banned = [t for w, k in zip(self._inside, at.states[1:], strict=True) for t in w.completing(k)
+                  if t < vocab_size and allowed[t] and not self._closes(t)]
+        if banned and len(banned) < allowed.sum():
+            allowed[banned] = False
+        # else the grammar's own text holds a stop string (e.g. stop="\n"): the stop ends the reply there.
         self.mask_seconds += time.perf_counter() - t0
         return allowed
 
     def _glue_tokens(self, after: bytes) -> list[int]:
         """The tokens that continue ``after`` (the text since a call ended) towards the next call:
         newlines, then the start marker, the marker's last byte at a token's end."""
-        found = self._glue.get(after)
-        if found is None:
-            words = self._glue_words
-            found = self._glue[after] = [
-                t for t, b in enumerate(self._table.bytes) if b and any(w.startswith(after + b) for w in words)
-            ]
-        return found
+        return self._table.continuing(self._glue_words, after)
 
     def _closes(self, token: int) -> bool:
         """Whether ``token`` (allowed by the grammar) ends the call."""
         matcher = self._matcher
         assert matcher is not None
         if not matcher.consume_token(token):
+            self._matcher = None  # in its error state: rebuilt on use
             return False
         stopped = matcher.is_stopped()
         matcher.rollback(1)
