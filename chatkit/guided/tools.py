@@ -31,6 +31,7 @@ when a speculative run shows fewer or other tokens), so speculative decoding giv
 
 from __future__ import annotations
 
+import bisect
 import json
 import threading
 import time
@@ -170,7 +171,7 @@ class _Watch:
     """Where a text ``pattern`` would appear in the reply: a KMP automaton over the tokens' bytes, and
     for each state the tokens that would complete the pattern."""
 
-    def __init__(self, pattern: bytes, table: list[bytes]) -> None:
+    def __init__(self, pattern: bytes, table: _Table) -> None:
         self.pattern = pattern
         fail = [0] * len(pattern)
         k = 0
@@ -182,7 +183,7 @@ class _Watch:
             fail[i] = k
         self._fail = fail
         self._table = table
-        self._contains = [i for i, b in enumerate(table) if pattern in b]
+        self._contains = [i for i, b in enumerate(table.bytes) if pattern in b]
         self._completing: dict[int, list[int]] = {}
         self._misplaced: dict[int, list[int]] = {}
 
@@ -208,7 +209,7 @@ class _Watch:
             ids, m = set(self._contains), k
             while m > 0:
                 rest = self.pattern[m:]
-                ids.update(i for i, b in enumerate(self._table) if b.startswith(rest))
+                ids.update(self._table.starting(rest))
                 m = self._fail[m - 1]
             found = self._completing[k] = sorted(ids)
         return found
@@ -217,8 +218,8 @@ class _Watch:
         """The tokens that would complete the pattern from state ``k`` before their own end."""
         found = self._misplaced.get(k)
         if found is None:
-            table = self._table
-            found = self._misplaced[k] = [t for t in self.completing(k) if self.advance(k, table[t])[1] != len(table[t])]
+            texts = self._table.bytes
+            found = self._misplaced[k] = [t for t in self.completing(k) if self.advance(k, texts[t])[1] != len(texts[t])]
         return found
 
 
@@ -227,18 +228,30 @@ class _Table:
 
     def __init__(self, llt: llguidance.LLTokenizer) -> None:
         self.bytes = [llt.decode_bytes([i]) for i in range(llt.vocab_size)]
+        self._sorted = sorted((b, i) for i, b in enumerate(self.bytes))  # prefix lookups by bisection
+        self._keys = [b for b, _ in self._sorted]
         self._watches: dict[bytes, _Watch] = {}
         self._continuing: dict[tuple[tuple[bytes, ...], bytes], list[int]] = {}
         self._lock = threading.Lock()
 
+    def starting(self, prefix: bytes) -> list[int]:
+        """The tokens whose text starts with ``prefix``."""
+        out, i = [], bisect.bisect_left(self._keys, prefix)
+        while i < len(self._keys) and self._keys[i].startswith(prefix):
+            out.append(self._sorted[i][1])
+            i += 1
+        return out
+
     def continuing(self, words: tuple[bytes, ...], text: bytes) -> list[int]:
-        """The tokens after which ``text`` is still a prefix of one of ``words`` (cached)."""
+        """The tokens after which ``text`` is still a prefix of one of ``words`` (cached): those whose
+        text is a non-empty prefix of a word's rest."""
         key = (words, text)
         found = self._continuing.get(key)
         if found is None:
-            found = self._continuing[key] = [
-                t for t, b in enumerate(self.bytes) if b and any(w.startswith(text + b) for w in words)
-            ]
+            ids: set[int] = set()
+            for rest in (w[len(text):] for w in words if w.startswith(text)):
+                ids.update(t for t in self.starting(rest[:1]) if self.bytes[t] and rest.startswith(self.bytes[t]))
+            found = self._continuing[key] = sorted(ids)
         return found
 
     def watch(self, text: str) -> _Watch:
@@ -246,7 +259,7 @@ class _Table:
         with self._lock:
             w = self._watches.get(pattern)
             if w is None:
-                w = self._watches[pattern] = _Watch(pattern, self.bytes)
+                w = self._watches[pattern] = _Watch(pattern, self)
             return w
 
 
