@@ -434,21 +434,55 @@ def test_other_json_formats_give_valid_calls_from_random_choices(models, family)
     tok = TokenizerWrapper(hf, eos_token_ids=eos)
     grammar = tool_call_grammar(tok, SCHEMAS)
     assert grammar.format == family
-    vocab = len(hf)
+    for calls in random_calls(tok, grammar, "Sure." + marker, eos, len(hf)):
+        assert calls and all(valid(call) for call in calls)
+
+
+def random_calls(tok, grammar, opening, eos, vocab, schemas=SCHEMAS, replies=5):
+    """Replies that write ``opening`` and then draw each token uniformly among those the mask allows
+    (ending the reply once the call is over); their tool calls as the segmenter reads them."""
     rng = np.random.default_rng(0)
-    for _ in range(5):
+    for _ in range(replies):
         c = ToolCallConstraint(grammar, tok)
-        tokens = tok.encode("Sure." + marker, add_special_tokens=False)
+        tokens = tok.encode(opening, add_special_tokens=False)
         for t in tokens:
             c.advance(t)
-        while c.in_call or c.tokens[-1] not in eos and len(c.tokens) < 400:
+        while c.in_call or tokens[-1] not in eos and len(tokens) < 400:
             allowed = c.allowed(vocab)
-            if not c.in_call and allowed is None:  # free text after the call: end the reply
+            if not c.in_call:  # the call is over: end the reply
                 choice = eos[0]
             else:
                 choice = int(rng.choice(np.flatnonzero(allowed)))
             c.advance(choice)
             tokens.append(choice)
-        seg = Segmenter(tok, tools=SCHEMAS)
+        seg = Segmenter(tok, tools=schemas)
         seg.feed(tok.decode([t for t in tokens if t not in eos]), final=True)
-        assert seg.tool_calls and all(valid(call) for call in seg.tool_calls), tok.decode(tokens)
+        yield seg.tool_calls
+
+
+def test_parameters_with_definitions_are_embedded_with_their_refs(models):
+    """A tool whose parameters use $defs (as pydantic writes them): the definitions move to the call's
+    root and its refs follow them; a ref that leaves the schema is refused."""
+    item = {"type": "object", "properties": {"sku": {"type": "string", "maxLength": 6},
+                                             "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+            "required": ["sku", "qty"]}
+    order = {"type": "function", "function": {"name": "order", "parameters": {
+        "type": "object", "$defs": {"Item": item},
+        "properties": {"items": {"type": "array", "items": {"$ref": "#/$defs/Item"}, "minItems": 1, "maxItems": 2}},
+        "required": ["items"]}}}
+    lm = models("bpe-think")
+    tok = lm.tokenizer
+    grammar = tool_call_grammar(tok, [WEATHER, order])
+    seen = []
+    for calls in random_calls(tok, grammar, "<tool_call>", [tok.eos_token_id], lm.model.args.vocab_size,
+                              schemas=[WEATHER, order], replies=8):
+        assert calls and all(c.error is None for c in calls)
+        for c in calls:
+            schema = WEATHER if c.name == "get_weather" else order
+            assert check_arguments(schema, c.arguments) is None
+            seen.append(c.name)
+    assert "order" in seen
+    elsewhere = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "other.json#/X"}}}}}
+    with pytest.raises(InvalidOutputSpecError, match="'f'"):
+        tool_call_grammar(tok, [elsewhere])

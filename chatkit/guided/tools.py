@@ -126,15 +126,18 @@ def tool_call_grammar(tokenizer: Any, tools: Sequence[Mapping[str, Any]]) -> Too
     format that cannot be constrained, or a tool whose parameters schema is invalid or uses what
     guided generation cannot enforce."""
     fmt, shape = call_shape(tokenizer)
-    calls, names = [], []
-    for tool in tools:
+    calls, names, defs = [], [], {}
+    for i, tool in enumerate(tools):
         function = tool.get("function", tool)
         name = function["name"]
         parameters = function.get("parameters") or {"type": "object"}
         try:
             arguments = output_spec(dict(parameters)).schema
+            assert arguments is not None
+            arguments, own = _hoist_definitions(arguments, f"t{i}_")
         except InvalidOutputSpecError as e:
             raise InvalidOutputSpecError(f"Tool {name!r}: its parameters schema cannot be enforced: {e}") from e
+        defs.update(own)
         properties = {**shape.before, shape.name_key: {"const": name}, shape.arguments_key: arguments}
         calls.append({"type": "object", "properties": properties, "required": list(properties),
                       "additionalProperties": False})
@@ -144,6 +147,8 @@ def tool_call_grammar(tokenizer: Any, tools: Sequence[Mapping[str, Any]]) -> Too
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     schema = {"type": "array", "items": one, "minItems": 1} if shape.array else dict(one)
     schema["x-guidance"] = CALL_JSON_OPTIONS
+    if defs:
+        schema["$defs"] = defs
     llt = llg_tokenizer(tokenizer)
     glue = json.dumps(shape.glue) if shape.glue else ""
     end = "" if shape.end is None else _marker(tokenizer, llt, shape.end)
@@ -153,6 +158,36 @@ def tool_call_grammar(tokenizer: Any, tools: Sequence[Mapping[str, Any]]) -> Too
     if matcher.is_error():
         raise InvalidOutputSpecError(f"The tools' call grammar does not compile: {matcher.get_error().strip()}. Fix the tool schemas.")
     return ToolCallGrammar(fmt, shape, grammar, tuple(names))
+
+
+def _hoist_definitions(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``schema`` without its ``$defs`` / ``definitions`` (refs renamed ``#/$defs/<prefix><name>``), and
+    those definitions: a tool's parameters go inside the call's schema, where ``#/$defs/...`` would
+    point at the call's root, so their definitions move there."""
+    defs = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                for root in ("#/$defs/", "#/definitions/"):
+                    if value.startswith(root) and value[len(root):].split("/")[0] in defs:
+                        value = "#/$defs/" + prefix + value[len(root):]
+                        break
+                else:
+                    raise InvalidOutputSpecError(
+                        f"$ref {value!r} points outside the schema's own $defs, which a tool call cannot embed: "
+                        "put the definitions under $defs."
+                    )
+            out[key] = walk(value)
+        return out
+
+    body = walk({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
+    return body, {prefix + name: walk(d) for name, d in defs.items()}
 
 
 def _marker(tokenizer: Any, llt: llguidance.LLTokenizer, text: str) -> str:
