@@ -21,6 +21,7 @@ from .engine import TokenSource, distributed, source_for
 from .errors import (
     ChatKitError,
     InvalidMessageError,
+    InvalidOutputSpecError,
     InvalidParamsError,
     MissingDependencyError,
     NoCacheAvailableError,
@@ -323,8 +324,6 @@ class ChatSession:
             raise InvalidParamsError(f"strict_tools={strict_tools!r}: use True, False or None (the session's default).")
         message = _prompt_message(prompt, role, tool_call_id, self._conversation.messages)
         if strict_tools and _guided(output, regex, grammar):
-            from .errors import InvalidOutputSpecError
-
             raise InvalidOutputSpecError(
                 "strict_tools=True with output=/regex=/grammar=: a guided reply is a value and calls no tools. "
                 "Drop one of them."
@@ -434,12 +433,12 @@ class ChatSession:
         """The rounds of a reply with tools (``chatkit.tools.loop``), over this session's turns; with
         ``strict`` every round's tool calls are constrained."""
         options, tools = self._tool_options, self._tools or []
+        if strict and self._tools is not None:
+            self._strict_grammar()  # before anything changes: a format or schema that cannot be constrained
         waiting = [c for c in pending_calls(self._conversation.messages) if c.id != message.tool_call_id]
         generate = not (message.role is Role.TOOL and waiting)
         if not generate:
             self._append([message])
-        if strict and self._tools is not None:
-            self._strict_grammar()  # before anything changes: a format or schema that cannot be constrained
 
         def open_round(m: ChatMessage | None) -> ResponseStream:
             return self._open_turn(m, strict=strict)

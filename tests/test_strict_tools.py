@@ -8,7 +8,7 @@ the model as the tool's result."""
 import dataclasses
 import json
 
-from chatkit import ChatSession, GenerateParams, SpeculativeConfig
+from chatkit import ChatMessage, ChatSession, GenerateParams, Role, SpeculativeConfig, ToolCall
 from chatkit.errors import ChatKitError, InvalidOutputSpecError, InvalidParamsError
 from chatkit.guided import ToolCallConstraint, tool_call_grammar
 from chatkit.segments import Segmenter
@@ -376,6 +376,13 @@ def test_a_bad_schema_or_an_unsupported_format_is_refused_before_anything_change
     with pytest.raises(InvalidOutputSpecError, match="'f'"):
         session.respond(PROMPTS[0], strict_tools=True)
     assert session.history == before and not session.busy
+    # A tool result that answers one of two pending calls is added without a turn: not when refused.
+    calls = (ToolCall("a1b2c3d4e", "get_weather", {"city": "Oslo"}), ToolCall("f1g2h3i4j", "get_weather", {"city": "Rome"}))
+    history = [ChatMessage.user("Weather?"), ChatMessage.assistant("", tool_calls=calls)]
+    waiting = ChatSession.builder(lm).tools([bad, *TOOLS], execution="manual").history(history).build()
+    with pytest.raises(InvalidOutputSpecError, match="'f'"):
+        waiting.respond("sunny", role=Role.TOOL, tool_call_id="a1b2c3d4e", strict_tools=True)
+    assert waiting.history == history and len(waiting.pending_tool_calls) == 2
     strict = strict_session(lm)
     with pytest.raises(InvalidOutputSpecError):
         strict.tools = [bad]
