@@ -20,7 +20,7 @@ from .errors import (
 from .loading import LoadedModel
 from .messages import ChatMessage, MessageLike, Role, as_messages, check_instructions
 from .params import GenerateParams
-from .session import ChatSession, ProgressCallback
+from .session import ChatSession, ProgressCallback, strict_grammar
 from .speculative import SpeculativeConfig, check_draft
 from .template import read_template
 from .tools import DEFAULT_MAX_TOOL_ROUNDS, ToolOptions, as_tools
@@ -90,6 +90,7 @@ class ChatSessionBuilder:
         execution: str = "auto",
         max_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
         errors: str = "return",
+        strict_tools: bool = False,
     ) -> ChatSessionBuilder:
         """Tools the model may call: Python functions (sync or async; the schema from the signature,
         type hints and docstring) or OpenAI-style JSON schema dicts, passed to the template as ``tools``.
@@ -98,10 +99,18 @@ class ChatSessionBuilder:
         answers without calls (at most ``max_rounds`` rounds of results, then ``ToolLoopLimitError``);
         ``"manual"`` leaves the calls to the app (``session.pending_tool_calls``). A failing call is told
         to the model as its result unless ``errors="raise"`` (``ToolExecutionError``).
+
+        ``strict_tools=True`` constrains every tool call to the tools' schemas (the guided extra): text
+        and reasoning stay free, but once the model opens a call its JSON must name one of the tools and
+        fit that tool's parameters (closed objects), so a malformed call cannot be produced.
+        ``InvalidOutputSpecError`` here for a tool-call format or a schema that cannot be constrained.
         """
-        options = ToolOptions(execution, max_rounds, errors)
+        options = ToolOptions(execution, max_rounds, errors, strict_tools)
         options.validate()
-        self._tools, self._tool_options = as_tools(tools), options
+        checked = as_tools(tools)
+        if strict_tools and checked is not None:
+            strict_grammar(self._lm.tokenizer, checked)
+        self._tools, self._tool_options = checked, options
         return self
 
     def max_kv_size(self, tokens: int | None) -> ChatSessionBuilder:

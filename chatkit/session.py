@@ -21,7 +21,9 @@ from .engine import TokenSource, distributed, source_for
 from .errors import (
     ChatKitError,
     InvalidMessageError,
+    InvalidOutputSpecError,
     InvalidParamsError,
+    MissingDependencyError,
     NoCacheAvailableError,
     NothingToRegenerateError,
     NothingToUndoError,
@@ -77,6 +79,9 @@ class ChatSession:
         self._tools = as_tools(tools)
         tool_options.validate()
         self._tool_options = tool_options
+        self._strict: tuple[Any, Any] | None = None  # (tools, their strict call grammar), built on first use
+        if tool_options.strict and self._tools is not None:
+            self._strict_grammar()  # a format or schema that cannot be constrained raises here
         self._speculative = speculative
         self._source: TokenSource = source_for(lm.model, lm.distributed, speculative)
         self._conversation = Conversation(history, self._new_cache(cache_options))
@@ -131,6 +136,8 @@ class ChatSession:
     @tools.setter
     def tools(self, value: Sequence[Any] | None) -> None:
         tools = as_tools(value)
+        if self._tool_options.strict and tools is not None:
+            strict_grammar(self._lm.tokenizer, tools)  # raises before anything changes
         with self._idle("change the tools"):
             self._tools = tools
 
@@ -253,7 +260,7 @@ class ChatSession:
 
     def stream_regenerate(self) -> ResponseStream:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
-        return self._open_turn(None, regenerate=True)
+        return self._open_turn(None, regenerate=True, strict=self._tool_options.strict and self._tools is not None)
 
     def fork(self) -> ChatSession:
         """An independent session with the same conversation, settings and a copy of the cache.
@@ -282,13 +289,15 @@ class ChatSession:
     def respond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,
         output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
+        strict_tools: bool | None = None,
     ) -> Any:
         """Send ``prompt`` and return the whole reply (with tools, the answer after the last tool round).
         With ``output=`` (a type or a JSON Schema), ``regex=`` or ``grammar=`` (Lark) the reply is
         constrained and its value is returned (:mod:`chatkit.guided`; ``IncompleteOutputError`` if
-        ``max_tokens`` cut it short)."""
+        ``max_tokens`` cut it short). ``strict_tools`` (default: the builder's) constrains tool calls to
+        the tools' schemas (see ``builder.tools``)."""
         with self.stream_respond(prompt, role=role, tool_call_id=tool_call_id, output=output, regex=regex,
-                                 grammar=grammar, include_schema=include_schema) as stream:
+                                 grammar=grammar, include_schema=include_schema, strict_tools=strict_tools) as stream:
             for _ in stream:
                 pass
         return stream.value if isinstance(stream, GuidedStream) else stream.text
@@ -297,17 +306,20 @@ class ChatSession:
     def stream_respond(
         self, prompt: str | MessageLike, *, role: Role | str = ..., tool_call_id: str | None = ...,
         output: None = None, regex: None = None, grammar: None = None, include_schema: bool = ...,
+        strict_tools: bool | None = ...,
     ) -> ResponseStream | ToolLoopStream: ...
 
     @overload
     def stream_respond(
         self, prompt: str | MessageLike, *, role: Role | str = ..., tool_call_id: str | None = ...,
         output: Any = ..., regex: str | None = ..., grammar: str | None = ..., include_schema: bool = ...,
+        strict_tools: bool | None = ...,
     ) -> ResponseStream | ToolLoopStream | GuidedStream: ...
 
     def stream_respond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,
         output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
+        strict_tools: bool | None = None,
     ) -> ResponseStream | ToolLoopStream | GuidedStream:
         """Send ``prompt`` and return the reply as a stream of :class:`StreamChunk` s.
 
@@ -321,9 +333,21 @@ class ChatSession:
         is generated. With ``output=`` / ``regex=`` / ``grammar=`` it is one turn whose reply is a
         value (a ``chatkit.guided.GuidedStream`` with ``partial`` and ``value``; no tool round);
         ``include_schema`` appends the spec's description to a text prompt (the model then follows
-        it with fewer forced tokens).
+        it with fewer forced tokens). ``strict_tools=True`` (default: the builder's ``strict_tools``)
+        constrains every tool call of every round to the tools' schemas; ``False`` turns that off for
+        this prompt.
         """
+        if strict_tools is not None and not isinstance(strict_tools, bool):
+            raise InvalidParamsError(f"strict_tools={strict_tools!r}: use True, False or None (the session's default).")
         message = _prompt_message(prompt, role, tool_call_id, self._conversation.messages)
+        if strict_tools and _guided(output, regex, grammar):
+            raise InvalidOutputSpecError(
+                "strict_tools=True with output=/regex=/grammar=: a guided reply is a value and calls no tools. "
+                "Drop one of them."
+            )
+        if strict_tools and self._tools is None:
+            raise InvalidParamsError("strict_tools=True but the session has no tools: set them with builder.tools([...]).")
+        strict = self._tool_options.strict if strict_tools is None else strict_tools
         if _guided(output, regex, grammar):
             from .guided.turn import guide  # the guided extra
 
@@ -334,16 +358,17 @@ class ChatSession:
             return GuidedStream(self._open_turn(message, constraint=constraint), constraint)
         if self._tools is None and message.role is not Role.TOOL:
             return self._open_turn(message)
-        return self._tool_loop(message)
+        return self._tool_loop(message, strict=strict)
 
     def astream_respond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,
         output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
+        strict_tools: bool | None = None,
     ) -> AsyncResponseStream:
         """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread."""
         stop = threading.Event()  # stream_respond may still wait on the previous async turn's
         inner = self.stream_respond(prompt, role=role, tool_call_id=tool_call_id, output=output, regex=regex,
-                                    grammar=grammar, include_schema=include_schema)
+                                    grammar=grammar, include_schema=include_schema, strict_tools=strict_tools)
         if isinstance(inner, GuidedStream):
             stream: AsyncResponseStream = AsyncGuidedStream(inner, stop=stop)
         else:
@@ -354,10 +379,12 @@ class ChatSession:
     async def arespond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,
         output: Any = None, regex: str | None = None, grammar: str | None = None, include_schema: bool = True,
+        strict_tools: bool | None = None,
     ) -> Any:
         """As :meth:`respond`, without blocking the event loop. Cancelling it commits the reply so far."""
         async with self.astream_respond(prompt, role=role, tool_call_id=tool_call_id, output=output, regex=regex,
-                                        grammar=grammar, include_schema=include_schema) as stream:
+                                        grammar=grammar, include_schema=include_schema,
+                                        strict_tools=strict_tools) as stream:
             async for _ in stream:
                 pass
         return stream.value if isinstance(stream, AsyncGuidedStream) else stream.text
@@ -370,16 +397,19 @@ class ChatSession:
         return self._prompting().text([*history, _prompt_message(prompt, role, history=history)], self._params)
 
     def _open_turn(
-        self, message: ChatMessage | None, *, regenerate: bool = False, constraint: LogitsProcessor | None = None
+        self, message: ChatMessage | None, *, regenerate: bool = False, constraint: LogitsProcessor | None = None,
+        strict: bool = False,
     ) -> ResponseStream:
         """Take the turn and prepare it: answer ``message`` after the history, or (``None``) the
         history's last message (a tool round), or (``regenerate``) the last prompt again; ``constraint``
-        (guided output) masks every step after the session's own processors. The turn is held until
-        the stream commits or aborts."""
+        (guided output) masks every step after the session's own processors; ``strict`` constrains the
+        reply's tool calls (after every other processor). The turn is held until the stream commits or
+        aborts."""
         params = self._params.copy()
         if constraint is not None:
             params = params.copy(logits_processors=[*params.logits_processors, constraint])
         params.validate(_vocab_size(self._lm, self._speculative))
+        constraints = [self._strict_constraint(params)] if strict and self._tools is not None else []
         if not self._take_turn():
             raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")
         try:
@@ -403,6 +433,7 @@ class ChatSession:
                 progress=self._progress,
                 detokenizer=_tokenizer.new_detokenizer(tokenizer),
                 eos_token_ids=frozenset(tokenizer.eos_token_ids),
+                constraints=constraints,
             )
             return ResponseStream(turn)
         except BaseException:
@@ -415,15 +446,22 @@ class ChatSession:
             self._last_stats = result.stats
         self._turn.release()
 
-    def _tool_loop(self, message: ChatMessage) -> ToolLoopStream:
-        """The rounds of a reply with tools (``chatkit.tools.loop``), over this session's turns."""
+    def _tool_loop(self, message: ChatMessage, *, strict: bool = False) -> ToolLoopStream:
+        """The rounds of a reply with tools (``chatkit.tools.loop``), over this session's turns; with
+        ``strict`` every round's tool calls are constrained."""
         options, tools = self._tool_options, self._tools or []
+        if strict and self._tools is not None:
+            self._strict_grammar()  # before anything changes: a format or schema that cannot be constrained
         waiting = [c for c in pending_calls(self._conversation.messages) if c.id != message.tool_call_id]
         generate = not (message.role is Role.TOOL and waiting)
         if not generate:
             self._append([message])
+
+        def open_round(m: ChatMessage | None) -> ResponseStream:
+            return self._open_turn(m, strict=strict)
+
         return ToolLoopStream(
-            self._open_turn, self._append, tools, message,
+            open_round, self._append, tools, message,
             execute=options.execution == "auto" and any(t.function is not None for t in tools),
             max_rounds=options.max_rounds, raise_errors=options.errors == "raise", generate=generate,
         )
@@ -434,6 +472,18 @@ class ChatSession:
             self._conversation.record([*self._conversation.messages, *messages], [])
 
     # -- internals ------------------------------------------------------------------------------
+    def _strict_grammar(self) -> Any:
+        """The strict tool-call grammar of the current tools (compiled once per tool set)."""
+        tools = self._tools or []
+        if self._strict is None or self._strict[0] is not tools:
+            self._strict = (tools, strict_grammar(self._lm.tokenizer, tools))
+        return self._strict[1]
+
+    def _strict_constraint(self, params: GenerateParams) -> LogitsProcessor:
+        from .guided.tools import ToolCallConstraint  # the guided extra (checked when the grammar was built)
+
+        return ToolCallConstraint(self._strict_grammar(), self._lm.tokenizer, stop=params.stop)
+
     def _prompting(self) -> Prompting:
         schemas = None if self._tools is None else [t.schema for t in self._tools]
         return Prompting(self._template, self._instructions, schemas)
@@ -480,6 +530,16 @@ class _Idle:
 
     def __exit__(self, *exc_info: object) -> None:
         self._session._turn.release()
+
+
+def strict_grammar(tokenizer: Any, tools: Sequence[Any]) -> Any:
+    """The strict tool-call grammar of ``tools`` (``Tool`` s) for ``tokenizer``: ``InvalidOutputSpecError``
+    for a format or a schema that cannot be constrained, ``MissingDependencyError`` without the guided extra."""
+    try:
+        from .guided.tools import tool_call_grammar
+    except ImportError as e:
+        raise MissingDependencyError(f"strict_tools needs the guided extra: pip install 'chatkit[guided]' ({e}).") from e
+    return tool_call_grammar(tokenizer, [t.schema for t in tools])
 
 
 def _guided(output: Any, regex: str | None, grammar: str | None) -> bool:

@@ -22,7 +22,7 @@ from .conversation import Conversation
 from .engine import DraftCount, ProgressCallback, Request, Token, TokenSource
 from .errors import ContextWindowExceededError
 from .messages import ChatMessage
-from .params import GenerateParams
+from .params import GenerateParams, LogitsProcessor
 from .segments import Segmenter, ThinkingBudget
 from .stream import TurnResult
 from .template import ChatTemplate
@@ -73,6 +73,7 @@ class Turn:
     eos_token_ids: frozenset[int]
     segmenter: Segmenter
     stop: Sequence[str] = ()
+    constraints: Sequence[LogitsProcessor] = ()  # applied last, after the thinking budget (strict tool calls)
     drafts: DraftCount = field(default_factory=DraftCount)  # what a speculative source drafted
     plan: Plan | None = None
     fed: list[int] = field(default_factory=list)
@@ -118,7 +119,7 @@ class Turn:
             context=cache.ledger.tokens,
             max_tokens=self.max_tokens,
             sampler=self.params.make_sampler(),
-            logits_processors=[*self.params.make_logits_processors(), *self._thinking_budget()],
+            logits_processors=[*self.params.make_logits_processors(), *self._thinking_budget(), *self.constraints],
             options=cache.options,
             progress=self._on_progress,
             drafts=self.drafts,

@@ -8,6 +8,9 @@
     person = c.finish()                        # a validated Person, or IncompleteOutputError
     c.partial()                                # while streaming: the complete fields so far
 
+    g = tool_call_grammar(lm.tokenizer, tools)  # strict tool calls: the tools' schemas, the format's markers
+    strict = ToolCallConstraint(g, lm.tokenizer)  # a logits processor: free text, constrained calls
+
 ``instructions(spec)`` is the text to show the model (it follows a schema it sees with fewer
 forced tokens). Needs the ``guided`` extra (llguidance, pydantic).
 """
@@ -24,6 +27,7 @@ from .describe import instructions, response_format
 from .partial import partial_json
 from .spec import OutputSpec, matches, output_spec, strict_schema
 from .tokenizer import llg_tokenizer
+from .tools import ToolCallConstraint, ToolCallGrammar, tool_call_grammar
 from .turn import guide, respond, stream_respond
 
 __all__ = [
@@ -41,4 +45,7 @@ __all__ = [
     "response_format",
     "stream_respond",
     "strict_schema",
+    "tool_call_grammar",
+    "ToolCallConstraint",
+    "ToolCallGrammar",
 ]
