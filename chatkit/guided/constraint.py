@@ -18,9 +18,11 @@ it, and greedy output equals non-speculative guided output (tested). Draft token
 so they are grammar-valid by construction. A token source that does not mask its draft can call
 :meth:`Constraint.check_draft` and treat the first refused draft token as a mismatch.
 
-Overlap: ``mx.async_eval(logits)`` first, then the matcher: the forward pass of this step (already
-queued behind the previous token) runs while llguidance computes the mask on the CPU (it drops the
-GIL). Only the masking and sampling wait for the mask. Measured in ``bench/guided.py``.
+Overlap: read the tokens so far (which waits for the previous token only), then
+``mx.async_eval(logits)``, then the matcher: the forward pass of this step runs while llguidance
+computes the mask on the CPU (it drops the GIL). Only the masking and sampling wait for the mask.
+Reading the tokens after queueing the forward pass would queue the read behind the whole pass, and
+nothing would overlap. Measured in ``bench/guided.py``.
 """
 
 from __future__ import annotations
@@ -290,11 +292,14 @@ class Constraint:
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """mlx-lm logits processor: ``tokens`` are the prompt (first call) and then the prompt plus
         the reply so far; returns ``logits`` masked for the next token."""
+        # Read the tokens first: that waits for the previous token only. Queued after this step's
+        # forward pass (as an async_eval of the logits first would do), reading them would wait for
+        # the whole pass and the mask would never overlap it (measured: guided decoding 0.94x unguided).
+        shown: list[int] = tokens.tolist()  # type: ignore[assignment]
         if self._overlap:
             mx.async_eval(logits)  # the forward pass runs while the matcher works on the CPU
         if self._start is None:
-            self._start = tokens.size
-        shown: list[int] = tokens.tolist()  # type: ignore[assignment]
+            self._start = len(shown)
         self.sync(shown[self._start :])
         return self.mask_logits(logits)
 
