@@ -221,6 +221,7 @@ def test_cache_flags_follow_one_rule_and_errors_name_flags(tmp_path):
         ("--max-kv-size", "5"): "use 8 or more, or leave the flag out",
         ("--kv-bits", "7"): "--kv-bits",
         ("--draft", "demo", "--max-kv-size", "64"): "--draft with a model cannot be combined with --max-kv-size",
+        ("--kv-bits", "4", "--max-kv-size", "64"): "--kv-bits cannot be combined with --max-kv-size",
         ("--temp", "-1"): "--temp",
         ("--max-tokens", "0"): "--max-tokens",
     }

@@ -161,6 +161,8 @@ def check_combination(args: argparse.Namespace) -> None:
             "--draft with a model cannot be combined with --max-kv-size: the draft's own cache could not follow "
             "the rotating window. Use --draft prompt_lookup, or drop one of them."
         )
+    if args.kv_bits is not None and args.max_kv_size is not None:
+        raise UsageError("--kv-bits cannot be combined with --max-kv-size (mlx-lm cannot quantize a rotating cache): drop one.")
     if args.kv_group_size is not None and args.kv_bits is None:
         raise UsageError("--kv-group-size only applies with --kv-bits: add --kv-bits B or drop it.")
 
