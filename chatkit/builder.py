@@ -46,7 +46,12 @@ def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
 
 
 class ChatSessionBuilder:
-    """Collects a session's settings; :meth:`build` checks them and returns the ``ChatSession``."""
+    """Collects a session's settings; :meth:`build` checks them and returns the ``ChatSession``.
+
+    A sharded model needs no builder option: the sharding belongs to the loaded weights, so
+    ``chatkit.load(path, distributed="tensor" | "pipeline" | "auto")`` is the option, and a builder
+    over that ``LoadedModel`` makes a session that runs in lockstep on every rank (docs/distributed.md).
+    """
 
     def __init__(self, model: LoadedModel | Any, tokenizer: Any = None) -> None:
         self._lm = _as_loaded(model, tokenizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import string
@@ -38,10 +39,15 @@ class Role(str, Enum):
 _ID_CHARS = string.ascii_letters + string.digits
 
 
-def new_tool_call_id() -> str:
-    """A fresh tool-call id: 9 alphanumeric characters, a form every chat template accepts (Mistral's
-    templates require exactly that)."""
-    return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+def new_tool_call_id(basis: str | None = None) -> str:
+    """A tool-call id: 9 alphanumeric characters, a form every chat template accepts (Mistral's
+    templates require exactly that). Random, or derived from ``basis`` (where the call stands in the
+    conversation): the same conversation then gets the same ids, so greedy turns stay reproducible
+    and the ranks of a sharded model render the same prompts."""
+    if basis is None:
+        return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+    n = int.from_bytes(hashlib.sha256(basis.encode("utf-8")).digest()[:8], "big")
+    return "".join(_ID_CHARS[(n // len(_ID_CHARS) ** i) % len(_ID_CHARS)] for i in range(9))
 
 
 @dataclass(frozen=True)

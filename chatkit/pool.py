@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .builder import ChatSessionBuilder
 from .cache import store
+from .engine import distributed
 from .errors import CacheFileError, ChatKitError, InvalidParamsError, SessionBusyError
 from .loading import LoadedModel
 from .session import ChatSession
@@ -26,6 +27,9 @@ class SessionPool:
     from the pool for each use (``pool.session(key)``), so the pool knows what is in use. A session
     built elsewhere (with a history, a restored cache, a fork) joins the pool with ``add``; ``get``
     looks one up without using it.
+
+    Over a sharded model every rank makes the same pool calls; the budget applies to the rank whose
+    caches are largest, so that every rank evicts the same sessions (each saves its own shard).
     """
 
     def __init__(
@@ -130,9 +134,11 @@ class SessionPool:
         return evicted
 
     def cache_bytes(self) -> int:
-        """Bytes held by the caches of the sessions in memory (checkpoints included)."""
+        """Bytes held by the caches of the sessions in memory (checkpoints included); over a sharded
+        model, the largest rank's (every rank must call this)."""
         with self._lock:
-            return sum(_bytes(s) for s in self._sessions.values())
+            local = sum(_bytes(s) for s in self._sessions.values())
+        return distributed.largest(self._lm.distributed, local)
 
     def evicted(self, key: str) -> bool:
         """Whether ``key``'s cache is on disk rather than in memory."""
@@ -144,7 +150,7 @@ class SessionPool:
             self._sessions.pop(key, None)
             self._evicted.discard(key)
             try:
-                self.path(key).unlink(missing_ok=True)
+                Path(distributed.shard_path(self._lm.distributed, self.path(key))).unlink(missing_ok=True)
             except OSError as exc:
                 raise CacheFileError(
                     f"Could not delete {str(self.path(key))!r}: {exc.strerror or exc}. Delete it by hand."

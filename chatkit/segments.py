@@ -13,8 +13,10 @@ The segmenter starts in the state the prompt left: a generation prompt that ends
 
 from __future__ import annotations
 
+import hashlib
 import json
 import weakref
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -126,6 +128,8 @@ class Segmenter:
         self._bare = fmt.bare_call if fmt is not None and self.state == "normal" else None
         self._lead = ""
         self._tools = list(tools) if tools else None
+        # Tool-call ids follow from the prompt: reproducible, and the same on every rank of a sharded model.
+        self._id_basis = hashlib.sha256(array("q", prompt).tobytes()).hexdigest()
         self._call_text = ""
         self.text = ""
         self.reasoning = ""
@@ -187,7 +191,8 @@ class Segmenter:
         elif kind == TOOL_CALL:
             self._call_text += text
             if closes_call:
-                calls = parse_tool_calls(self._parser, self._call_text, self._tools)
+                calls = parse_tool_calls(self._parser, self._call_text, self._tools,
+                                         id_basis=f"{self._id_basis}:{len(self.tool_calls)}")
                 self._call_text = ""
                 self.tool_calls.extend(calls)
                 return Piece(kind, text, calls[-1] if calls else None)
@@ -196,19 +201,25 @@ class Segmenter:
         return Piece(kind, text)
 
 
-def parse_tool_calls(parser: Callable[..., Any] | None, text: str, tools: Sequence[Any] | None) -> list[ToolCall]:
+def parse_tool_calls(parser: Callable[..., Any] | None, text: str, tools: Sequence[Any] | None,
+                     id_basis: str | None = None) -> list[ToolCall]:
     """The calls in one tool-call segment, read with mlx-lm's parser for the format. A segment that
-    cannot be read becomes one ``ToolCall`` with ``error`` set (the loop tells the model)."""
+    cannot be read becomes one ``ToolCall`` with ``error`` set (the loop tells the model). Ids the
+    format does not give are derived from ``id_basis`` and the text (random without a basis)."""
+
+    def new_id(i: int) -> str:
+        return new_tool_call_id(None if id_basis is None else f"{id_basis}:{i}:{text}")
+
     if not text.strip():
         return []
     if parser is None:
-        return [ToolCall(new_tool_call_id(), "", {}, error="This model's tool-call format is not known to chatkit.")]
+        return [ToolCall(new_id(0), "", {}, error="This model's tool-call format is not known to chatkit.")]
     try:
         parsed = parser(text, tools)
     except Exception as exc:  # each format's parser raises its own errors (json, ValueError, ...)
-        return [ToolCall(new_tool_call_id(), _guess_name(text), {}, error=f"The tool call is not valid: {exc}. It was: {text.strip()}")]
+        return [ToolCall(new_id(0), _guess_name(text), {}, error=f"The tool call is not valid: {exc}. It was: {text.strip()}")]
     calls = []
-    for item in parsed if isinstance(parsed, list) else [parsed]:
+    for index, item in enumerate(parsed if isinstance(parsed, list) else [parsed]):
         name = item.get("name") if isinstance(item, dict) else None
         arguments = item.get("arguments", {}) if isinstance(item, dict) else None
         if isinstance(arguments, str):
@@ -216,7 +227,7 @@ def parse_tool_calls(parser: Callable[..., Any] | None, text: str, tools: Sequen
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError:
                 arguments = None
-        call_id = (item.get("id") if isinstance(item, dict) else None) or new_tool_call_id()
+        call_id = (item.get("id") if isinstance(item, dict) else None) or new_id(index)
         if not isinstance(name, str) or not name or not isinstance(arguments, dict):
             error = f'A tool call needs {{"name": ..., "arguments": {{...}}}}; it was: {text.strip()}'
             calls.append(ToolCall(str(call_id), name if isinstance(name, str) else "", {}, error=error))

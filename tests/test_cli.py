@@ -220,8 +220,8 @@ def test_cache_flags_follow_one_rule_and_errors_name_flags(tmp_path):
         ("--max-kv-size", "0"): "use 8 or more, or leave the flag out",
         ("--max-kv-size", "5"): "use 8 or more, or leave the flag out",
         ("--kv-bits", "7"): "--kv-bits",
-        ("--draft", "demo", "--max-kv-size", "64"): "--draft cannot be combined with --max-kv-size",
-        ("--draft", "demo", "--kv-bits", "8"): "--draft cannot be combined with --kv-bits",
+        ("--draft", "demo", "--max-kv-size", "64"): "--draft with a model cannot be combined with --max-kv-size",
+        ("--kv-bits", "4", "--max-kv-size", "64"): "--kv-bits cannot be combined with --max-kv-size",
         ("--temp", "-1"): "--temp",
         ("--max-tokens", "0"): "--max-tokens",
     }
@@ -231,6 +231,10 @@ def test_cache_flags_follow_one_rule_and_errors_name_flags(tmp_path):
         assert "Traceback" not in out.stderr and not LIBRARY_NAMES.search(out.stderr), (flags, out.stderr)
     helped = run("chat", "--help")
     assert "N >= 8 (default: no limit)" in " ".join(helped.stdout.split())
+    for flags in (("--draft", "demo", "--kv-bits", "8"), ("--draft", "prompt_lookup", "--max-kv-size", "64")):
+        out = run(*flags, stdin="My name is Ada.\nWhat is my name?\n/stats\n")  # speculative over these caches
+        assert out.returncode == 0 and "Your name is Ada." in out.stdout, (flags, out.stderr)
+        assert "proposed tokens accepted" in out.stdout, (flags, out.stdout)
 
 
 def test_a_message_longer_than_the_context_window(tmp_path):

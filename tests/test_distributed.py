@@ -107,6 +107,44 @@ def test_two_ranks_give_the_tokens_of_one_process(arch, strategy, scratch):
         ChatSession.builder(lm).cache(out / "chat.safetensors").build()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch, strategy, layers", [("qwen3", "tensor", "2"), ("qwen3_5", "pipeline", "6")])
+def test_tool_guided_async_and_pooled_turns_over_two_ranks_equal_one_process(arch, strategy, layers, tmp_path):
+    """One mlx.launch run per layout for every path above a plain turn (tests/distributed_session.py
+    extras). Six qwen3_5 layers split 3 + 3 give the ranks caches of unequal size (1 vs 2 KV layers)."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    done = subprocess.run([sys.executable, str(SCRIPT), arch, "none", str(one), "extras", layers],
+                          capture_output=True, text=True, timeout=LIMIT, env=_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _launch(str(SCRIPT), arch, strategy, str(two), "extras", layers)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    reference = {t["turn"]: t for t in json.loads((one / "extras.rank0.json").read_text())}
+    ranks = [{t["turn"]: t for t in json.loads((two / f"extras.rank{r}.json").read_text())} for r in (0, 1)]
+    early = "astream closed early"  # where rank 0's worker stopped depends on timing: the ranks must agree
+    assert ranks[0][early] == ranks[1][early] and len(ranks[0][early]["tokens"]) >= 3
+    # Eviction follows the largest rank's bytes: both ranks evicted x, one process (exactly at budget) did not.
+    uneven = [r["uneven pool"] for r in ranks]
+    assert uneven[0] == uneven[1] and uneven[0]["tokens"] == reference["uneven pool"]["tokens"]
+    if uneven[0]["sizes_differ"]:
+        assert uneven[0]["evicted"] == ["x"] and reference["uneven pool"]["evicted"] == []
+    assert uneven[0]["sizes_differ"] == (arch == "qwen3_5")
+    for turns in ranks:
+        assert list(turns) == list(reference)
+        for name, want in reference.items():
+            if name == "pool files":
+                assert turns[name]["files"] == [f.replace(".safetensors", s) for f in want["files"]
+                                                for s in (".rank1.safetensors", ".safetensors")], turns[name]
+            elif name not in (early, "uneven pool"):
+                assert turns[name] == want, name
+    assert reference["tool loop"]["rounds"] == 2 and "tool_result" in reference["tool loop"]["kinds"]
+    assert reference["tool loop"]["reused"] > 0 and reference["manual tool result"]["reused"] > 0
+    assert reference["guided"]["value"]["name"] and reference["after guided"]["reused"] > 0
+    assert all(reference[f"pool {k} {i}"]["reused"] > 0 for k, i in (("ada", 2), ("bob", 3), ("ada", 4)))
+    assert reference["pool ada 4"]["evicted"] == ["bob"]
+    assert len(reference["pool files"]["files"]) == 1  # ada's file; bob's was removed (on every rank)
+
+
 def _run_ranks_without_launcher(fault: str, out: Path) -> list[subprocess.Popen[str]]:
     port = _free_port()
     hostfile = out / "hosts.json"
@@ -171,6 +209,36 @@ def test_the_cli_over_two_ranks_prints_the_one_process_conversation_once(tmp_pat
 
 
 # -- in one process ------------------------------------------------------------------------------------------
+
+
+def test_tool_call_ids_follow_the_conversation_so_every_rank_renders_the_same_prompt(tiny):
+    """Ids are rendered by some templates (tests/distributed_session.py IDS_TEMPLATE): random ids would
+    make every rank's next prompt differ (a DistributedError), and greedy turns irreproducible."""
+    from chatkit.testing import Scripted
+
+    def get_weather(city: str) -> str:
+        """The weather.
+
+        Args:
+            city: A city.
+        """
+        return "Sunny."
+
+    lm = tiny(tokenizer="bpe-think")
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    calls = f"{call}\n{call}"
+    seen = []
+    for _ in range(2):
+        params = GenerateParams(max_tokens=60, logits_processors=[Scripted(lm.tokenizer, [calls, calls])])
+        session = ChatSession.builder(lm).tools([get_weather], execution="manual").generate_params(params).build()
+        session.respond("Weather?")
+        first = [c.id for c in session.pending_tool_calls]
+        for call in session.pending_tool_calls:
+            session.respond("Sunny.", role="tool", tool_call_id=call.id)
+        seen.append((first, [c.id for c in session.pending_tool_calls]))
+    assert seen[0] == seen[1]  # the same conversation, the same ids
+    first, later = seen[0]
+    assert len(set(first + later)) == 4  # two identical calls in a reply, and again later: all differ
 
 
 def test_a_world_of_one_loads_and_answers_as_today():

@@ -75,3 +75,36 @@ def test_tokenizer_wrapper_surface(tiny):
 @pytest.mark.parametrize("name", ["KVCache", "RotatingKVCache", "QuantizedKVCache", "ArraysCache"])
 def test_cache_classes_chatkit_files_name_exist(name):
     assert hasattr(mlx_cache, name)
+
+
+def test_multi_token_steps_equal_one_token_steps_within_speculation_room(tiny):
+    """What ``_mlx.speculation_room`` lets speculative decoding rely on: a step of several tokens gives
+    the logits of one-token steps while a rotating cache has room and into a quantized cache (keys are
+    quantized per token); a rotating cache that wraps within the step does not."""
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+    prompt, step = mx.array([[5, 6, 7, 8, 9, 10, 11, 12]]), [13, 14, 15, 16]
+
+    def logits(make, chunked):
+        cache = make()
+        lm.model(prompt, cache=cache)
+        if isinstance(cache[0], mlx_cache.KVCache) and make is quantized:
+            cache[:] = [c.to_quantized(group_size=32, bits=4) for c in cache]
+        if chunked:
+            return lm.model(mx.array([step]), cache=cache)[0]
+        return mx.concatenate([lm.model(mx.array([[t]]), cache=cache)[0] for t in step])
+
+    def rotating(size):
+        return lambda: [mlx_cache.RotatingKVCache(max_size=size, keep=4) for _ in lm.model.layers]
+
+    def quantized():
+        return [mlx_cache.KVCache() for _ in lm.model.layers]
+
+    roomy = rotating(len(step) + 8)  # the step ends exactly at max_size
+    assert _mlx.speculation_room(roomy(), None, 0) == len(step) + 7
+    for make in (roomy, quantized):
+        assert mx.allclose(logits(make, True), logits(make, False), atol=1e-4), make
+    wraps = rotating(10)
+    assert not mx.allclose(logits(wraps, True), logits(wraps, False), atol=1e-4)
+    layer = mlx_cache.KVCache()
+    layer.update_and_fetch(mx.ones((1, 2, 7, 32)), mx.ones((1, 2, 7, 32)))
+    assert _mlx.speculation_room([layer], 4, 12) == 3 and _mlx.speculation_room([layer], None, 12) > 1000

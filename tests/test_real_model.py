@@ -6,10 +6,12 @@ import subprocess
 from pathlib import Path
 
 import chatkit
-from chatkit import ChatSession, GenerateParams, IncompatibleCacheError
+from chatkit import ChatSession, GenerateParams, IncompatibleCacheError, SpeculativeConfig
+from chatkit.testing import Scripted
 
 import pytest
 from conftest import assert_ledger_matches_cache, fresh_reply
+from pydantic import BaseModel, Field
 
 pytestmark = pytest.mark.real_model
 
@@ -115,3 +117,98 @@ def test_second_load_needs_neither_pip_nor_conversion(lm, monkeypatch):
     again = chatkit.load("smollm2", dequantize=True)
     assert again.source == lm.source
     assert again.fingerprint == lm.fingerprint
+
+
+# -- tools, guided output and prompt lookup on a real model ---------------------------------------------
+
+
+def get_weather(city: str) -> str:
+    """The current weather of a city.
+
+    Args:
+        city: The city's name.
+    """
+    return f"It is sunny and 24 degrees in {city}."
+
+
+@pytest.fixture(scope="module")
+def lm_tools():
+    """SmolLM2 with a tool-call format: its tokenizer has none (no tool markers, a template without
+    tools), so calls are read as Qwen/Hermes JSON between <tool_call> tags (mlx-lm's json_tools parser)."""
+    return chatkit.load("smollm2", dequantize=True, tool_parser_type="json_tools")
+
+
+@pytest.mark.filterwarnings("ignore:This chat template does not render the tools")  # checked once, below
+def test_a_tool_turn_on_a_template_that_renders_no_tools(lm, lm_tools):
+    # What chatkit does with SmolLM2's template (probed once): it renders neither tools nor calls, so
+    # the tools are not shown (a warning), a call is written into the reply's content as JSON, and a
+    # result is rendered as a "tool" message. The model does not call by itself: the call is forced.
+    assert not lm.tokenizer.has_tool_calling
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    params = GenerateParams(max_tokens=32, temperature=0.0, logits_processors=[Scripted(lm_tools.tokenizer, [call])])
+    session = (ChatSession.builder(lm_tools).instructions("You are a helpful assistant.").tools([get_weather])
+               .generate_params(params).build())
+    with pytest.warns(UserWarning, match="does not render the tools"):
+        with session.stream_respond("What is the weather in Paris?") as stream:
+            chunks = list(stream)
+    assert stream.rounds == 2 and [c.kind for c in chunks].count("tool_result") == 1
+    user, asked, result, answer = session.history
+    (called,) = asked.tool_calls
+    assert (called.name, called.arguments, result.tool_call_id) == ("get_weather", {"city": "Paris"}, called.id)
+    assert result.content == "It is sunny and 24 degrees in Paris."
+    # The real model's own continuation (greedy, float32): SmolLM2-135M does not answer from the result,
+    # it imitates the JSON its call was rendered as. Without tool-call markers that is text, so the
+    # loop ends; what matters here is that chatkit continues exactly as a fresh session would.
+    assert stream.text == answer.content and not answer.tool_calls
+    assert stream.stats.reused_tokens > 0  # the second round prefilled only the result
+    prompt = session.render("And tomorrow?")
+    assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}' in prompt
+    assert "<|im_start|>tool\nIt is sunny and 24 degrees in Paris.<|im_end|>" in prompt
+    # Invariant 5: the answer is what a fresh session replaying the call gives to the result ...
+    fresh = (ChatSession.builder(lm_tools).instructions("You are a helpful assistant.")
+             .tools([get_weather], execution="manual").history([user, asked])
+             .generate_params(GenerateParams(max_tokens=32, temperature=0.0)).build())
+    with fresh.stream_respond(result.content, role="tool", tool_call_id=called.id) as again:
+        list(again)
+    assert again.tokens == stream.tokens
+    # ... and the next turn (the script is spent: the model answers freely) equals a fresh session's.
+    expected = fresh_reply(session, "Thanks. Should I take an umbrella?")
+    text, follow = turn(session, "Thanks. Should I take an umbrella?")
+    assert list(follow.tokens) == list(expected) and follow.stats.reused_tokens > 0
+    assert_ledger_matches_cache(session)
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=16)
+    city: str = Field(max_length=16)
+
+
+def test_guided_output_gives_a_valid_person_and_the_next_turn_reuses_it(lm):
+    # With a system prompt (without one, SmolLM2 copies the appended schema's property names into a
+    # valid but senseless Person(name="name", city="city123")).
+    session = chat(lm, params=GenerateParams(max_tokens=64, temperature=0.0))
+    with session.stream_respond("My name is Ada and I live in Oslo.", output=Person) as stream:
+        partials = [stream.partial for _ in stream]
+    person = stream.value
+    assert isinstance(person, Person)
+    assert (person.name, person.city) == ("Ada", "Oslo")  # what SmolLM2 really answers (greedy, float32)
+    assert partials[-1] == person.model_dump()
+    assert session.history[-1].content == lm.tokenizer.decode(list(stream.tokens), skip_special_tokens=True)
+    expected = fresh_reply(session, "Where do I live?")
+    _, follow = turn(session, "Where do I live?")
+    assert list(follow.tokens) == list(expected) and follow.stats.reused_tokens > 0
+    assert_ledger_matches_cache(session)
+
+
+def test_prompt_lookup_copies_real_text_with_the_tokens_of_standard_decoding(lm):
+    prompt = ("Repeat this sentence exactly: The old lighthouse keeper climbed the spiral stairs every evening "
+              "to light the lamp for the fishing boats.")
+    params = GenerateParams(max_tokens=40, temperature=0.0)
+    standard = chat(lm, params=params)
+    _, want = turn(standard, prompt)
+    for config in (SpeculativeConfig("prompt_lookup"), SpeculativeConfig("prompt_lookup", 4)):
+        spec = chat(lm, params=params.copy(), speculative=config)
+        _, got = turn(spec, prompt)
+        assert list(got.tokens) == list(want.tokens)
+        assert got.stats.draft_tokens_accepted > 0, config
+        assert_ledger_matches_cache(spec)

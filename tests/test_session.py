@@ -303,6 +303,8 @@ def test_bad_roles_and_settings(tiny):
     assert session.history == [] and not session.busy
     with pytest.raises(InvalidParamsError):
         ChatSession.builder(lm).max_kv_size(0).build()
+    with pytest.raises(InvalidParamsError, match="rotating"):  # mlx-lm raised NotImplementedError mid-turn
+        ChatSession.builder(lm).max_kv_size(64).kv_bits(4).build()
     with pytest.raises(InvalidParamsError):
         ChatSession.builder("not a model")
     with pytest.raises(ChatKitError):

@@ -1,6 +1,7 @@
 """Speculative decoding: exact greedy output, caches kept across turns, the exclusivity rules."""
 
 from chatkit import (
+    CacheOptions,
     ChatSession,
     GenerateParams,
     IncompatibleDraftError,
@@ -115,17 +116,15 @@ def test_models_whose_cache_cannot_rewind_are_refused(tiny, arch):
         ChatSession.builder(lm).speculative(SpeculativeConfig(tiny(arch=arch, tokenizer=tok, seed=1))).build()
 
 
-def test_inexact_cache_options_are_refused(tiny):
+def test_a_draft_model_with_a_rotating_cache_is_refused(tiny):
     lm = tiny()
     config = SpeculativeConfig(tiny(seed=1))
-    for configure in (lambda b: b.max_kv_size(64), lambda b: b.kv_bits(8)):
-        with pytest.raises(InvalidParamsError, match="Speculative"):
-            configure(ChatSession.builder(lm).speculative(config)).build()
+    with pytest.raises(InvalidParamsError, match="prompt_lookup"):
+        ChatSession.builder(lm).max_kv_size(64).speculative(config).build()
     session = ChatSession.builder(lm).speculative(config).build()
-    from chatkit import CacheOptions
-
-    with pytest.raises(InvalidParamsError):
-        session.cache_options = CacheOptions(kv_bits=4)
+    with pytest.raises(InvalidParamsError, match="max_kv_size"):
+        session.cache_options = CacheOptions(max_kv_size=64)
+    assert session.cache_options == CacheOptions()  # a refused call changes nothing
     with pytest.raises(InvalidParamsError):
         SpeculativeConfig(tiny(seed=1), num_draft_tokens=0)
 
@@ -315,8 +314,80 @@ def test_prompt_lookup_with_stop_strings_and_tool_results(tiny):
 def test_prompt_lookup_refuses_caches_that_cannot_rewind(tiny):
     with pytest.raises(IncompatibleDraftError, match="rewind"):
         ChatSession.builder(tiny(arch="qwen3_5", tokenizer="bpe")).speculative(SpeculativeConfig("prompt_lookup")).build()
-    with pytest.raises(InvalidParamsError, match="Speculative"):
-        ChatSession.builder(tiny()).max_kv_size(64).speculative(SpeculativeConfig("prompt_lookup")).build()
+
+
+# -- quantized and rotating caches (issue 18) --------------------------------------------------------
+
+COPY_PROMPTS = ["Say: the red fox jumps over the lazy dog and the red fox jumps again",
+                "Again: the red fox jumps over the lazy dog", "the lazy dog and the red fox"]
+
+
+def side_by_side(lm, speculative, params, prompts=COPY_PROMPTS, break_in=1, **options):
+    """Each prompt's tokens and stats in a standard session and a speculative one with the same cache
+    options (the truth here: with a rotating cache a fresh session would see another window); the
+    stream of turn ``break_in`` is closed early."""
+    standard = session_for(lm, params=params, **options)
+    spec = session_for(lm, params=params.copy(), speculative=speculative, **options)
+    turns = []
+    for i, prompt in enumerate(prompts):
+        want = run(standard, prompt, break_after=5 if i == break_in else None)
+        got = run(spec, prompt, break_after=5 if i == break_in else None)
+        assert got == want, (i, prompt)
+        assert_ledger_matches_cache(spec)
+        layers = cache_state(spec).layers
+        assert [type(c) for c in layers] == [type(c) for c in cache_state(standard).layers]
+        turns.append((spec.last_stats, {type(c).__name__ for c in layers}))
+    return spec, turns
+
+
+@pytest.mark.parametrize("bits", [8, 3])
+@pytest.mark.parametrize("mode", ["lookup-auto", "lookup-5", "model-auto"])
+def test_quantized_cache_decodes_as_standard_in_every_drafting_mode(tiny, mode, bits):
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+    params = COPYING.copy(max_tokens=24)
+    _, turns = side_by_side(lm, MODES[mode](tiny), params, kv_bits=bits)  # quantized from the first token
+    assert all(kinds == {"QuantizedKVCache"} for _, kinds in turns)
+    if mode.startswith("lookup"):
+        assert sum(stats.draft_tokens_accepted for stats, _ in turns) > 0
+
+
+@pytest.mark.parametrize("num_draft", [4, 8, "auto"])
+def test_drafting_never_crosses_the_step_where_the_cache_gets_quantized(tiny, num_draft):
+    """quantized_kv_start inside the first reply: standard decoding quantizes after the step that
+    reaches it, and a drafting step that crossed it would have shown its later tokens full-precision
+    keys. The target drafts for itself (its drafts pass unless quantization changes its mind), and
+    3-bit keys change its greedy tokens here: a crossing step gives other tokens."""
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+    params = GenerateParams(max_tokens=24)
+    probe = session_for(lm, params=params)
+    run(probe, COPY_PROMPTS[0])
+    start = probe.last_stats.prompt_tokens + 6  # the 6th generated token's step quantizes
+    standard = session_for(lm, params=params)
+    spec = session_for(lm, params=params.copy(), speculative=SpeculativeConfig(lm, num_draft))
+    for session in (standard, spec):
+        session.cache_options = CacheOptions(kv_bits=3, kv_group_size=32, quantized_kv_start=start)
+    accepted = 0
+    for prompt in COPY_PROMPTS:
+        assert run(spec, prompt) == run(standard, prompt), prompt
+        assert_ledger_matches_cache(spec)
+        accepted += spec.last_stats.draft_tokens_accepted
+        assert {type(c).__name__ for c in cache_state(spec).layers} == {"QuantizedKVCache"}
+    assert accepted > 0
+
+
+def test_prompt_lookup_with_a_rotating_cache_drafts_until_the_window_is_full(tiny):
+    lm = tiny(arch="qwen3", tokenizer="bpe")
+    params = COPYING.copy(max_tokens=24)
+    probe = session_for(lm, params=params)
+    run(probe, COPY_PROMPTS[0])
+    run(probe, COPY_PROMPTS[1])  # the copier makes this reply copy the first one from its first token
+    window = probe.last_stats.prompt_tokens + 10  # fills in the middle of the second reply
+    for config in (SpeculativeConfig("prompt_lookup", 4, ngram_min=1), SpeculativeConfig("prompt_lookup", ngram_min=1)):
+        _, turns = side_by_side(lm, config, params, break_in=None, max_kv_size=window)
+        (_, kinds), (second, _), (third, _) = turns
+        assert 0 < second.draft_tokens_accepted < 10  # drafted while the window had room
+        assert third.draft_tokens_proposed == 0 and third.generation_tokens == 24  # plain once it is full
+        assert kinds == {"RotatingKVCache"}
 
 
 @pytest.mark.parametrize("mode", ["model-auto", "lookup-auto"])

@@ -39,6 +39,7 @@ __all__ = [
     "make_prompt_cache",
     "same_kind",
     "save_prompt_cache",
+    "speculation_room",
     "trim_layers",
 ]
 
@@ -134,3 +135,28 @@ def held_tokens(layer: Any) -> int | None:
     if isinstance(layer, RotatingKVCache):
         return min(offset, layer.max_size)
     return offset
+
+
+def speculation_room(layers: Sequence[Any], kv_bits: int | None, quantized_kv_start: int) -> int:
+    """How many tokens past the next one a multi-token step may feed into ``layers`` and stay
+    token-exact with one-token steps (mlx-lm's ``generate_step``): unbounded (a large int) for plain
+    and quantized KV caches.
+
+    A rotating cache behaves as a plain one only until it is full: a multi-token step then keeps
+    another window than one-token steps (it may drop the ``keep`` tokens) and a full cache cannot
+    take back rejected tokens, so the step must end within ``max_size``. A KV cache that will be
+    quantized (``kv_bits``) switches after the step that reaches ``quantized_kv_start`` tokens; the
+    tokens of one step see full-precision keys, so the step must end before that point, and before
+    the token that reaches it (left to a one-token step, so that a reply stopped inside a step's
+    accepted drafts leaves the cache unquantized exactly when standard decoding would).
+    """
+    room = 1 << 30
+    for c in layers:
+        offset = getattr(c, "offset", None)
+        if not isinstance(offset, int):
+            continue
+        if isinstance(c, RotatingKVCache):
+            room = min(room, c.max_size - 1 - offset)
+        elif kv_bits is not None and isinstance(c, KVCache):
+            room = min(room, quantized_kv_start - 2 - offset)
+    return max(room, 0)

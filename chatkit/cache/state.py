@@ -57,6 +57,11 @@ class CacheOptions:
             raise bad("quantized_kv_start", "must be an int >= 0")
         if not _is_int(self.prefill_step_size) or self.prefill_step_size < 1:
             raise bad("prefill_step_size", "must be an int >= 1")
+        if self.kv_bits is not None and self.max_kv_size is not None:
+            raise InvalidParamsError(
+                f"kv_bits={self.kv_bits} cannot be combined with max_kv_size={self.max_kv_size}: mlx-lm cannot "
+                "quantize a rotating cache. Drop one of them."
+            )
         if self.kv_bits is not None and head_dim is not None and head_dim % self.kv_group_size:
             fits = [g for g in (128, 64, 32) if head_dim % g == 0]
             raise InvalidParamsError(

@@ -156,12 +156,13 @@ def _history_for_help() -> str:
 
 def check_combination(args: argparse.Namespace) -> None:
     """Flag combinations that cannot work, refused before anything loads."""
-    if args.draft and (args.max_kv_size is not None or args.kv_bits is not None):
-        given = " and ".join(f for f, v in (("--max-kv-size", args.max_kv_size), ("--kv-bits", args.kv_bits)) if v is not None)
+    if args.draft and args.draft != "prompt_lookup" and args.max_kv_size is not None:
         raise UsageError(
-            f"--draft cannot be combined with {given}: rejected draft tokens could not be taken back exactly "
-            "from such a cache. Drop one of them."
+            "--draft with a model cannot be combined with --max-kv-size: the draft's own cache could not follow "
+            "the rotating window. Use --draft prompt_lookup, or drop one of them."
         )
+    if args.kv_bits is not None and args.max_kv_size is not None:
+        raise UsageError("--kv-bits cannot be combined with --max-kv-size (mlx-lm cannot quantize a rotating cache): drop one.")
     if args.kv_group_size is not None and args.kv_bits is None:
         raise UsageError("--kv-group-size only applies with --kv-bits: add --kv-bits B or drop it.")
 

@@ -232,6 +232,16 @@ def _all_gather_ints(group: Group, values: Sequence[int]) -> list[list[int]]:
     return [[int(v) for v in row] for row in _ints(out)]
 
 
+def largest(group: Group | None, value: int) -> int:
+    """The largest of every rank's ``value`` (every rank calls this), so that a decision taken from a
+    per-rank size (a shard's cache bytes) is the same on every rank. Without a sharded group: ``value``."""
+    if group is None or not group.sharded:
+        return value
+    with guarded(group, "comparing cache sizes"):
+        rows = _all_gather_ints(group, [value >> 30, value & ((1 << 30) - 1)])  # int32 on the wire
+    return max((high << 30) | low for high, low in rows)
+
+
 def _ints(x: mx.array) -> list[Any]:
     """``x.tolist()`` of an int array of one or more dimensions (typed: mlx's stub allows a scalar)."""
     return cast(list[Any], x.tolist())
@@ -431,6 +441,7 @@ __all__ = [
     "check_same_turn",
     "fingerprint_entry",
     "init",
+    "largest",
     "leader_sampler",
     "load_sharded",
     "lockstep",

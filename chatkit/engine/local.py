@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import generate_step, generation_stream, wired_limit
+from mlx_lm.generate import generate_step, generation_stream, maybe_quantize_kv_cache, wired_limit
 
-from ..cache._mlx import layer_offset, trim_layers
+from ..cache._mlx import layer_offset, speculation_room, trim_layers
 from ..cache.state import CacheState
 from ..params import LogitsProcessor
 from ..speculative import NgramIndex, SpeculativeConfig, new_policy
@@ -191,7 +191,7 @@ def speculative_tokens(
     seeded sampler draws as many random numbers, in the same order, as standard decoding.
     """
     suffix, counts, sampler = list(request.suffix), request.drafts, request.sampler
-    max_tokens, progress = request.max_tokens, request.progress
+    max_tokens, progress, options = request.max_tokens, request.progress, request.options
     prefix = suffix[:-1]  # what processors see before ``held``
     held: list[int] = []  # tokens fed to the target after the prefill (the suffix's last one first)
     out = 0  # tokens yielded
@@ -204,13 +204,17 @@ def speculative_tokens(
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return sampler(logprobs), logprobs.squeeze(0)
 
+    def quantize() -> None:  # as generate_step does after each call of the model (kv_bits)
+        maybe_quantize_kv_cache(layers, options.quantized_kv_start, options.kv_group_size, options.kv_bits)
+
     def plain_step(y: mx.array) -> tuple[mx.array, mx.array]:
         logits = model(y[None], cache=layers)[:, -1, :]
+        quantize()
         return sample(logits, lambda: mx.concatenate([mx.array(prefix + held, dtype=mx.uint32), y]))
 
     models = [(model, layers), *([also_prefill] if also_prefill is not None else [])]
     with wired_limit(model, [generation_stream]), mx.stream(generation_stream):  # type: ignore[list-item]
-        prefill(models, prefix, request.options.prefill_step_size, progress, len(suffix))
+        prefill(models, prefix, options.prefill_step_size, progress, len(suffix), after_chunk=quantize)
         base = layer_offset(layers) or 0
         try:
             y, logprobs = plain_step(mx.array(suffix[-1:], dtype=mx.uint32))
@@ -223,7 +227,8 @@ def speculative_tokens(
             t_last = 0.0
             while out < max_tokens:
                 k, probe = choose(policy)
-                k = min(k, max_tokens - out - 1)
+                # A rotating cache's room, a cache about to be quantized: drafts stop where exactness would.
+                k = min(k, max_tokens - out - 1, speculation_room(layers, options.kv_bits, options.quantized_kv_start))
                 if k > 0:  # the step that made y belongs to the last step's time; a catch-up to none
                     mx.eval(y)
                     drafter.catch_up(held)
@@ -262,6 +267,7 @@ def speculative_tokens(
                 taken = [first, *proposed[:accepted]]
                 held.extend(taken)
                 trim_layers(layers, base + len(held))  # the rejected drafts leave the cache
+                quantize()  # after the trim: at the offset one-token steps would have reached
                 drafter.rewind(len(held))
                 counts.drafted, counts.accepted, counts.steps = (
                     counts.drafted + k, counts.accepted + accepted, counts.steps + 1)
@@ -294,9 +300,11 @@ def _record(policy: DraftPolicy, drafted: int, accepted: int, probe: bool, secon
 
 
 def prefill(models: Sequence[tuple[Any, list[Any]]], tokens: Sequence[int], step: int,
-            progress: Callable[[int, int], None] | None, total: int) -> None:
+            progress: Callable[[int, int], None] | None, total: int,
+            after_chunk: Callable[[], None] | None = None) -> None:
     """Feed ``tokens`` (a suffix but its last token) to each (model, layers), in chunks of ``step`` as
-    generate_step does, reporting ``progress(done, total)``."""
+    generate_step does, reporting ``progress(done, total)``; ``after_chunk()`` runs after each chunk
+    is fed (the target's KV quantization, as generate_step quantizes after each chunk)."""
     done = 0
     if progress is not None:
         progress(0, total)
@@ -305,6 +313,8 @@ def prefill(models: Sequence[tuple[Any, list[Any]]], tokens: Sequence[int], step
         chunk = mx.array(list(tokens[done : done + n]), dtype=mx.uint32)[None]
         for model, layers in models:
             model(chunk, cache=layers)
+        if after_chunk is not None:
+            after_chunk()
         mx.eval([c.state for _, layers in models for c in layers])
         done += n
         if progress is not None:

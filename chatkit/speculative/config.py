@@ -25,6 +25,15 @@ class SpeculativeConfig:
     ``num_draft_tokens="auto"`` (the default) tunes the draft length per step from the acceptance
     and the costs measured in the session, down to not drafting while it does not pay; an int fixes
     it. Greedy output is the same as without speculation.
+
+    Cache options: the target's cache must rewind (no hybrid or sliding-window model;
+    ``IncompatibleDraftError``). ``kv_bits`` works with every draft: the target's cache is quantized
+    at the step standard decoding quantizes it (a drafting step never crosses
+    ``quantized_kv_start``), a draft model's own cache stays unquantized. ``max_kv_size`` works with
+    prompt lookup only (``InvalidParamsError`` with a draft model): drafts are checked while the
+    rotating cache has room for them, and once it is full decoding goes on plainly, since a full
+    rotating cache cannot take rejected drafts back and a multi-token step would see another window
+    than one-token steps.
     """
 
     draft: LoadedModel | str
@@ -107,14 +116,14 @@ def _check_tokenizers(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def check_cache_options(speculative: SpeculativeConfig | None, options: CacheOptions) -> None:
-    """``InvalidParamsError`` if speculative decoding is combined with cache options it cannot be exact with."""
-    # Rejected draft tokens are rewound by trimming the cache: a full rotating cache cannot trim and
-    # its multi-token updates see another window than one-token steps; a quantized cache starts
-    # quantizing at another step than standard decoding would. Neither stays token-exact.
-    if speculative is not None and (options.max_kv_size is not None or options.kv_bits is not None):
+    """``InvalidParamsError`` if speculative decoding is combined with cache options it cannot be exact with:
+    ``max_kv_size`` with a draft model (see :class:`SpeculativeConfig`)."""
+    # A draft model's own cache would need the target's window to propose well and to stay aligned
+    # (rewinding it fails once it wraps); prompt lookup keeps no cache, so it takes a rotating target.
+    if speculative is not None and speculative.draft_model is not None and options.max_kv_size is not None:
         raise InvalidParamsError(
-            "Speculative decoding cannot be exact with max_kv_size or kv_bits (rejected draft tokens "
-            "could not be rewound): drop those options or drop .speculative(...)."
+            "A draft model cannot be combined with max_kv_size (its own cache could not follow the rotating "
+            f"window): use SpeculativeConfig({PROMPT_LOOKUP!r}), or drop max_kv_size or .speculative(...)."
         )
 
 
