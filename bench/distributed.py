@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -102,20 +101,6 @@ def worker(out: Path, rounds: int, tokens: int, prompt_tokens: int) -> None:
         out.write_text(json.dumps(result))
 
 
-def _free_port() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as t:
-                t.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -137,8 +122,9 @@ def main() -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
     me = [sys.executable, str(Path(__file__).resolve()), "--rounds", str(args.rounds), "--tokens", str(args.tokens),
           "--prompt", str(args.prompt), "--worker"]
-    launch = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())",
-              "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--env", "MLX_WORLD=2",
+    from chatkit.testing.launch import ring_launch
+
+    launch = [*ring_launch(), "--env", "MLX_WORLD=2",
               "--env", "OPENBLAS_NUM_THREADS=1", "--"]
     results = []
     with tempfile.TemporaryDirectory() as tmp:

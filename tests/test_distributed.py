@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from functools import cache
@@ -23,12 +22,12 @@ from chatkit.engine import source_for
 from chatkit.engine.distributed import Group, shard_path
 from chatkit.engine.local import LocalSource
 from chatkit.testing import tiny_model_path
+from chatkit.testing.launch import free_ring_port, ring_launch
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "distributed_session.py"
-LAUNCH = [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())"]
 LIMIT = 300  # seconds: every run here ends well within it, or the test fails
 
 
@@ -38,23 +37,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _free_port() -> int:
-    """A port p with p and p + 1 free (mlx.launch's ring uses one port per rank)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as t:
-                t.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
-
-
 def _launch(*command: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    args = [*LAUNCH, "-n", "2", "--backend", "ring", "-p", str(_free_port()), "--", sys.executable, *command]
+    args = [*ring_launch(), "--", sys.executable, *command]
     return subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=LIMIT, env=_env(), cwd=ROOT)
 
 
@@ -146,7 +130,7 @@ def test_tool_guided_async_and_pooled_turns_over_two_ranks_equal_one_process(arc
 
 
 def _run_ranks_without_launcher(fault: str, out: Path) -> list[subprocess.Popen[str]]:
-    port = _free_port()
+    port = free_ring_port()
     hostfile = out / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     procs = []
