@@ -31,6 +31,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import KVCache
+from mlx_lm.sample_utils import greedy_sampler
 
 from ..cache._mlx import eval_layers, layer_offset
 from ..cache.prefix import PrefixCache
@@ -92,8 +93,7 @@ class BatchEngine:
         self._thread.start()
         # An engine left open is closed at exit, so that its thread destroys its MLX streams (MLX may
         # abort the process otherwise).
-        ref = weakref.ref(self)
-        atexit.register(lambda: (engine := ref()) is not None and engine.close())
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -235,7 +235,7 @@ class BatchEngine:
                     caches=[job.layers],
                     all_tokens=[list(job.context)],
                     samplers=[job.guarded_sampler()],
-                    logits_processors=[job.guarded_processors()],
+                    logits_processors=[list(job.guarded_processors())],
                     stop_sequences=[self._stop],
                 )
             except Exception as exc:
@@ -278,6 +278,12 @@ class BatchEngine:
         job.finished.set()
 
 
+def _close_at_exit(ref: weakref.ref[BatchEngine]) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
+
+
 @dataclass(eq=False)
 class _Job:
     """One turn inside the engine: its inputs, its output queue, and the cache handed back."""
@@ -295,6 +301,9 @@ class _Job:
     error: BaseException | None = None
 
     def guarded_sampler(self) -> Sampler:
+        if self.sampler is greedy_sampler:  # cannot fail; kept as is, greedy rows sample in one call
+            return greedy_sampler
+
         def sample(logprobs: mx.array) -> mx.array:
             if self.error is None:
                 try:
