@@ -6,7 +6,7 @@ import asyncio
 import os
 import threading
 
-from chatkit import BatchEngine, ChatSession, GenerateParams, SessionPool
+from chatkit import BatchEngine, ChatSession, GenerateParams, SessionPool, SpeculativeConfig
 from chatkit.errors import InvalidParamsError
 
 import mlx.core as mx
@@ -255,14 +255,24 @@ def test_session_pool_with_an_engine(lm, engine, tmp_path):
         SessionPool(lm, folder=tmp_path, max_cache_bytes=0, engine=object())
 
 
-def test_sessions_that_cannot_batch_run_alone_with_the_same_tokens(lm, engine):
-    session = session_for(lm, params=params_for(lm, 10, no_eos=True), engine=engine, max_kv_size=64)
-    for turn in range(2):
-        prompt = prompt_of(30, turn)
-        expected = fresh_reply(session, prompt, max_kv_size=64)  # the same session without an engine
-        steps = engine.steps
-        assert turn_tokens(session, prompt) == expected
-        assert engine.steps == steps  # a rotating cache never entered the batch
+@pytest.mark.parametrize("arch,tok,options", [
+    ("qwen3", "bpe", {"max_kv_size": 64}),  # rotating KV
+    ("gemma3_text", "gemma", {}),  # sliding-window layers
+    ("qwen3_5", "bpe-think", {}),  # hybrid: recurrent layers
+    ("qwen3", "bpe", {"speculative": SpeculativeConfig("prompt_lookup", 3)}),
+])
+def test_sessions_that_cannot_batch_run_alone_with_the_same_tokens(arch, tok, options):
+    from chatkit.testing import tiny_model
+
+    lm = tiny_model(arch, tok)
+    with BatchEngine(lm, max_batch=2) as engine:
+        session = session_for(lm, params=params_for(lm, 10, no_eos=True), engine=engine, **options)
+        for turn in range(2):
+            prompt = prompt_of(30, turn)
+            expected = fresh_reply(session, prompt, **options)  # the same session without an engine
+            assert turn_tokens(session, prompt) == expected
+            assert_ledger_matches_cache(session)
+        assert engine.turns == 0  # none of them entered the batch
 
 
 def test_engine_errors(lm, tmp_path):
