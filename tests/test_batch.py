@@ -255,6 +255,22 @@ def test_session_pool_with_an_engine(lm, engine, tmp_path):
         SessionPool(lm, folder=tmp_path, max_cache_bytes=0, engine=object())
 
 
+def test_guided_turns_batch_with_plain_ones(lm, engine):
+    """A guided reply's constraint is a logits processor: it runs in the batch, next to plain turns."""
+    params = GenerateParams(max_tokens=24, temperature=0.0)
+    regex = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    expected_value = session_for(lm, params=params.copy()).respond("When?", regex=regex)
+    expected_plain = alone(lm, prompt_of(20), params_for(lm, 16, no_eos=True))
+    guided = session_for(lm, params=params.copy(), engine=engine)
+    plain = session_for(lm, params=params_for(lm, 16, no_eos=True), engine=engine)
+    other = Runner(plain, prompt_of(20))
+    other.start()
+    value = guided.respond("When?", regex=regex)
+    other.join(60)
+    assert value == expected_value
+    assert other.error is None and other.tokens == expected_plain
+
+
 @pytest.mark.parametrize("arch,tok,options", [
     ("qwen3", "bpe", {"max_kv_size": 64}),  # rotating KV
     ("gemma3_text", "gemma", {}),  # sliding-window layers
