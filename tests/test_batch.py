@@ -7,6 +7,7 @@ import os
 import threading
 
 from chatkit import BatchEngine, ChatSession, GenerateParams, SessionPool, SpeculativeConfig
+from chatkit.cache.prefix import PrefixCache
 from chatkit.errors import InvalidParamsError
 
 import mlx.core as mx
@@ -15,6 +16,7 @@ from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, sess
 from hypothesis import given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
+from mlx_lm.models.cache import make_prompt_cache
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven cats watch from the old red barn".split()
 
@@ -314,3 +316,48 @@ def test_engine_errors(lm, tmp_path):
         session.respond("Again")
     with pytest.raises(InvalidParamsError, match="closed"):
         ChatSession.builder(lm).engine(engine).build()
+
+
+def test_prefix_cache_copies_and_keeps_to_its_budget(lm):
+    def prefilled(tokens):
+        layers = make_prompt_cache(lm.model)
+        lm.model(mx.array([tokens]), cache=layers)
+        mx.eval([c.state for c in layers])
+        return layers
+
+    a, b = list(range(10, 60)), list(range(10, 30)) + list(range(200, 230))
+    probe = PrefixCache(max_bytes=1 << 30)
+    probe.insert(a, prefilled(a))
+    shared = PrefixCache(max_bytes=probe.nbytes * 3 // 2)  # room for one 50-token entry, not two
+    shared.insert(a, prefilled(a))
+    n, first = shared.fetch(a + [7])
+    assert n == len(a) and all(c.offset == n for c in first)
+    before = [mx.array(c.keys[..., :n, :]) for c in first]
+    # Writing into a fetched copy (as a session's next turn does) leaves the stored entry as it was.
+    for c in first:
+        c.trim(5)
+    lm.model(mx.array([[1, 2, 3, 4, 5]]), cache=first)
+    n2, second = shared.fetch(a + [7])
+    assert n2 == n
+    assert all(mx.array_equal(x, c.keys[..., :n, :]).item() for x, c in zip(before, second))
+    # A prompt sharing 20 tokens gets those (the stored entry trimmed), whole prompts give one token back.
+    n3, _ = shared.fetch(b)
+    assert n3 == 20
+    assert shared.fetch(a)[0] == len(a) - 1
+    # The budget holds one entry: a second evicts the first.
+    shared.insert(b, prefilled(b))
+    assert len(shared) == 1 and shared.nbytes <= shared.max_bytes
+    assert shared.fetch(a + [7])[0] == 20
+
+
+def test_pool_evictions_restore_onto_the_engine(lm, engine, tmp_path):
+    params = params_for(lm, 6, no_eos=False)
+    pool = SessionPool(lm, folder=tmp_path, max_cache_bytes=0, engine=engine,
+                       configure=lambda b: b.generate_params(params.copy()).instructions("Be brief."))
+    for turn in range(2):
+        for key in ("a", "b"):
+            session = pool.session(key)
+            expected = fresh_reply(session, f"Turn {turn} for {key}.")
+            assert turn_tokens(session, f"Turn {turn} for {key}.") == expected
+            assert_ledger_matches_cache(session)
+    assert pool.evicted("a")
