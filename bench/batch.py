@@ -12,6 +12,9 @@ differs). Aggregate tok/s = all tokens generated / wall time from the first star
 (prefill included); "per session" is each session's own decode time per token after its first
 (median over the sessions). Every batched session's tokens must equal its sequential run's.
 
+Before part 1, the model's own decode step at each batch size (a forward pass and an argmax, no
+chatkit, no BatchGenerator): what batching can gain at best on the machine as it is during the run.
+
 Part 2, time to first token of a new session whose ~2,000-token instructions are already in the
 engine's prefix cache (another session answered once): ``stream_respond`` to the first chunk, median
 of ``--ttft-reps`` new sessions with different questions; against raw mlx-lm ``generate_step`` fed only
@@ -85,6 +88,20 @@ def throughput(lm, n: int, tokens: int, engine: BatchEngine):
                 per_batch=per_token(got), same=same, peak=engine.peak_batch)
 
 
+def forward_step(lm, batch: int, steps: int = 30) -> float:
+    """The model's own decode step at ``batch`` rows (forward + argmax over a 100-token cache; no chatkit,
+    no BatchGenerator): the ceiling of any batching speedup on this machine."""
+    cache = make_prompt_cache(lm.model)
+    lm.model(mx.array([[5 + i for i in range(100)]] * batch), cache=cache)
+    y = mx.array([[7]] * batch)
+    for _ in range(3):
+        mx.eval(lm.model(y, cache=cache))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(mx.argmax(lm.model(y, cache=cache)[:, -1, :], axis=-1))
+    return (time.perf_counter() - t0) / steps
+
+
 def ttft(lm, reps: int):
     instructions = "You are the archivist of the river town. " + " ".join(
         WORDS[k % len(WORDS)] for k in range(1500))
@@ -143,10 +160,15 @@ def main() -> None:
         print(line, flush=True)
         lines.append(line)
 
+    sizes = [int(x) for x in args.sessions.split(",")]
+    steps = {b: forward_step(lm, b) for b in sizes}
+    say("\nThe model's decode step alone (forward + argmax, plain KVCache): " + ", ".join(
+        f"batch {b}: {1000 * t:.1f} ms ({b * steps[sizes[0]] / t:.1f}x the tokens/s of batch {sizes[0]})"
+        for b, t in steps.items()))
     say(f"\nPart 1: {args.tokens} tokens per session, greedy, EOS biased -1e9 (a logits processor per session)")
     say(f"{'sessions':>8} | {'sequential tok/s':>16} | {'batched tok/s':>13} | {'speedup':>7} | "
         f"{'ms/token alone':>14} | {'ms/token batched':>16} | peak batch | same tokens")
-    for n in [int(x) for x in args.sessions.split(",")]:
+    for n in sizes:
         with BatchEngine(lm, max_batch=16, prefix_cache_bytes=0) as engine:
             r = throughput(lm, n, args.tokens, engine)
         say(f"{r['n']:>8} | {r['seq_tps']:>16.1f} | {r['batch_tps']:>13.1f} | {r['batch_tps'] / r['seq_tps']:>6.2f}x | "
