@@ -12,6 +12,7 @@ The whole public API is here (``chatkit.X``); submodules are implementation::
     ChatMessage, Role, ToolCall                         messages (reasoning and tool calls apart)
     GenerateParams, CacheOptions, SpeculativeConfig     settings;  TurnStats, CacheInfo: what it cost
     SessionPool                                         many sessions over one model, a memory budget
+    BatchEngine(lm, max_batch=16); builder.engine(e)    concurrent sessions' turns decoded together
     ChatKitError and its subclasses                     every error chatkit raises (see chatkit.errors)
 
 ``chatkit.demo`` locates the bundled demo models; ``chatkit.testing`` builds offline test models.
@@ -26,6 +27,7 @@ from .builder import ChatSessionBuilder
 from .cache.state import CacheInfo, CacheOptions
 from .cache.store import CacheFileInfo
 from .cache.store import inspect as inspect_cache
+from .engine.batch import BatchEngine
 from .errors import (
     CacheError,
     CacheFileError,
@@ -60,6 +62,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncResponseStream",
+    "BatchEngine",
     "CacheError",
     "CacheFileError",
     "CacheFileInfo",

@@ -66,6 +66,7 @@ class ChatSessionBuilder:
         self._restore: tuple[Any, bool] | None = None
         self._speculative: SpeculativeConfig | None = None
         self._allow_special = False
+        self._engine: Any = None
 
     def instructions(self, text: str | None) -> ChatSessionBuilder:
         """The system prompt."""
@@ -172,6 +173,12 @@ class ChatSessionBuilder:
         self._allow_special = allow
         return self
 
+    def engine(self, engine: Any) -> ChatSessionBuilder:
+        """Decode this session's turns on a shared ``chatkit.BatchEngine`` (built over the same model),
+        together with the other sessions' turns running at the same time; ``None``: alone."""
+        self._engine = engine
+        return self
+
     def build(self) -> ChatSession:
         """Check the settings (and load the cache to restore) and return the session."""
         instructions, history = self._instructions, list(self._history)
@@ -235,6 +242,7 @@ class ChatSessionBuilder:
             prefill_progress=self._progress,
             speculative=self._speculative,
             allow_special_in_content=self._allow_special,
+            engine=self._engine,
         )
         if cache is not None:
             session._use_cache(cache)

@@ -12,6 +12,7 @@ from pathlib import Path
 from .builder import ChatSessionBuilder
 from .cache import store
 from .engine import distributed
+from .engine.batch import BatchEngine, check_engine
 from .errors import CacheFileError, ChatKitError, InvalidParamsError, SessionBusyError
 from .loading import LoadedModel
 from .session import ChatSession
@@ -26,7 +27,8 @@ class SessionPool:
     ``configure`` sets up each new session's builder (instructions, params, ...). Get the session
     from the pool for each use (``pool.session(key)``), so the pool knows what is in use. A session
     built elsewhere (with a history, a restored cache, a fork) joins the pool with ``add``; ``get``
-    looks one up without using it.
+    looks one up without using it. With ``engine`` (a ``chatkit.BatchEngine`` over ``lm``) the
+    sessions' concurrent turns decode together.
 
     Over a sharded model every rank makes the same pool calls; the budget applies to the rank whose
     caches are largest, so that every rank evicts the same sessions (each saves its own shard).
@@ -39,6 +41,7 @@ class SessionPool:
         folder: str | os.PathLike[str],
         max_cache_bytes: int,
         configure: Configure | None = None,
+        engine: BatchEngine | None = None,
     ) -> None:
         if isinstance(max_cache_bytes, bool) or not isinstance(max_cache_bytes, int) or max_cache_bytes < 0:
             raise InvalidParamsError(f"max_cache_bytes={max_cache_bytes!r}: must be an int >= 0.")
@@ -54,6 +57,8 @@ class SessionPool:
         store.remove_stale_temps(self._folder)  # left by a process killed while it evicted
         self._budget = max_cache_bytes
         self._configure = configure
+        check_engine(engine, lm.model if isinstance(lm, LoadedModel) else None)
+        self._engine = engine
         self._sessions: OrderedDict[str, ChatSession] = OrderedDict()  # least recently used first
         self._evicted: set[str] = set()
         self._lock = threading.RLock()
@@ -65,7 +70,7 @@ class SessionPool:
         with self._lock:
             session = self._sessions.get(key)
             if session is None:
-                builder = ChatSession.builder(self._lm)
+                builder = ChatSession.builder(self._lm).engine(self._engine)
                 session = (self._configure(builder) if self._configure else builder).build()
                 self._sessions[key] = session
             self._sessions.move_to_end(key)

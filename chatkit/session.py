@@ -18,6 +18,7 @@ from .cache import store
 from .cache.state import CacheInfo, CacheOptions, CacheState
 from .conversation import Conversation
 from .engine import TokenSource, distributed, source_for
+from .engine.batch import check_engine
 from .errors import (
     ChatKitError,
     InvalidMessageError,
@@ -40,6 +41,7 @@ from .turn import Prompting, Turn
 
 if TYPE_CHECKING:
     from .builder import ChatSessionBuilder
+    from .engine.batch import BatchEngine
 
 ProgressCallback = Callable[[int, int], None]
 STOPPING_TURN_WAIT = 60.0  # seconds; a stopping async turn may still be finishing a prefill chunk
@@ -66,10 +68,12 @@ class ChatSession:
         prefill_progress: ProgressCallback | None = None,
         speculative: SpeculativeConfig | None = None,
         allow_special_in_content: bool = False,
+        engine: BatchEngine | None = None,
     ) -> None:
         """Prefer :meth:`builder`, which also restores saved caches; every argument is checked here."""
         if not isinstance(lm, LoadedModel):
             raise InvalidParamsError(f"A session needs a chatkit.load(...) result, got {type(lm).__name__}.")
+        check_engine(engine, lm.model)
         cache_options.validate(lm.head_dim)
         check_cache_options(speculative, cache_options)
         self._lm = lm
@@ -83,7 +87,10 @@ class ChatSession:
         if tool_options.strict and self._tools is not None:
             self._strict_grammar()  # a format or schema that cannot be constrained raises here
         self._speculative = speculative
-        self._source: TokenSource = source_for(lm.model, lm.distributed, speculative)
+        self._engine = engine
+        self._source: TokenSource = (
+            engine.source(speculative) if engine is not None else source_for(lm.model, lm.distributed, speculative)
+        )
         self._conversation = Conversation(history, self._new_cache(cache_options))
         self._progress = prefill_progress
         self._turn = threading.Lock()  # held from the start of a turn until it commits or aborts
@@ -151,6 +158,11 @@ class ChatSession:
     def speculative(self) -> SpeculativeConfig | None:
         """The draft model setup, when decoding is speculative."""
         return self._speculative
+
+    @property
+    def engine(self) -> BatchEngine | None:
+        """The ``BatchEngine`` this session's turns are decoded by, if any."""
+        return self._engine
 
     @property
     def last_stats(self) -> TurnStats | None:
@@ -234,7 +246,7 @@ class ChatSession:
             cache = CacheState.restored(
                 self._lm.model, options, saved.layers, saved.ledger, saved.checkpoints, self._draft_model
             )
-            self._conversation = Conversation(self._conversation.messages, cache)
+            self._use_cache(cache)
 
     # -- editing --------------------------------------------------------------------------------
     def undo(self) -> list[ChatMessage]:
@@ -280,6 +292,7 @@ class ChatSession:
                 prefill_progress=self._progress,
                 speculative=self._speculative,
                 allow_special_in_content=self._template.allow_special_in_content,
+                engine=self._engine,
             )
             other._conversation = self._conversation.copy()
             other._last_stats = self._last_stats
@@ -501,10 +514,17 @@ class ChatSession:
 
     def _use_cache(self, cache: CacheState) -> None:
         """Start from a restored cache (the builder's restore)."""
+        cache.shared = self._shared_prefixes()
         self._conversation = Conversation(self._conversation.messages, cache)
 
     def _new_cache(self, options: CacheOptions) -> CacheState:
-        return CacheState(self._lm.model, options, self._draft_model)
+        cache = CacheState(self._lm.model, options, self._draft_model)
+        cache.shared = self._shared_prefixes()
+        return cache
+
+    def _shared_prefixes(self) -> Any:
+        """The engine's shared prefix cache, when the session runs on a ``BatchEngine`` that has one."""
+        return None if self._engine is None else self._engine.prefix_cache
 
     def _take_turn(self) -> bool:
         """Take the turn lock. An async turn that was told to stop (cancelled, closed, or its stream

@@ -5,7 +5,7 @@ import chatkit
 
 PUBLIC = {
     # loading and sessions
-    "load", "LoadedModel", "ChatSession", "ChatSessionBuilder", "SessionPool",
+    "load", "LoadedModel", "ChatSession", "ChatSessionBuilder", "SessionPool", "BatchEngine",
     # streaming
     "ResponseStream", "ToolLoopStream", "AsyncResponseStream", "StreamChunk", "TurnStats",
     # messages and settings

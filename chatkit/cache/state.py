@@ -23,6 +23,7 @@ from ._mlx import (
 )
 from .ledger import Ledger
 from .planner import Action, Plan, common_prefix_length, plan
+from .prefix import PrefixCache
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,10 @@ class CacheState:
         # A draft model's cache holds the first ``draft_length`` ledger tokens (it may lag the target's).
         self.draft_layers: list[Any] | None = None
         self.draft_length = 0
+        # Prefixes shared with other sessions (a BatchEngine's); a turn that started from an empty
+        # cache offers its prompt's first ``_share_length`` tokens when it is recorded.
+        self.shared: PrefixCache | None = None
+        self._share_length = 0
 
     @property
     def empty(self) -> bool:
@@ -152,6 +157,7 @@ class CacheState:
         self.checkpoints = []
         self.draft_layers = None
         self.draft_length = 0
+        self._share_length = 0
 
     def copy(self) -> CacheState:
         """An independent copy (for a fork): layers, ledger and checkpoints."""
@@ -161,6 +167,7 @@ class CacheState:
         if self.draft_layers is not None:
             other.draft_layers = [copy_layer(c) for c in self.draft_layers]
         other.draft_length = self.draft_length
+        other.shared = self.shared
         other.ledger = self.ledger
         other.checkpoints = list(self.checkpoints)  # checkpoints hold copies, never written
         return other
@@ -257,7 +264,24 @@ class CacheState:
             self._forget_after(p.keep)
         if self.draft_layers is not None:
             self._align_draft(tuple(prompt[: p.keep]))
+        if p.keep == 0 and self.ledger.opaque == 0 and self._can_share():
+            p = self._from_shared(prompt, p)
         return p
+
+    def _can_share(self) -> bool:
+        return (self.shared is not None and self._draft_model is None and self.options.kv_bits is None
+                and self.options.max_kv_size is None)
+
+    def _from_shared(self, prompt: Sequence[int], p: Plan) -> Plan:
+        """An empty cache: start from the longest prefix of ``prompt`` another session prefilled."""
+        assert self.shared is not None and self.layers is not None
+        self._share_length = len(prompt)
+        found = self.shared.fetch(prompt)
+        if found is None or len(found[1]) != len(self.layers):
+            return p
+        n, layers = found
+        self.layers, self.ledger, self.checkpoints = layers, Ledger(tuple(prompt[:n])), []
+        return Plan(Action.APPEND, n, tuple(prompt[n:]))
 
     def record(self, fed: Sequence[int]) -> None:
         """After a turn fed ``fed`` on top of the ledger: read back from the offsets what the cache holds."""
@@ -274,6 +298,9 @@ class CacheState:
             self.reset()  # the cache no longer matches anything we can name: rebuild next turn
             return
         self.ledger = ledger
+        share, self._share_length = self._share_length, 0
+        if share and self.shared is not None and len(ledger.tokens) >= share and ledger.opaque == 0:
+            self.shared.insert(ledger.tokens[:share], self.layers)
         if self.draft_layers is not None:
             # After a speculative run the draft may hold one token more or fewer than the target.
             draft = layer_offset(self.draft_layers)

@@ -1,0 +1,193 @@
+"""Many sessions at once: a BatchEngine against the same turns run one by one, and the shared prefix cache.
+
+    .venv/bin/python bench/batch.py [--sessions 1,2,4,8,16] [--tokens 64] [--ttft-reps 7] [--max-wait 300]
+
+Part 1, throughput. For N sessions: N turns, each a distinct ~40-token prompt (ChatML, no
+instructions), greedy, ``--tokens`` tokens each (the EOS logits biased by -1e9 through the session's
+own ``logit_bias``, so no turn ends early and every session runs its own logits processor and
+sampler). (a) sequential: the N turns one after another on plain sessions (no engine: what an app
+gets today); (b) batched: the N turns started at once from N threads on sessions built with
+``.engine(engine)`` over one ``BatchEngine(lm, max_batch=16)`` (prefix cache off, so that only batching
+differs). Aggregate tok/s = all tokens generated / wall time from the first start to the last end
+(prefill included); "per session" is each session's own decode time per token after its first
+(median over the sessions). Every batched session's tokens must equal its sequential run's.
+
+Before part 1, the model's own decode step at each batch size (a forward pass and an argmax, no
+chatkit, no BatchGenerator): what batching can gain at best on the machine as it is during the run.
+
+Part 2, time to first token of a new session whose ~2,000-token instructions are already in the
+engine's prefix cache (another session answered once): ``stream_respond`` to the first chunk, median
+of ``--ttft-reps`` new sessions with different questions; against raw mlx-lm ``generate_step`` fed only
+the new tokens (the suffix chatkit prefilled) over a copy of the cached prefix made before the clock
+starts, to its first token; and, once, chatkit without an engine (no prefix cache: the whole prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+from chatkit import BatchEngine, ChatSession, GenerateParams
+
+import mlx.core as mx
+from _common import OtherLoad, cache_state, clone, describe, load_model, median, wait_until_quiet
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+WORDS = ("the river town keeps a small library where seven old maps show roads that no longer exist "
+         "and every evening a clerk writes down who came to read them").split()
+
+
+def prompt(i: int, n: int = 30) -> str:
+    return f"Question {i}: " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(n))
+
+
+def params(lm, tokens: int) -> GenerateParams:
+    return GenerateParams(max_tokens=tokens, temperature=0.0, logit_bias={t: -1e9 for t in lm.tokenizer.eos_token_ids})
+
+
+def run_turn(session, text, out, i, thread=False):
+    times = []
+    t0 = time.perf_counter()
+    with session.stream_respond(text) as stream:
+        for _ in stream:
+            times.append(time.perf_counter())
+    out[i] = (t0, times, stream.tokens)
+    if thread:
+        mx.clear_streams()  # what MLX asks of a thread that ran MLX work, before it ends
+
+
+def throughput(lm, n: int, tokens: int, engine: BatchEngine):
+    texts = [prompt(i) for i in range(n)]
+    # (a) one by one, no engine
+    seq = [None] * n
+    t0 = time.perf_counter()
+    for i, text in enumerate(texts):
+        run_turn(ChatSession.builder(lm).generate_params(params(lm, tokens)).build(), text, seq, i)
+    seq_wall = time.perf_counter() - t0
+    # (b) all at once on the engine
+    sessions = [ChatSession.builder(lm).generate_params(params(lm, tokens)).engine(engine).build() for _ in texts]
+    got = [None] * n
+    threads = [threading.Thread(target=run_turn, args=(s, t, got, i, True)) for i, (s, t) in enumerate(zip(sessions, texts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    batch_wall = max(r[1][-1] for r in got) - t0  # type: ignore[index]
+    same = all(g[2] == s[2] for g, s in zip(got, seq))  # type: ignore[index]
+
+    def per_token(rows):
+        return median([(r[1][-1] - r[1][0]) / (len(r[1]) - 1) for r in rows])
+
+    total = n * tokens
+    return dict(n=n, seq_tps=total / seq_wall, batch_tps=total / batch_wall, per_seq=per_token(seq),
+                per_batch=per_token(got), same=same, peak=engine.peak_batch)
+
+
+def forward_step(lm, batch: int, steps: int = 30) -> float:
+    """The model's own decode step at ``batch`` rows (forward + argmax over a 100-token cache; no chatkit,
+    no BatchGenerator): the ceiling of any batching speedup on this machine."""
+    cache = make_prompt_cache(lm.model)
+    lm.model(mx.array([[5 + i for i in range(100)]] * batch), cache=cache)
+    y = mx.array([[7]] * batch)
+    for _ in range(3):
+        mx.eval(lm.model(y, cache=cache))
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(mx.argmax(lm.model(y, cache=cache)[:, -1, :], axis=-1))
+    return (time.perf_counter() - t0) / steps
+
+
+def ttft(lm, reps: int):
+    instructions = "You are the archivist of the river town. " + " ".join(
+        WORDS[k % len(WORDS)] for k in range(1500))
+    p = GenerateParams(max_tokens=4, temperature=0.0)
+    rows = []
+    with BatchEngine(lm, max_batch=16) as engine:
+        ChatSession.builder(lm).instructions(instructions).generate_params(p).engine(engine).build().respond("Hello.")
+        for i in range(reps + 1):  # the first is a warm-up
+            session = ChatSession.builder(lm).instructions(instructions).generate_params(p).engine(engine).build()
+            t0 = time.perf_counter()
+            with session.stream_respond(prompt(100 + i, 12)) as stream:
+                next(stream)
+                t_chatkit = time.perf_counter() - t0
+            stats = session.last_stats
+            assert stats is not None
+            ids = list(cache_state(session).ledger.tokens[: stats.prompt_tokens])
+            reused = stats.reused_tokens
+            # raw mlx-lm: the cached prefix (computed here), a copy made off the clock, only the new tokens fed
+            prefix = make_prompt_cache(lm.model)
+            lm.model(mx.array([ids[:reused]]), cache=prefix)
+            mx.eval([c.state for c in prefix])
+            copy = clone(prefix)
+            t0 = time.perf_counter()
+            steps = generate_step(mx.array(ids[reused:]), lm.model, prompt_cache=copy, max_tokens=4)
+            next(steps)
+            t_raw = time.perf_counter() - t0
+            steps.close()
+            if i:
+                rows.append((t_chatkit, t_raw, reused, stats.prompt_tokens))
+    # chatkit alone, once: no prefix cache, the whole prompt prefilled
+    plain = ChatSession.builder(lm).instructions(instructions).generate_params(p).build()
+    t0 = time.perf_counter()
+    with plain.stream_respond(prompt(100, 12)) as stream:
+        next(stream)
+        t_plain = time.perf_counter() - t0
+    return rows, t_plain
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sessions", default="1,2,4,8,16")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--ttft-reps", type=int, default=7)
+    ap.add_argument("--max-wait", type=float, default=300.0)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.txt"))
+    args = ap.parse_args()
+    lm = load_model()
+    lines = [describe(lm), f"load    : {wait_until_quiet(args.max_wait)}"]
+    print("\n".join(lines), flush=True)
+    other = OtherLoad()
+    # warm-up: compile kernels and fill allocator pools on both paths
+    with BatchEngine(lm, max_batch=16, prefix_cache_bytes=0) as engine:
+        throughput(lm, 2, 8, engine)
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    sizes = [int(x) for x in args.sessions.split(",")]
+    steps = {b: forward_step(lm, b) for b in sizes}
+    say("\nThe model's decode step alone (forward + argmax, plain KVCache): " + ", ".join(
+        f"batch {b}: {1000 * t:.1f} ms ({b * steps[sizes[0]] / t:.1f}x the tokens/s of batch {sizes[0]})"
+        for b, t in steps.items()))
+    say(f"\nPart 1: {args.tokens} tokens per session, greedy, EOS biased -1e9 (a logits processor per session)")
+    say(f"{'sessions':>8} | {'sequential tok/s':>16} | {'batched tok/s':>13} | {'speedup':>7} | "
+        f"{'ms/token alone':>14} | {'ms/token batched':>16} | peak batch | same tokens")
+    for n in sizes:
+        with BatchEngine(lm, max_batch=16, prefix_cache_bytes=0) as engine:
+            r = throughput(lm, n, args.tokens, engine)
+        say(f"{r['n']:>8} | {r['seq_tps']:>16.1f} | {r['batch_tps']:>13.1f} | {r['batch_tps'] / r['seq_tps']:>6.2f}x | "
+            f"{1000 * r['per_seq']:>14.1f} | {1000 * r['per_batch']:>16.1f} | {r['peak']:>10} | {r['same']}")
+        if not r["same"]:
+            say("  !! batched tokens differ from the sequential run")
+    rows, plain = ttft(lm, args.ttft_reps)
+    ck, raw = (median([r[k] for r in rows]) for k in range(2))
+    pairs = median([r[0] / r[1] for r in rows])
+    say(f"\nPart 2: time to first token, new session, {rows[0][3]}-token prompt of which {rows[0][2]} reused "
+        f"from the engine's prefix cache ({len(rows)} sessions)")
+    say(f"  chatkit + BatchEngine (prefix cache) : {1000 * ck:7.1f} ms")
+    say(f"  raw mlx-lm, only the new tokens      : {1000 * raw:7.1f} ms   ratio {ck / raw:.2f}x (paired {pairs:.2f}x)")
+    say(f"  chatkit alone (whole prompt, once)   : {1000 * plain:7.1f} ms")
+    say(other.report())
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
