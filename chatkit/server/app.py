@@ -23,6 +23,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .. import segments
+from ..engine.batch import BatchEngine
 from ..errors import ChatKitError
 from ..loading import LoadedModel
 from ..messages import ChatMessage
@@ -38,15 +39,17 @@ log = logging.getLogger("chatkit.server")
 @dataclass
 class ServerConfig:
     """How ``chatkit serve`` runs. ``store``: a folder where conversations and responses outlive the
-    process (``None``: a temporary folder, forgotten at exit). ``parallel`` turns generate at once and
-    ``queue`` more may wait; beyond that, 503. ``api_key``: require ``Authorization: Bearer KEY``."""
+    process (``None``: a temporary folder, forgotten at exit). ``parallel`` turns generate at once (with
+    ``batch``, decoded together by one ``chatkit.BatchEngine``: one forward pass per step for all of
+    them) and ``queue`` more may wait; beyond that, 503. ``api_key``: require ``Authorization: Bearer KEY``."""
 
     model_id: str = "chatkit"
     store: str | None = None
     max_cache_bytes: int = 2 * 2**30
     max_conversations: int = 256
-    parallel: int = 2
+    parallel: int = 8
     queue: int = 32
+    batch: bool = True
     api_key: str | None = None
     defaults: GenerateParams = field(default_factory=lambda: GenerateParams(max_tokens=512))
     speculative: SpeculativeConfig | None = None
@@ -87,9 +90,15 @@ def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette
                 root = Path(config.store)
             else:
                 root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chatkit-serve-")))
+            engine = None
+            if config.batch and not (lm.distributed is not None and lm.distributed.sharded):
+                engine = BatchEngine(lm, max_batch=config.parallel)
+                stack.callback(engine.close)
+            app.state.engine = engine  # what RunningServer.engine shows
             state["conversations"] = convs = Conversations(
                 lm, folder=root, max_cache_bytes=config.max_cache_bytes, max_conversations=config.max_conversations,
                 defaults=config.defaults, speculative=config.speculative, persist=config.store is not None,
+                engine=engine,
             )
             state["responses"] = ResponseStore(root / "responses" if config.store is not None else None)
             state["limiter"] = Limiter(config.parallel, config.queue)

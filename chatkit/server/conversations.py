@@ -27,6 +27,7 @@ import mlx.core as mx
 
 from ..aio import AsyncResponseStream
 from ..cache.store import inspect as inspect_cache
+from ..engine.batch import BatchEngine
 from ..errors import ChatKitError, ContextWindowExceededError, SessionBusyError
 from ..loading import LoadedModel
 from ..messages import ChatMessage, Role
@@ -99,13 +100,15 @@ class Conversations:
         defaults: GenerateParams | None = None,
         speculative: SpeculativeConfig | None = None,
         persist: bool = False,
+        engine: BatchEngine | None = None,
     ) -> None:
         self._lm = lm
+        self._engine = engine
         self._defaults = defaults or GenerateParams()
         self._speculative = speculative
         self._persist = persist
         self._folder = Path(folder)
-        self.pool = SessionPool(lm, folder=self._folder / "caches", max_cache_bytes=max_cache_bytes)
+        self.pool = SessionPool(lm, folder=self._folder / "caches", max_cache_bytes=max_cache_bytes, engine=engine)
         self._max = max_conversations
         self._index: dict[str, str] = {}  # conversation_key -> pool key
         self._key_of: dict[str, str] = {}  # pool key -> its conversation_key
@@ -261,7 +264,7 @@ class Conversations:
         return self.pool.add(conv, session)
 
     def _build(self, instructions: str | None, history: Sequence[ChatMessage], tools: Tools) -> ChatSession:
-        builder = ChatSession.builder(self._lm).generate_params(self._defaults.copy())
+        builder = ChatSession.builder(self._lm).generate_params(self._defaults.copy()).engine(self._engine)
         builder = builder.instructions(instructions).history(history)
         if tools:  # the client runs the tools: a reply that calls them ends the turn
             builder = builder.tools([dict(t) for t in tools], execution="manual")

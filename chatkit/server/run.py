@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
+from ..engine.batch import BatchEngine
 from ..errors import ChatKitError
 from ..loading import LoadedModel
 from ..params import GenerateParams
@@ -26,6 +27,11 @@ class RunningServer:
         self._server, self._thread = server, thread
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}/v1"
+
+    @property
+    def engine(self) -> BatchEngine | None:
+        """The ``chatkit.BatchEngine`` decoding concurrent requests together (``None`` without ``batch``)."""
+        return getattr(self._server.config.app.state, "engine", None)
 
     def stop(self) -> None:
         """Shut down (conversations are saved when the server has a store) and wait for it."""
@@ -61,7 +67,8 @@ def parser() -> argparse.ArgumentParser:
                                 description="Serve a model over an OpenAI-compatible HTTP API.")
     p.add_argument("--model", default="demo", help="Hugging Face repo id, local folder, or 'demo' (the default)")
     p.add_argument("--draft", help="a draft model for speculative decoding (id, folder, or 'demo')")
-    p.add_argument("--num-draft", type=int, default=4, help="draft tokens per step (default 4)")
+    p.add_argument("--num-draft", default="auto",
+                   help="draft tokens per step, or 'auto' to tune it from the acceptance (default auto)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     p.add_argument("--store", metavar="DIR", help="keep conversations and responses in DIR across restarts")
@@ -69,7 +76,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cache-mb", type=int, default=2048,
                    help="KV cache memory for all conversations; beyond it caches go to disk (default 2048)")
     p.add_argument("--max-conversations", type=int, default=256, help="conversations kept (default 256)")
-    p.add_argument("--parallel", type=int, default=2, help="requests generating at once (default 2)")
+    p.add_argument("--parallel", type=int, default=8,
+                   help="requests generating at once, decoded together in one batch (default 8)")
+    p.add_argument("--no-batch", action="store_true",
+                   help="decode each request on its own instead of batching concurrent ones")
     p.add_argument("--queue", type=int, default=32, help="requests waiting beyond those; more get 503 (default 32)")
     p.add_argument("--max-tokens", type=int, default=512, help="reply length when a request sets none")
     p.add_argument("--temp", type=float, default=0.0, help="temperature when a request sets none (default 0)")
@@ -88,7 +98,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         speculative = None
         if args.draft:
             draft = load("demo-draft" if args.draft == "demo" and args.model == "demo" else args.draft)
-            speculative = SpeculativeConfig(draft, num_draft_tokens=args.num_draft)
+            num_draft: int | str = args.num_draft
+            if num_draft != "auto":
+                try:
+                    num_draft = int(num_draft)
+                except ValueError:
+                    raise ChatKitError(f"--num-draft {args.num_draft!r}: give a number of tokens or 'auto'.") from None
+            speculative = SpeculativeConfig(draft, num_draft_tokens=num_draft)
         defaults = GenerateParams(max_tokens=args.max_tokens, temperature=args.temp)
         defaults.validate()
         if args.parallel < 1 or args.queue < 0 or args.max_cache_mb < 0 or args.max_conversations < 1:
@@ -96,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = ServerConfig(
             model_id=args.model, store=args.store, max_cache_bytes=args.max_cache_mb * 2**20,
             max_conversations=args.max_conversations, parallel=args.parallel, queue=args.queue,
-            api_key=args.api_key, defaults=defaults, speculative=speculative,
+            api_key=args.api_key, defaults=defaults, speculative=speculative, batch=not args.no_batch,
         )
     except ChatKitError as exc:
         print(f"error: {exc}", file=sys.stderr)
