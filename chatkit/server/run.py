@@ -10,6 +10,7 @@ import threading
 from collections.abc import Sequence
 
 import uvicorn
+from starlette.applications import Starlette
 
 from ..engine.batch import BatchEngine
 from ..errors import ChatKitError
@@ -23,15 +24,16 @@ STARTUP_WAIT = 60.0  # seconds
 class RunningServer:
     """A server started by :func:`start`: ``url`` (e.g. ``http://127.0.0.1:51234/v1``) and ``stop()``."""
 
-    def __init__(self, server: uvicorn.Server, thread: threading.Thread, host: str, port: int) -> None:
-        self._server, self._thread = server, thread
+    def __init__(self, server: uvicorn.Server, thread: threading.Thread, host: str, port: int,
+                 app: Starlette) -> None:
+        self._server, self._thread, self._app = server, thread, app
         self.host, self.port = host, port
         self.url = f"http://{host}:{port}/v1"
 
     @property
     def engine(self) -> BatchEngine | None:
         """The ``chatkit.BatchEngine`` decoding concurrent requests together (``None`` without ``batch``)."""
-        return getattr(self._server.config.app.state, "engine", None)
+        return getattr(self._app.state, "engine", None)
 
     def stop(self) -> None:
         """Shut down (conversations are saved when the server has a store) and wait for it."""
@@ -52,14 +54,15 @@ def start(lm: LoadedModel, config: ServerConfig | None = None, *, host: str = "1
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(create_app(lm, config), log_level="warning", lifespan="on"))
+    app = create_app(lm, config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="chatkit-serve", daemon=True)
     thread.start()
     while not server.started:
         thread.join(0.01)
         if not thread.is_alive():
             raise ChatKitError(f"The server on {host}:{port} did not start: see the log above.")
-    return RunningServer(server, thread, host, sock.getsockname()[1])
+    return RunningServer(server, thread, host, sock.getsockname()[1], app)
 
 
 def parser() -> argparse.ArgumentParser:
