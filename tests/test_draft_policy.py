@@ -10,6 +10,7 @@ from chatkit.speculative.policy import (
     PROBE_MAX,
     choose,
     expected_tokens,
+    new_turn,
     record_draft,
     record_miss,
     record_plain,
@@ -109,6 +110,14 @@ def test_a_lookup_that_rarely_finds_the_text_is_soon_asked_rarely(proposes):
 def test_a_lookup_that_finds_the_text_keeps_drafting():
     policy = new_policy("auto", draft_model=False)
     assert simulate(policy, 0.95, 0.05, proposes=0.9) >= 2.0
+
+
+def test_a_new_turn_probes_at_once_however_long_the_pause():
+    policy = new_policy("auto", draft_model=False)
+    simulate(policy, 0.0, 0.3, tokens=5000)
+    assert policy.probe_every == PROBE_MAX and choose(policy) == (0, False)
+    new_turn(policy)
+    assert choose(policy) == (1, True)
 
 
 def test_probes_grow_sparser_while_drafting_does_not_pay_and_drafting_resumes_when_it_does():

@@ -347,7 +347,7 @@ def test_quantized_cache_decodes_as_standard_in_every_drafting_mode(tiny, mode, 
     params = COPYING.copy(max_tokens=24)
     _, turns = side_by_side(lm, MODES[mode](tiny), params, kv_bits=bits)  # quantized from the first token
     assert all(kinds == {"QuantizedKVCache"} for _, kinds in turns)
-    if mode.startswith("lookup"):
+    if mode == "lookup-5":  # the adaptive length may pause after the misses before the copying starts
         assert sum(stats.draft_tokens_accepted for stats, _ in turns) > 0
 
 
@@ -385,7 +385,9 @@ def test_prompt_lookup_with_a_rotating_cache_drafts_until_the_window_is_full(tin
     for config in (SpeculativeConfig("prompt_lookup", 4, ngram_min=1), SpeculativeConfig("prompt_lookup", ngram_min=1)):
         _, turns = side_by_side(lm, config, params, break_in=None, max_kv_size=window)
         (_, kinds), (second, _), (third, _) = turns
-        assert 0 < second.draft_tokens_accepted < 10  # drafted while the window had room
+        # Drafted while the window had room (the adaptive length may still pause after the first
+        # reply's misses: only the fixed one must draft).
+        assert second.draft_tokens_accepted < 10 and (config.adaptive or second.draft_tokens_accepted > 0)
         assert third.draft_tokens_proposed == 0 and third.generation_tokens == 24  # plain once it is full
         assert kinds == {"RotatingKVCache"}
 

@@ -14,7 +14,7 @@ from ..cache._mlx import layer_offset, speculation_room, trim_layers
 from ..cache.state import CacheState
 from ..params import LogitsProcessor
 from ..speculative import NgramIndex, SpeculativeConfig, new_policy
-from ..speculative.policy import DraftPolicy, choose, record_draft, record_miss, record_plain
+from ..speculative.policy import DraftPolicy, choose, new_turn, record_draft, record_miss, record_plain
 from . import Request, Token
 
 
@@ -190,6 +190,7 @@ def speculative_tokens(
     trims the rejected drafts from the cache: greedy output is exactly standard decoding's, and a
     seeded sampler draws as many random numbers, in the same order, as standard decoding.
     """
+    new_turn(policy)
     suffix, counts, sampler = list(request.suffix), request.drafts, request.sampler
     max_tokens, progress, options = request.max_tokens, request.progress, request.options
     prefix = suffix[:-1]  # what processors see before ``held``

@@ -77,6 +77,12 @@ def choose(policy: DraftPolicy) -> tuple[int, bool]:
     return 0, False
 
 
+def new_turn(policy: DraftPolicy) -> None:
+    """A turn starts: new text, so probe at its first drafting chance however long the pause was
+    (a reply that quotes the conversation is found at once, not after up to PROBE_MAX tokens)."""
+    policy.idle = max(policy.idle, policy.probe_every)
+
+
 def record_plain(policy: DraftPolicy, seconds: float) -> None:
     """A plain step (one token) took ``seconds``."""
     policy.plain_time = seconds if policy.plain_time is None else _smooth(policy.plain_time, seconds)
@@ -120,5 +126,5 @@ def _smooth(old: float, new: float) -> float:
     return (1.0 - SMOOTH) * old + SMOOTH * new
 
 
-__all__ = ["AUTO_MAX", "DraftPolicy", "best_length", "choose", "expected_tokens", "new_policy", "record_draft",
-           "record_miss", "record_plain"]
+__all__ = ["AUTO_MAX", "DraftPolicy", "best_length", "choose", "expected_tokens", "new_policy", "new_turn",
+           "record_draft", "record_miss", "record_plain"]
