@@ -72,8 +72,8 @@ class Repl:
                 builder = builder.cache(resume)
         if a.tools:
             builder = builder.tools([_import_function(spec) for spec in a.tools])
-        elif a.model in (None, "demo"):  # the demo model calls its calculator for arithmetic
-            from .. import demo
+        elif a.model in (None, "demo") and getattr(self.lm.tokenizer, "has_tool_calling", False):
+            from .. import demo  # a demo trained to call its calculator (v2) gets it
 
             builder = builder.tools(demo.tools())
         if self.draft is not None:
