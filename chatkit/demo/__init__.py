@@ -1,21 +1,25 @@
-"""chatkit's bundled demo pair: a small chat model and a draft model for speculative decoding.
+"""chatkit's bundled demo pair: a tiny chat model and a draft model for speculative decoding, and the
+``calculate`` tool of the coming demo v2.
 
-Both are qwen3-architecture models trained from scratch (``scripts/train_demo.py``) on synthetic
-dialogues, with their own byte-level BPE tokenizer and a ChatML template with Qwen-style tool calls.
-They remember what you tell them (your name, city, favourite colour, pet's name: any spelling) and
-say so when you have not told them; they call the ``calculate`` tool for arithmetic and answer with
-its result; they fill a JSON form (``output=``) from the chat; they spell and count letters of common
-words, repeat after you, make small talk and politely refuse the rest. No download needed::
+Both models are qwen3-architecture models trained from scratch (``scripts/train_demo.py``) on
+synthetic dialogues, with their own byte-level BPE tokenizer and a ChatML template. They do small sums
+("What is 7 + 5?"), spell and count letters of common words ("Spell cat.", "How many letters are in
+apple?"), repeat a few words ("Repeat after me: red tiger."), small talk, and remember facts you tell
+them ("My name is Ada.", "I live in Lyon.", "My favourite colour is green.", "I have a dog named
+Rex.", "I am 34 years old.") to answer later ("What is my name?"). Outside that little world their
+replies are nonsense. Their context window is 448 tokens, a little past their longest training
+dialogues. No download needed: ``chatkit.load("demo")`` and ``chatkit.load("demo-draft")``::
 
     import chatkit
 
     lm = chatkit.load("demo")
-    session = chatkit.ChatSession.builder(lm).tools(chatkit.demo.tools()).build()
+    draft = chatkit.SpeculativeConfig(chatkit.load("demo-draft"), 4)
+    session = chatkit.ChatSession.builder(lm).speculative(draft).build()
     print(session.respond("My name is Ada."))
-    print(session.respond("What is 1234 * 5678?"))
 
-This package only knows where the files are (loading them is ``chatkit.load``'s job) and the
-``calculate`` tool.
+``tools()`` is ``[calculate]``, exact arithmetic without ``eval``, for a demo trained to call it
+(``scripts/train_demo_v2.py``, docs/demo.md; ``chatkit chat`` gives it to such a demo by default).
+This package only knows where the files are (loading them is ``chatkit.load``'s job) and the tool.
 """
 
 from __future__ import annotations
