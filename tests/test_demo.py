@@ -1,11 +1,15 @@
-"""The bundled demo pair (chatkit.demo): loads offline and answers held-out questions correctly."""
+"""The bundled demo pair (chatkit.demo): loads offline and answers held-out questions correctly; its
+calculator tool (chatkit.demo.tools()) is exact and refuses everything but arithmetic."""
 
 import json
 import subprocess
 import sys
+from fractions import Fraction
 
 import chatkit
-from chatkit import ChatSession, GenerateParams, SpeculativeConfig
+from chatkit import ChatSession, GenerateParams, InvalidParamsError, SpeculativeConfig
+from chatkit.demo.calculator import MAX_DIGITS, calculate, format_number
+from chatkit.tools import as_tool
 
 import pytest
 
@@ -180,3 +184,61 @@ def test_command_line_draft_save_resume_and_prefill_progress(tmp_path):
     long_system = " ".join(["Answer briefly."] * 90)  # ~270 tokens: long enough for a progress line
     progress = cli("--system", long_system, stdin="What is 2 + 2?\n")
     assert "[prefill" in progress.stderr and "tokens]" in progress.stderr
+
+
+# -- the calculator ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("25 + 30", "55"), ("1234 * 5678", "7006652"), ("12 * (3 + 4)", "84"), ("7 - 9", "-2"), ("-(2 - 5)", "3"),
+    ("7 / 2", "3.5"), ("1 / 3", "0.333333"), ("2 / 3", "0.666667"), ("1 / 3 * 3", "1"), ("0.1 + 0.2", "0.3"),
+    ("  8/4 ", "2"), ("99999 * 99999", "9999800001"),
+])
+def test_calculate_is_exact(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize("expression, why", [
+    ("__import__('os').system('ls')", "Call is not allowed"),
+    ("open('x')", "Call is not allowed"),
+    ("x + 1", "Name is not allowed"),
+    ("(1).__class__", "Attribute is not allowed"),
+    ("2 ** 100000", "operator \\*\\* is not supported"),
+    ("9 ** 9 ** 9", "operator \\*\\* is not supported"),
+    ("7 // 2", "operator // is not supported"),
+    ("7 % 2", "operator % is not supported"),
+    ("1 / 0", "Division by zero"),
+    ("1 / (2 - 2)", "Division by zero"),
+    ("'a' + 'b'", "Constant is not allowed"),
+    ("True + 1", "Constant is not allowed"),
+    ("1 < 2", "Compare is not allowed"),
+    ("[1, 2]", "List is not allowed"),
+    ("lambda: 1", "Lambda is not allowed"),
+    ("1 +", "is not an arithmetic expression"),
+    ("1; 2", "is not an arithmetic expression"),
+    ("1" * 201, "longer than 200 characters"),
+    ("1e308 * 10", f"more than {MAX_DIGITS} digits"),
+    ("*".join(["99999999999"] * 7), f"more than {MAX_DIGITS} digits"),
+])
+def test_calculate_refuses_everything_but_arithmetic(expression, why):
+    with pytest.raises(InvalidParamsError, match=why) as info:
+        calculate(expression)
+    assert "+ - * / and parentheses" in str(info.value)  # says what the tool takes
+
+
+def test_calculate_refuses_what_is_not_text():
+    with pytest.raises(InvalidParamsError, match="must be text"):
+        calculate(12)  # type: ignore[arg-type]
+
+
+def test_format_number_rounds_to_six_places():
+    assert [format_number(Fraction(n, d)) for n, d in ((-7, 2), (1, 3000000), (-1, 3000000), (5, 1), (2, 3))] == [
+        "-3.5", "0", "0", "5", "0.666667"]
+
+
+def test_demo_tools_are_the_calculator_with_its_schema():
+    tools = chatkit.demo.tools()
+    assert tools == [calculate]
+    schema = as_tool(tools[0]).schema["function"]
+    assert schema["name"] == "calculate" and schema["parameters"]["required"] == ["expression"]
+    assert schema["parameters"]["properties"]["expression"]["type"] == "string"

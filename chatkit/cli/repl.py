@@ -72,6 +72,10 @@ class Repl:
                 builder = builder.cache(resume)
         if a.tools:
             builder = builder.tools([_import_function(spec) for spec in a.tools])
+        elif a.model in (None, "demo") and getattr(self.lm.tokenizer, "has_tool_calling", False):
+            from .. import demo  # a demo trained to call its calculator (v2) gets it
+
+            builder = builder.tools(demo.tools())
         if self.draft is not None:
             builder = builder.speculative(SpeculativeConfig(self.draft, num_draft_tokens=a.num_draft))
         session = _unreadable_as_file_error(builder.build, resume) if resume is not None else builder.build()
