@@ -190,7 +190,7 @@ def test_concurrent_requests_decode_together_in_one_batch(lm):
     params = PARAMS.copy(max_tokens=24, logits_processors=[Slow()])
     scripts = [[f"batch client {i}"] for i in range(4)]
     results: dict[int, list[str]] = {}
-    with start(lm, ServerConfig(defaults=params)) as running:
+    with start(lm, ServerConfig(defaults=params, batch=True, parallel=8)) as running:
         assert running.engine is not None and running.engine.max_batch == 8
 
         def run(i):
@@ -203,7 +203,7 @@ def test_concurrent_requests_decode_together_in_one_batch(lm):
             t.join()
         assert running.engine.peak_batch >= 2  # their steps shared forward passes
     assert [results[i] for i in range(4)] == [replies_in_process(lm, s, params=params) for s in scripts]
-    with start(lm, ServerConfig(defaults=params, batch=False)) as running:
+    with start(lm, ServerConfig(defaults=params)) as running:  # batching is opt-in
         assert running.engine is None
         assert conversation(client(running), scripts[0])[0] == results[0]
 
@@ -588,16 +588,15 @@ def test_changed_tools_start_another_conversation(think):
         r1 = chat(c, messages, tools=[WEATHER])
         (tc,) = r1.choices[0].message.tool_calls
         messages += [r1.choices[0].message, {"role": "tool", "tool_call_id": tc.id, "content": "sunny"}]
-        # Other tools render another prompt: the request is a conversation of its own, and answers as
-        # a fresh session with those tools and that history would. It starts from the batch engine's
-        # shared prefix cache: what its prompt shares with the first one's is not prefilled again.
+        # Other tools render another prompt: the request is a conversation of its own, prefilled whole,
+        # and answers as a fresh session with those tools and that history would.
         other = chat(c, messages, tools=[WEATHER, TIME], max_tokens=8)
         # The first conversation, with its own tools, is untouched and still reuses its cache.
         same = chat(c, messages, tools=[WEATHER], max_tokens=8)
     asked = chatkit.ChatMessage.assistant("", reasoning="Look it up.", tool_calls=[
         chatkit.ToolCall(tc.id, "get_weather", {"city": "Paris"})])
     history = [chatkit.ChatMessage.user("Weather in Paris?"), asked]
-    assert 0 < other.usage.prompt_tokens_details.cached_tokens < r1.usage.prompt_tokens
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
     fresh = tool_session(think, history, tools=(WEATHER, TIME))
     assert other.choices[0].message.content == fresh.respond("sunny", role="tool", tool_call_id=tc.id)
     assert same.usage.prompt_tokens_details.cached_tokens == r1.usage.prompt_tokens + r1.usage.completion_tokens

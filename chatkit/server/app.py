@@ -41,15 +41,16 @@ class ServerConfig:
     """How ``chatkit serve`` runs. ``store``: a folder where conversations and responses outlive the
     process (``None``: a temporary folder, forgotten at exit). ``parallel`` turns generate at once (with
     ``batch``, decoded together by one ``chatkit.BatchEngine``: one forward pass per step for all of
-    them) and ``queue`` more may wait; beyond that, 503. ``api_key``: require ``Authorization: Bearer KEY``."""
+    them, more throughput for many clients, some latency for one) and ``queue`` more may wait;
+    beyond that, 503. ``api_key``: require ``Authorization: Bearer KEY``."""
 
     model_id: str = "chatkit"
     store: str | None = None
     max_cache_bytes: int = 2 * 2**30
     max_conversations: int = 256
-    parallel: int = 8
+    parallel: int = 2
     queue: int = 32
-    batch: bool = True
+    batch: bool = False
     api_key: str | None = None
     defaults: GenerateParams = field(default_factory=lambda: GenerateParams(max_tokens=512))
     speculative: SpeculativeConfig | None = None
