@@ -693,3 +693,11 @@ def test_reasoning_comes_as_reasoning_content_streamed_or_not(think):
     assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "First, think."
     assert "".join(d.content or "" for d in deltas) == "Sunny today."
     assert chunks[-1].choices[0].finish_reason == "stop" and whole.tool_calls is None
+
+
+def test_serve_refuses_bad_batch_and_draft_flags(capsys):
+    from chatkit.server.run import main
+
+    assert main(["--batch", "-1"]) == 1 and "--batch >= 0" in capsys.readouterr().err
+    assert main(["--draft", "demo", "--num-draft", "many"]) == 1
+    assert "'auto'" in capsys.readouterr().err
