@@ -46,6 +46,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 from mlx_lm.utils import get_total_parameters
+from train_demo import build_model, loss_fn  # v1's model builder and loss, unchanged
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = Path("/tmp/chatkit-demo-v2")  # not the shipped pair (chatkit/demo/models) until v2 is ready
@@ -724,19 +725,6 @@ def model_config(size: str | tuple[int, ...], vocab_size: int, ids: dict[str, in
     }
 
 
-def build_model(config: dict, seed: int):
-    from mlx_lm.utils import _get_classes
-
-    mx.random.seed(seed)
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))
-    # Small embeddings (they are tied to the output layer), default init elsewhere.
-    emb = model.model.embed_tokens
-    emb.weight = mx.random.normal(emb.weight.shape) * 0.02
-    mx.eval(model.parameters())
-    return model
-
-
 def batches(tok, seed: int, batch_size: int, max_len: int, pool: int = 8):
     """An endless, seeded stream of padded (ids, mask) batches of fresh dialogues.
 
@@ -758,12 +746,6 @@ def batches(tok, seed: int, batch_size: int, max_len: int, pool: int = 8):
                 ids[r, : len(i)] = i
                 mask[r, : len(m)] = m
             yield mx.array(ids), mx.array(mask)
-
-
-def loss_fn(model, ids, mask):
-    logits = model(ids[:, :-1])
-    ce = nn.losses.cross_entropy(logits, ids[:, 1:]) * mask[:, 1:]
-    return ce.sum() / mask[:, 1:].sum()
 
 
 def train(name: str, model, tok, *, steps: int, batch_size: int, lr: float, seed: int, max_len: int,
