@@ -59,7 +59,7 @@ def tool_round_case(lm, history: int):
     """(description, chatkit run, raw run): the time to the first token after a tool result."""
     bias = {int(e): -1e9 for e in lm.tokenizer.eos_token_ids}
     params = GenerateParams(max_tokens=24, logit_bias=bias)
-    base = ChatSession.builder(lm).tools([WEATHER], execution="manual").generate_params(params).build()
+    base = ChatSession.builder(lm).tools([WEATHER], tool_execution="manual").generate_params(params).build()
     for i in range(history):
         base.respond(HISTORY_TURN + f"Question {i}: what happened next?")
     base.generate_params = GenerateParams(max_tokens=80, logits_processors=[Scripted(lm.tokenizer, [CALL])])

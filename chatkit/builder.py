@@ -93,16 +93,16 @@ class ChatSessionBuilder:
         self,
         tools: Sequence[Any] | None,
         *,
-        execution: str = "auto",
-        max_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
+        tool_execution: str = "auto",
+        max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
         errors: str = "return",
         strict_tools: bool = False,
     ) -> ChatSessionBuilder:
         """Tools the model may call: Python functions (sync or async; the schema from the signature,
         type hints and docstring) or OpenAI-style JSON schema dicts, passed to the template as ``tools``.
 
-        With ``execution="auto"`` ``respond`` calls them and gives the results back to the model until it
-        answers without calls (at most ``max_rounds`` rounds of results, then ``ToolLoopLimitError``);
+        With ``tool_execution="auto"`` ``respond`` calls them and gives the results back to the model until
+        it answers without calls (at most ``max_tool_rounds`` rounds of results, then ``ToolLoopLimitError``);
         ``"manual"`` leaves the calls to the app (``session.pending_tool_calls``). A failing call is told
         to the model as its result unless ``errors="raise"`` (``ToolExecutionError``).
 
@@ -111,7 +111,7 @@ class ChatSessionBuilder:
         fit that tool's parameters (closed objects), so a malformed call cannot be produced.
         ``InvalidOutputSpecError`` here for a tool-call format or a schema that cannot be constrained.
         """
-        options = ToolOptions(execution, max_rounds, errors, strict_tools)
+        options = ToolOptions(tool_execution, max_tool_rounds, errors, strict_tools)
         options.validate()
         checked = as_tools(tools)
         if strict_tools and checked is not None:

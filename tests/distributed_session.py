@@ -162,7 +162,7 @@ def extras(arch: str, strategy: str, out: Path, layers: int | None) -> None:
         tokens = [c.token for c in stream]
     note("tool ids rendered", tokens, ids=[c.id for m in with_ids.history for c in m.tool_calls],
          reused=with_ids.last_stats.reused_tokens)
-    manual = (ChatSession.builder(lm).tools([get_weather], execution="manual")
+    manual = (ChatSession.builder(lm).tools([get_weather], tool_execution="manual")
               .generate_params(params(40, logits_processors=[Scripted(lm.tokenizer, [call])])).build())
     manual.respond("And now?")
     (pending,) = manual.pending_tool_calls

@@ -153,7 +153,7 @@ def reuse_over_turns(family: Family, exchanges: int = 3, lm=None) -> list[Step]:
     from conftest import cache_state
 
     lm = lm or family.model()
-    s = session(family, lm, family.script(lm, exchanges), execution="manual")
+    s = session(family, lm, family.script(lm, exchanges), tool_execution="manual")
     steps = []
 
     def turn(prompt, kind, role=Role.USER):

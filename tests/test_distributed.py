@@ -214,7 +214,7 @@ def test_tool_call_ids_follow_the_conversation_so_every_rank_renders_the_same_pr
     seen = []
     for _ in range(2):
         params = GenerateParams(max_tokens=60, logits_processors=[Scripted(lm.tokenizer, [calls, calls])])
-        session = ChatSession.builder(lm).tools([get_weather], execution="manual").generate_params(params).build()
+        session = ChatSession.builder(lm).tools([get_weather], tool_execution="manual").generate_params(params).build()
         session.respond("Weather?")
         first = [c.id for c in session.pending_tool_calls]
         for call in session.pending_tool_calls:

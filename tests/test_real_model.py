@@ -166,7 +166,7 @@ def test_a_tool_turn_on_a_template_that_renders_no_tools(lm, lm_tools):
     assert "<|im_start|>tool\nIt is sunny and 24 degrees in Paris.<|im_end|>" in prompt
     # Invariant 5: the answer is what a fresh session replaying the call gives to the result ...
     fresh = (ChatSession.builder(lm_tools).instructions("You are a helpful assistant.")
-             .tools([get_weather], execution="manual").history([user, asked])
+             .tools([get_weather], tool_execution="manual").history([user, asked])
              .generate_params(GenerateParams(max_tokens=32, temperature=0.0)).build())
     with fresh.stream_respond(result.content, role="tool", tool_call_id=called.id) as again:
         list(again)

@@ -75,7 +75,7 @@ def test_generated_tool_call_ids_render_in_mistral_templates_that_require_nine_a
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
     script = Scripted(lm.tokenizer, [call])
     session = (ChatSession.builder(lm).chat_template(TEMPLATES / "mistralai-Mistral-Nemo-Instruct-2407.jinja")
-               .tools([WEATHER], execution="manual")
+               .tools([WEATHER], tool_execution="manual")
                .generate_params(GenerateParams(max_tokens=40, logits_processors=[script])).build())
     session.respond("Weather in Rome?")
     (pending,) = session.pending_tool_calls

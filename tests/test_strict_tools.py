@@ -313,7 +313,7 @@ def test_strict_tools_per_call_overrides_the_sessions_default(models):
 
 def test_manual_mode_returns_strict_calls(models):
     lm = models("bpe-think")
-    session = strict_session(lm, execution="manual")
+    session = strict_session(lm, tool_execution="manual")
     session.respond(PROMPTS[1])
     pending = session.pending_tool_calls
     assert pending and all(valid(c) for c in pending)
@@ -347,7 +347,7 @@ def test_speculative_strict_turns_equal_standard_ones(models, draft):
 
 def test_reasoning_stays_free_and_the_call_after_it_is_strict(models):
     lm = models("bpe-think")
-    session = strict_session(lm, opener="<think>\nI should call a tool.\n</think>\n\n<tool_call>", execution="manual")
+    session = strict_session(lm, opener="<think>\nI should call a tool.\n</think>\n\n<tool_call>", tool_execution="manual")
     session.respond(PROMPTS[0])
     asked = session.history[-1]
     assert asked.reasoning == "I should call a tool." and asked.tool_calls and all(valid(c) for c in asked.tool_calls)
@@ -357,7 +357,7 @@ def test_async_api_takes_strict_tools(models):
     import asyncio
 
     lm = models("bpe-think")
-    session = strict_session(lm, strict=False, execution="manual")
+    session = strict_session(lm, strict=False, tool_execution="manual")
     asyncio.run(session.arespond(PROMPTS[0], strict_tools=True))
     assert session.pending_tool_calls and all(valid(c) for c in session.pending_tool_calls)
 
@@ -379,7 +379,7 @@ def test_a_bad_schema_or_an_unsupported_format_is_refused_before_anything_change
     # A tool result that answers one of two pending calls is added without a turn: not when refused.
     calls = (ToolCall("a1b2c3d4e", "get_weather", {"city": "Oslo"}), ToolCall("f1g2h3i4j", "get_weather", {"city": "Rome"}))
     history = [ChatMessage.user("Weather?"), ChatMessage.assistant("", tool_calls=calls)]
-    waiting = ChatSession.builder(lm).tools([bad, *TOOLS], execution="manual").history(history).build()
+    waiting = ChatSession.builder(lm).tools([bad, *TOOLS], tool_execution="manual").history(history).build()
     with pytest.raises(InvalidOutputSpecError, match="'f'"):
         waiting.respond("sunny", role=Role.TOOL, tool_call_id="a1b2c3d4e", strict_tools=True)
     assert waiting.history == history and len(waiting.pending_tool_calls) == 2

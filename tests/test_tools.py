@@ -87,7 +87,7 @@ def test_tools_that_cannot_be_described_are_refused_with_what_to_do(lm):
     with pytest.raises(InvalidParamsError, match="needs a name"):
         ChatSession.builder(lm).tools([{"type": "function", "function": {}}])
     with pytest.raises(InvalidParamsError, match="manual"):
-        ChatSession.builder(lm).tools([get_weather], execution="later")
+        ChatSession.builder(lm).tools([get_weather], tool_execution="later")
 
 
 def test_the_loop_runs_parallel_calls_in_order_and_the_model_answers(lm):
@@ -116,7 +116,7 @@ def test_the_loop_runs_parallel_calls_in_order_and_the_model_answers(lm):
 
 def test_a_tool_round_prefills_only_the_tool_result_and_the_templates_glue(lm):
     session, _ = scripted(lm, [f"<think>\nLook it up.\n</think>\n\n{call('get_weather', city='Paris')}", "Sunny."],
-                          execution="manual")
+                          tool_execution="manual")
     session.respond("Weather?")
     held = cache_state(session).ledger.tokens  # the prompt and the reply with its call, as generated
     (pending,) = session.pending_tool_calls
@@ -178,7 +178,7 @@ def test_async_tools_run_also_under_a_running_event_loop(lm):
 
 def test_the_round_limit_raises_and_the_session_stays_usable(lm):
     again = call("get_weather", city="Paris")
-    session, _ = scripted(lm, [again, again, again, "Done."], max_rounds=2)
+    session, _ = scripted(lm, [again, again, again, "Done."], max_tool_rounds=2)
     with pytest.raises(ToolLoopLimitError, match="after 2 rounds"):
         session.respond("Loop.")
     roles = [m.role for m in session.history]
@@ -189,7 +189,7 @@ def test_the_round_limit_raises_and_the_session_stays_usable(lm):
 
 def test_manual_mode_returns_the_calls_and_waits_for_every_result(lm):
     both = call("get_weather", city="Paris") + "\n" + call("get_weather", city="Rome")
-    session, _ = scripted(lm, [both, "Paris sunny, Rome rain."], execution="manual")
+    session, _ = scripted(lm, [both, "Paris sunny, Rome rain."], tool_execution="manual")
     with session.stream_respond("Both cities?") as stream:
         for _ in stream:
             pass

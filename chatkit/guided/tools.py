@@ -44,6 +44,7 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
+from ..cache.planner import common_prefix_length
 from ..errors import ChatKitError, InvalidOutputSpecError
 from .spec import output_spec
 from .tokenizer import llg_tokenizer
@@ -443,11 +444,7 @@ class ToolCallConstraint:
         if len(tokens) >= n and tokens[:n] == self._tokens:
             common = n
         else:
-            common = 0
-            for a, b in zip(self._tokens, tokens):
-                if a != b:
-                    break
-                common += 1
+            common = common_prefix_length(self._tokens, tokens)
         self.rollback(n - common)
         for t in tokens[common:]:
             self.advance(t)

@@ -5,7 +5,7 @@ A request names a conversation by content: its instructions, its tools and the m
 new ones. ``Conversations`` indexes every pooled session by a hash of exactly that (its instructions,
 tools and history), so a client that re-sends the whole conversation lands on the session that holds
 it and pays only for the new message (or the results of the tools the last reply called: the client
-runs them, each session is built with ``execution="manual"``). After each turn the session is indexed
+runs them, each session is built with ``tool_execution="manual"``). After each turn the session is indexed
 under its new history.
 """
 
@@ -267,7 +267,7 @@ class Conversations:
         builder = ChatSession.builder(self._lm).generate_params(self._defaults.copy()).engine(self._engine)
         builder = builder.instructions(instructions).history(history)
         if tools:  # the client runs the tools: a reply that calls them ends the turn
-            builder = builder.tools([dict(t) for t in tools], execution="manual")
+            builder = builder.tools([dict(t) for t in tools], tool_execution="manual")
         return (builder.speculative(self._speculative) if self._speculative is not None else builder).build()
 
     def _check_fits(self, session: ChatSession, message: ChatMessage) -> None:

@@ -39,7 +39,7 @@ class ToolOptions:
 
     def validate(self) -> None:
         if self.execution not in ("auto", "manual"):
-            raise InvalidParamsError(f"tool execution={self.execution!r}: use 'auto' or 'manual'.")
+            raise InvalidParamsError(f"tool_execution={self.execution!r}: use 'auto' or 'manual'.")
         if not isinstance(self.max_rounds, int) or isinstance(self.max_rounds, bool) or self.max_rounds < 0:
             raise InvalidParamsError(f"max_tool_rounds={self.max_rounds!r}: use an int >= 0.")
         if self.errors not in ("return", "raise"):
