@@ -628,6 +628,49 @@ def test_tool_choice_none_keeps_the_model_from_calling(think):
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
 
 
+class FavourFirst:
+    """Pushes ``token`` at the first step it sees only: the reply opens a tool call, the rest is free."""
+
+    def __init__(self, token):
+        self.token, self.calls = token, 0
+
+    def __call__(self, tokens, logits):
+        import mlx.core as mx
+
+        self.calls += 1
+        return logits + 50.0 * (mx.arange(logits.shape[-1]) == self.token) if self.calls == 1 else logits
+
+
+@pytest.mark.skipif(not guided_available(), reason="needs the guided extra")
+def test_a_strict_tool_gets_calls_that_follow_its_schema(think):
+    (start_call,) = think.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    # A random model never ends a free string: the strict tool bounds it (as a real schema may).
+    bounded = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}
+    strict = {"type": "function", "function": {**WEATHER["function"], "parameters": bounded, "strict": True}}
+    loose = GenerateParams(max_tokens=40, logits_processors=[FavourFirst(start_call)])
+    with start(think, ServerConfig(defaults=loose)) as running:
+        # Without strict the random model's call is unreadable (no tool_calls parsed from it).
+        plain = chat(client(running), [user("Weather?")], tools=[WEATHER])
+    assert not plain.choices[0].message.tool_calls or not all(
+        _readable(tc, "get_weather") for tc in plain.choices[0].message.tool_calls)
+    strict_params = GenerateParams(max_tokens=40, logits_processors=[FavourFirst(start_call)])
+    with start(think, ServerConfig(defaults=strict_params)) as running:
+        r = chat(client(running), [user("Weather?")], tools=[strict])
+        status, data = post(running, "/chat/completions", {"messages": [user("hi")], "tools": [
+            {"type": "function", "function": {**WEATHER["function"], "strict": "yes"}}]})
+    calls = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and calls and all(_readable(tc, "get_weather") for tc in calls)
+    assert status == 400 and data["error"]["param"] == "tools[0]" and "strict" in data["error"]["message"]
+
+
+def _readable(tc, name):
+    try:
+        arguments = json.loads(tc.function.arguments)
+    except ValueError:
+        return False
+    return tc.function.name == name and set(arguments) == {"city"} and isinstance(arguments["city"], str)
+
+
 def test_responses_function_calls_round_trip(think):
     flat = {"type": "function", **WEATHER["function"]}
     with scripted_server(think, [THINK_AND_CALL]) as running:

@@ -296,7 +296,8 @@ def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette
         await limiter.acquire()
         try:
             lease = await state["conversations"].start(instructions, history, added, params, tools=req.tools,
-                                                       keep=keep, schema=req.schema)
+                                                       keep=keep, schema=req.schema,
+                                                       strict_tools=req.strict_tools)
         except BaseException:
             limiter.release()
             raise

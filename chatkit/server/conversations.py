@@ -125,7 +125,7 @@ class Conversations:
     # -- a turn ---------------------------------------------------------------------------------
     async def start(self, instructions: str | None, history: Sequence[ChatMessage], added: Sequence[ChatMessage],
                     params: GenerateParams, *, tools: Tools = None, keep: bool = True,
-                    schema: dict[str, Any] | None = None) -> Lease:
+                    schema: dict[str, Any] | None = None, strict_tools: bool = False) -> Lease:
         """Open a turn answering ``added`` (a message, or the tool results answering the last reply's
         calls: all but the last join the history first) after ``instructions`` + ``tools`` + ``history``:
         on the pooled session that holds exactly that conversation, else on a new one. ``keep=False``:
@@ -167,6 +167,8 @@ class Conversations:
                     await self._run(self._check_fits, session, added[-1])
                 session.generate_params = params
                 extra: dict[str, Any] = {"output": schema} if schema is not None else {}
+                if strict_tools:
+                    extra["strict_tools"] = True
                 base = len(session.history)
                 stream = await self._run(lambda: session.astream_respond(added[-1], **extra))
             except BaseException:

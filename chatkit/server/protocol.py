@@ -4,8 +4,10 @@ Only what chatkit can honour is accepted; a field it cannot (n > 1, logprobs, pe
 sampler for, a tool_choice that forces a call) is a 400 naming the field rather than being ignored.
 Function tools, assistant tool calls, tool results and reasoning travel in OpenAI's fields
 (``tool_calls``, ``role: "tool"`` + ``tool_call_id``, ``reasoning_content``; on ``/v1/responses``
-``function_call`` / ``function_call_output`` / ``reasoning`` items). A tool's ``strict`` flag is
-accepted but not enforced (the model's call is parsed as written).
+``function_call`` / ``function_call_output`` / ``reasoning`` items). A tool marked ``strict: true``
+makes the turn's tool calls guided (``strict_tools=True``: every call's arguments follow its tool's
+schema); that needs the ``guided`` extra and a template whose call format chatkit can constrain, else
+a 400 says so.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class TurnRequest:
     store: bool = True
     tools: tuple[dict[str, Any], ...] | None = None  # function schemas, {"type": "function", "function": {...}}
     tool_choice: str = "auto"  # or "none": the model may not call them
+    strict_tools: bool = False  # a tool said strict: true: calls are constrained to the tools' schemas
     echo: dict[str, Any] = field(default_factory=dict)  # request fields a response repeats back
 
 
@@ -60,7 +63,7 @@ def guided_available() -> bool:
 def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
     """A ``POST /v1/chat/completions`` body."""
     body = _object(body)
-    tools, choice = _tools(body, flat=False)
+    tools, choice, strict = _tools(body, flat=False)
     if body.get("n", 1) != 1:
         raise BadRequestError("n: chatkit answers with one choice per request; send n=1.", param="n")
     if body.get("logprobs") or body.get("top_logprobs"):
@@ -80,7 +83,7 @@ def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
         stream=_bool(body, "stream", False),
         include_usage=bool(options.get("include_usage", False)),
         schema=_chat_schema(body.get("response_format")),
-        tools=tools, tool_choice=choice,
+        tools=tools, tool_choice=choice, strict_tools=strict,
     )
 
 
@@ -88,7 +91,7 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
     """A ``POST /v1/responses`` body. ``added`` is its input as messages (function calls and their
     outputs as assistant tool calls and tool messages); the app puts it after the stored conversation."""
     body = _object(body)
-    tools, choice = _tools(body, flat=True)
+    tools, choice, strict = _tools(body, flat=True)
     if body.get("reasoning"):
         raise BadRequestError("reasoning options are not supported by chatkit serve yet: leave them out.",
                               param="reasoning")
@@ -113,7 +116,7 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
     text = body.get("text") or {}
     schema = _format_schema(text.get("format") if isinstance(text, Mapping) else None, "text.format")
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "temperature", "top_p", "metadata")}
-    echo["tools"] = [{"type": "function", **t["function"], "strict": False} for t in tools or ()]
+    echo["tools"] = [{"type": "function", **t["function"], "strict": strict} for t in tools or ()]
     echo["tool_choice"] = choice
     return TurnRequest(
         instructions, (), tuple(items),
@@ -122,7 +125,7 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
         schema=schema,
         previous_response_id=previous,
         store=_bool(body, "store", True),
-        tools=tools, tool_choice=choice,
+        tools=tools, tool_choice=choice, strict_tools=strict,
         echo=echo,
     )
 
@@ -205,15 +208,17 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, Any], ...] | None, str]:
+def _tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, Any], ...] | None, str, bool]:
     """The request's function tools, each as ``{"type": "function", "function": {name, description,
-    parameters}}`` (``flat``: the Responses API's ``{"type": "function", "name", ...}``), and its tool choice."""
+    parameters}}`` (``flat``: the Responses API's ``{"type": "function", "name", ...}``), its tool choice,
+    and whether a tool asked for strict calls (chatkit's ``strict_tools`` holds for all of a turn's tools)."""
     for name in ("functions", "function_call"):
         if body.get(name):
             raise BadRequestError(f"{name} is the deprecated form of tools: send tools and tool_choice instead.",
                                   param=name)
     raw = body.get("tools")
     tools: list[dict[str, Any]] | None = None
+    strict = False
     if raw:
         if not isinstance(raw, list):
             raise BadRequestError("tools must be a list of function tools.", param="tools")
@@ -235,6 +240,10 @@ def _tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, Any]
                                           param=where)
                 if value is not None:
                     schema[key] = dict(value) if isinstance(value, Mapping) else value
+            flag = function.get("strict")
+            if flag is not None and not isinstance(flag, bool):
+                raise BadRequestError(f"{where}: strict must be true or false.", param=where)
+            strict = strict or bool(flag)
             tools.append({"type": "function", "function": schema})
         names = [t["function"]["name"] for t in tools]
         if len(set(names)) != len(names):
@@ -249,7 +258,7 @@ def _tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, Any]
     if body.get("parallel_tool_calls") is False and tools:
         raise BadRequestError("parallel_tool_calls=false: chatkit cannot hold the model to one call per reply; "
                               "leave it out (or true) and run the calls you want.", param="parallel_tool_calls")
-    return (tuple(tools) if tools else None), choice
+    return (tuple(tools) if tools else None), choice, strict and bool(tools)
 
 
 def _text(content: Any, where: str) -> str:
