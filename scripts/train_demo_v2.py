@@ -488,17 +488,21 @@ def turn_count(rng: np.random.Generator) -> int:
     return int(rng.integers(1, 9) if r < 0.55 else rng.integers(9, 17) if r < 0.87 else rng.integers(17, 29))
 
 
-def make_dialogue(rng: np.random.Generator, world: World = TRAIN) -> Dialogue:
+def make_dialogue(rng: np.random.Generator, world: World = TRAIN, school: bool = False) -> Dialogue:
     """A dialogue of 1-28 turns: facts told and asked back later, questions about facts never told,
-    arithmetic through the tool, JSON forms, and other small tasks."""
-    n = turn_count(rng)
+    arithmetic through the tool, JSON forms, and other small tasks.
+
+    ``school``: a short dialogue (1-6 turns) that is mostly copying (telling and recalling facts,
+    repeating, tool calls): the first steps of training, where copying has to emerge."""
+    n = int(rng.integers(1, 7)) if school else turn_count(rng)
     system = str(rng.choice(SYSTEM_PROMPTS)) if rng.random() < 0.4 else None
-    tools = rng.random() < 0.8
+    tools = rng.random() < (0.95 if school else 0.8)
     plan: list[str] = []
-    kinds = [str(k) for k in rng.permutation(list(TELL_REPLY))[: int(rng.integers(0, 5))]]
+    kinds = [str(k) for k in rng.permutation(list(TELL_REPLY))[: int(rng.integers(1 if school else 0, 5))]]
+    cuts = (0.3, 0.65, 0.72) if school else (0.17, 0.42, 0.5)
     for _ in range(n):
         r = rng.random()
-        plan.append("tell" if r < 0.17 else "ask" if r < 0.42 else "untold" if r < 0.5 else "other")
+        plan.append("tell" if r < cuts[0] else "ask" if r < cuts[1] else "untold" if r < cuts[2] else "other")
     known: dict[str, dict[str, str]] = {}
     turns: list[Turn] = []
     told_at: dict[str, int] = {}
@@ -530,7 +534,9 @@ def make_dialogue(rng: np.random.Generator, world: World = TRAIN) -> Dialogue:
             turns.append(Turn(q, say(UNTOLD_REPLY[k]), "untold"))
             continue
         r = rng.random()
-        if i == 0 and r < 0.15:
+        if school:
+            turns.append(arithmetic(rng, world, tools) if r < 0.55 else repeat(rng, world) if r < 0.9 else guided(rng, world, known))
+        elif i == 0 and r < 0.15:
             turns.append(Turn(str(rng.choice(GREETINGS)), say(GREETING_REPLY), "smalltalk"))
         elif i == n - 1 and r < 0.1:
             turns.append(Turn(str(rng.choice(BYES)), say(BYE_REPLY), "smalltalk"))
@@ -725,7 +731,7 @@ def model_config(size: str | tuple[int, ...], vocab_size: int, ids: dict[str, in
     }
 
 
-def batches(tok, seed: int, batch_size: int, max_len: int, pool: int = 8):
+def batches(tok, seed: int, batch_size: int, max_len: int, pool: int = 8, school: bool = False):
     """An endless, seeded stream of padded (ids, mask) batches of fresh dialogues.
 
     Dialogues are drawn ``pool`` batches at a time and sorted by length, so a batch holds dialogues
@@ -734,7 +740,7 @@ def batches(tok, seed: int, batch_size: int, max_len: int, pool: int = 8):
     rng = np.random.default_rng([seed, 2])
     pad = tok.token_to_id(PAD)
     while True:
-        items = [x for x in encode(tok, [make_dialogue(rng) for _ in range(batch_size * pool)]) if len(x[0]) <= max_len]
+        items = [x for x in encode(tok, [make_dialogue(rng, school=school) for _ in range(batch_size * pool)]) if len(x[0]) <= max_len]
         items.sort(key=lambda x: len(x[0]))
         chunks = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
         for k in rng.permutation(len(chunks)):
@@ -748,13 +754,46 @@ def batches(tok, seed: int, batch_size: int, max_len: int, pool: int = 8):
             yield mx.array(ids), mx.array(mask)
 
 
+def copy_batches(tok, seed: int, batch_size: int = 32, width: int = 128):
+    """An endless stream of synthetic copying batches: random token strings, each followed by
+    ``<|im_end|>`` and itself again; the loss covers the repeats (from their second token).
+
+    Measured here: without this phase, 500 to 800 steps of dialogues taught no copying at all (0 %
+    recall, held-out names); after 300 steps of it (qwen3 shape 96,4,256,3,3, lr 3e-3, no weight
+    decay) the loss on repeats fell from 7.3 to 1.4, and 400 steps of school dialogues then reached
+    58-67 % teacher-forced recall of held-out names told 1-2 turns earlier and 48 % exact tool calls.
+    (The same run with a llama-shaped model, no q/k norms, learnt no copying in that time.)"""
+    rng = np.random.default_rng([seed, 5])
+    end, vocab = tok.token_to_id(EOS), tok.get_vocab_size()
+    first = len(SPECIALS) + len(ADDED)
+    while True:
+        ids = np.zeros((batch_size, width), np.int32)
+        mask = np.zeros((batch_size, width), np.float32)
+        for r in range(batch_size):
+            pos = 0
+            while True:
+                n = int(rng.integers(2, 12))
+                if pos + 2 * n + 1 > width:
+                    break
+                run = rng.integers(first, vocab, size=n)
+                ids[r, pos : pos + n] = run
+                ids[r, pos + n] = end
+                ids[r, pos + n + 1 : pos + 2 * n + 1] = run
+                mask[r, pos + n + 2 : pos + 2 * n + 1] = 1.0  # a repeat's first token cannot be known
+                pos += 2 * n + 1
+        yield mx.array(ids), mx.array(mask)
+
+
 def train(name: str, model, tok, *, steps: int, batch_size: int, lr: float, seed: int, max_len: int,
-          eval_set, log_every: int = 50) -> dict:
+          eval_set, copy_steps: int = 0, school_steps: int = 0, weight_decay: float = 0.05,
+          log_every: int = 50) -> dict:
+    """``copy_steps`` of synthetic copying, then ``school_steps`` of short copying dialogues, then the
+    full mix, ``steps`` in all."""
     warmup = max(1, steps // 20)
     schedule = optim.join_schedules(
         [optim.linear_schedule(lr / 100, lr, warmup), optim.cosine_decay(lr, steps - warmup, lr / 20)], [warmup]
     )
-    opt = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.98], weight_decay=0.05)
+    opt = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.98], weight_decay=weight_decay)
     grad = nn.value_and_grad(model, loss_fn)
 
     def step(ids, mask):
@@ -765,11 +804,13 @@ def train(name: str, model, tok, *, steps: int, batch_size: int, lr: float, seed
 
     state = [model.state, opt.state]
     step = mx.compile(step, inputs=state, outputs=state)
+    copying = copy_batches(tok, seed)
+    school = batches(tok, seed + 1, 2 * batch_size, max_len, school=True)  # short dialogues: twice as many
     stream = batches(tok, seed, batch_size, max_len)
     t0 = time.perf_counter()
     tokens, recent = 0, []
     for i in range(1, steps + 1):
-        ids, mask = next(stream)
+        ids, mask = next(copying if i <= copy_steps else school if i <= copy_steps + school_steps else stream)
         loss = step(ids, mask)
         mx.eval(loss, state)
         tokens += ids.size
@@ -884,6 +925,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} (/tmp/chatkit-demo-quick with --quick)")
     p.add_argument("--vocab-size", type=int, default=1536)
     p.add_argument("--chat-steps", type=int, default=None, help="default 1000 (150 with --quick)")
+    p.add_argument("--copy-steps", type=int, default=0, help="first steps of synthetic copying (see copy_batches)")
+    p.add_argument("--school-steps", type=int, default=0, help="then steps of short copying dialogues")
+    p.add_argument("--weight-decay", type=float, default=0.05)
     p.add_argument("--draft-steps", type=int, default=None, help="default 500 (150 with --quick)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--chat-lr", type=float, default=3e-3)
@@ -930,7 +974,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[{name}] {n_params / 1e6:.2f}M parameters, {steps} steps of {args.batch_size} dialogues", flush=True)
         # Both models see the same batches (same data seed).
         results[name] = train(name, model, tok, steps=steps, batch_size=args.batch_size, lr=lr,
-                              seed=args.seed, max_len=args.max_len, eval_set=eval_set)
+                              seed=args.seed, max_len=args.max_len, eval_set=eval_set,
+                              copy_steps=args.copy_steps, school_steps=args.school_steps,
+                              weight_decay=args.weight_decay)
         save(out / name, model, config, tok)
         size = (out / name / "model.safetensors").stat().st_size
         print(f"[{name}] final train loss {results[name]['train_loss']:.4f}, held-out loss "

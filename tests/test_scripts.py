@@ -60,7 +60,8 @@ def test_demo_v2_scripts_train_and_evaluate_a_tiny_pair_with_the_calculator(tmp_
     """Demo v2 (work in progress, docs/demo.md): made-up names, held-out world, Qwen-style tool calls
     through the calculator, JSON forms; the training renderer equals the shipped template (checked
     inside the script), and the evaluation drives the tool loop and output= end to end."""
-    log = run_script(SCRIPTS / "train_demo_v2.py", *TINY_RUN, "--out", tmp_path)
+    log = run_script(SCRIPTS / "train_demo_v2.py", *TINY_RUN, "--copy-steps", "1", "--school-steps", "1",
+                     "--out", tmp_path)
     assert re.search(r"tokenizer: \d+ tokens; a held-out name or city is \d\.\d tokens", log)
     chat = chatkit.load(str(tmp_path / "chat"))
     assert chat.context_length == 1536 and chat.tokenizer.has_tool_calling
