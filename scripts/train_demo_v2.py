@@ -945,6 +945,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.chat_steps = args.chat_steps or (150 if args.quick else 1000)
     args.draft_steps = args.draft_steps or (150 if args.quick else 500)
+    for name in ("chat", "draft"):
+        if args.only and name != args.only:
+            continue
+        if args.copy_steps + args.school_steps >= getattr(args, f"{name}_steps"):
+            p.error(f"--copy-steps + --school-steps ({args.copy_steps + args.school_steps}) leave no steps of the "
+                    f"full mix in --{name}-steps ({getattr(args, f'{name}_steps')}): give more {name} steps.")
     out = args.out or (Path("/tmp/chatkit-demo-quick") if args.quick else DEFAULT_OUT)
 
     t0 = time.perf_counter()

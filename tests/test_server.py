@@ -742,5 +742,6 @@ def test_serve_refuses_bad_batch_and_draft_flags(capsys):
     from chatkit.server.run import main
 
     assert main(["--batch", "-1"]) == 1 and "--batch >= 0" in capsys.readouterr().err
+    assert main(["--batch", "4", "--parallel", "8"]) == 1 and "leave out --parallel 8" in capsys.readouterr().err
     assert main(["--draft", "demo", "--num-draft", "many"]) == 1
     assert "'auto'" in capsys.readouterr().err

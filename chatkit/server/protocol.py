@@ -258,7 +258,7 @@ def _tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, Any]
     if body.get("parallel_tool_calls") is False and tools:
         raise BadRequestError("parallel_tool_calls=false: chatkit cannot hold the model to one call per reply; "
                               "leave it out (or true) and run the calls you want.", param="parallel_tool_calls")
-    return (tuple(tools) if tools else None), choice, strict and bool(tools)
+    return (tuple(tools) if tools else None), choice, strict
 
 
 def _text(content: Any, where: str) -> str:

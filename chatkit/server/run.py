@@ -79,7 +79,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-cache-mb", type=int, default=2048,
                    help="KV cache memory for all conversations; beyond it caches go to disk (default 2048)")
     p.add_argument("--max-conversations", type=int, default=256, help="conversations kept (default 256)")
-    p.add_argument("--parallel", type=int, default=2, help="requests generating at once (default 2)")
+    p.add_argument("--parallel", type=int, default=None, help="requests generating at once (default 2; N with --batch N)")
     p.add_argument("--batch", type=int, default=0, metavar="N",
                    help="decode up to N concurrent requests together on one batch engine (more throughput "
                         "for many clients, some latency for one; default: off)")
@@ -110,14 +110,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             speculative = SpeculativeConfig(draft, num_draft_tokens=num_draft)
         defaults = GenerateParams(max_tokens=args.max_tokens, temperature=args.temp)
         defaults.validate()
-        if args.parallel < 1 or args.queue < 0 or args.max_cache_mb < 0 or args.max_conversations < 1 or args.batch < 0:
+        if args.batch and args.parallel not in (None, args.batch):
+            raise ChatKitError(f"--batch {args.batch} already lets {args.batch} requests generate at once: "
+                               f"leave out --parallel {args.parallel} (or give both the same number).")
+        parallel = args.batch or (2 if args.parallel is None else args.parallel)  # a batch's size is how many generate at once
+        if parallel < 1 or args.queue < 0 or args.max_cache_mb < 0 or args.max_conversations < 1 or args.batch < 0:
             raise ChatKitError("--parallel and --max-conversations must be >= 1, --queue, --max-cache-mb and "
                                "--batch >= 0.")
-        if args.batch:
-            args.parallel = args.batch  # the batch's size is how many generate at once
         config = ServerConfig(
             model_id=args.model, store=args.store, max_cache_bytes=args.max_cache_mb * 2**20,
-            max_conversations=args.max_conversations, parallel=args.parallel, queue=args.queue,
+            max_conversations=args.max_conversations, parallel=parallel, queue=args.queue,
             api_key=args.api_key, defaults=defaults, speculative=speculative, batch=args.batch > 0,
         )
     except ChatKitError as exc:
