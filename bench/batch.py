@@ -13,7 +13,12 @@ differs). Aggregate tok/s = all tokens generated / wall time from the first star
 (median over the sessions). Every batched session's tokens must equal its sequential run's.
 
 Before part 1, the model's own decode step at each batch size (a forward pass and an argmax, no
-chatkit, no BatchGenerator): what batching can gain at best on the machine as it is during the run.
+chatkit, no BatchGenerator) and its own prefill of the prompts, one and N in one batch: what batching
+can gain at best on the machine as it is during the run. Decoding gains (one step at batch N costs
+far less than N steps at batch 1); prefill hardly does (it is compute-bound already), so the
+end-to-end ceiling, prefill included, is lower than the decode step's. Besides the end-to-end speedup,
+the table gives the decode speedup: aggregate decode tok/s while the sessions decode, N x each
+session's ms/token alone over its ms/token in the batch.
 
 Part 2, time to first token of a new session whose ~2,000-token instructions are already in the
 engine's prefix cache (another session answered once): ``stream_respond`` to the first chunk, median
@@ -102,6 +107,21 @@ def forward_step(lm, batch: int, steps: int = 30) -> float:
     return (time.perf_counter() - t0) / steps
 
 
+def prefill(lm, texts: list[str], steps: int = 3) -> float:
+    """The model's own prefill of the ChatML prompts of ``texts`` in one batch (right-padded to the
+    longest; no chatkit): the part of a turn batching cannot shrink, since it is compute-bound already."""
+    ids = [lm.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    width = max(len(i) for i in ids)
+    x = mx.array([i + [0] * (width - len(i)) for i in ids])
+    best = float("inf")
+    for _ in range(steps):
+        cache = make_prompt_cache(lm.model)
+        t0 = time.perf_counter()
+        mx.eval(lm.model(x, cache=cache))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def ttft(lm, reps: int):
     instructions = "You are the archivist of the river town. " + " ".join(
         WORDS[k % len(WORDS)] for k in range(1500))
@@ -165,14 +185,26 @@ def main() -> None:
     say("\nThe model's decode step alone (forward + argmax, plain KVCache): " + ", ".join(
         f"batch {b}: {1000 * t:.1f} ms ({b * steps[sizes[0]] / t:.1f}x the tokens/s of batch {sizes[0]})"
         for b, t in steps.items()))
+    # End-to-end ceiling: N prompts prefilled one by one plus N x T decode steps at batch 1, against the
+    # N prompts prefilled in one batch plus T steps at batch N (no chatkit in either).
+    one = prefill(lm, [prompt(0)])
+    together = {b: prefill(lm, [prompt(i) for i in range(b)]) for b in sizes}
+    ceiling = {b: (b * one + b * args.tokens * steps[sizes[0]]) / (together[b] + args.tokens * steps[b]) for b in sizes}
+    say(f"The model's prefill alone: one prompt {1000 * one:.1f} ms; in one batch: " + ", ".join(
+        f"{b} prompts {1000 * t:.1f} ms" for b, t in together.items()))
+    say("End-to-end ceiling (prefill included, " + f"{args.tokens} tokens per turn): " + ", ".join(
+        f"{b} sessions {c:.2f}x" for b, c in ceiling.items()))
     say(f"\nPart 1: {args.tokens} tokens per session, greedy, EOS biased -1e9 (a logits processor per session)")
-    say(f"{'sessions':>8} | {'sequential tok/s':>16} | {'batched tok/s':>13} | {'speedup':>7} | "
-        f"{'ms/token alone':>14} | {'ms/token batched':>16} | peak batch | same tokens")
+    say("speedup: aggregate tok/s, prefill included (wall time from the first start to the last token);")
+    say("decode speedup: aggregate decode tok/s once the sessions decode (N x ms/token alone / ms/token batched)")
+    say(f"{'sessions':>8} | {'sequential tok/s':>16} | {'batched tok/s':>13} | {'speedup':>7} | {'ceiling':>7} | "
+        f"{'ms/token alone':>14} | {'ms/token batched':>16} | {'decode speedup':>14} | peak batch | same tokens")
     for n in sizes:
         with BatchEngine(lm, max_batch=16, prefix_cache_bytes=0) as engine:
             r = throughput(lm, n, args.tokens, engine)
         say(f"{r['n']:>8} | {r['seq_tps']:>16.1f} | {r['batch_tps']:>13.1f} | {r['batch_tps'] / r['seq_tps']:>6.2f}x | "
-            f"{1000 * r['per_seq']:>14.1f} | {1000 * r['per_batch']:>16.1f} | {r['peak']:>10} | {r['same']}")
+            f"{ceiling[n]:>6.2f}x | {1000 * r['per_seq']:>14.1f} | {1000 * r['per_batch']:>16.1f} | "
+            f"{n * r['per_seq'] / r['per_batch']:>13.2f}x | {r['peak']:>10} | {r['same']}")
         if not r["same"]:
             say("  !! batched tokens differ from the sequential run")
     rows, plain = ttft(lm, args.ttft_reps)
