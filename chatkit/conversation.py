@@ -52,5 +52,20 @@ class Conversation:
         m = self._messages
         return len(m) >= 2 and m[-1].role is Role.ASSISTANT and m[-2].role is not Role.ASSISTANT
 
+    def exchange_start(self, tool_rounds: bool) -> int:
+        """Where the last exchange starts: its prompt (call only if :meth:`ends_with_exchange`). With
+        ``tool_rounds`` (an automatic tool loop answered it) the exchange reaches back over its tool
+        calls and their results to the prompt that started the loop."""
+        m = self._messages
+        start = len(m) - 2
+        while tool_rounds and m[start].role is Role.TOOL:
+            call = start
+            while call > 0 and m[call].role is Role.TOOL:
+                call -= 1
+            if call == 0 or m[call].role is not Role.ASSISTANT or not m[call].tool_calls:
+                break  # tool results the app sent as a prompt, not a round of the loop
+            start = call - 1
+        return start
+
 
 __all__ = ["Conversation"]

@@ -250,12 +250,14 @@ class ChatSession:
 
     # -- editing --------------------------------------------------------------------------------
     def undo(self) -> list[ChatMessage]:
-        """Drop the last exchange (the prompt and its reply), rewind the cache to match, and return it."""
+        """Drop the last exchange (the prompt and its reply; with automatic tools, the tool calls and
+        results in between too), rewind the cache to match, and return it."""
         with self._idle("undo"):
             conversation = self._conversation
             if not conversation.ends_with_exchange():
                 raise NothingToUndoError("There is no exchange to undo: the history does not end with a reply.")
-            kept, dropped = conversation.messages[:-2], list(conversation.messages[-2:])
+            start = conversation.exchange_start(self._tools is not None and self._tool_options.execution == "auto")
+            kept, dropped = conversation.messages[:start], list(conversation.messages[start:])
             try:
                 ids = self._rendered_ids(kept)
             except ChatKitError:

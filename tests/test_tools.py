@@ -204,6 +204,24 @@ def test_manual_mode_returns_the_calls_and_waits_for_every_result(lm):
     assert [m.name for m in session.history[2:4]] == ["get_weather", "get_weather"]
 
 
+def test_undo_drops_the_whole_exchange_of_a_tool_loop_and_one_prompt_in_manual_mode(lm):
+    both = call("get_weather", city="Paris") + "\n" + call("local_time", city="Rome")
+    session, _ = scripted(lm, ["Hi.", both, "Sunny, and noon."])
+    session.respond("Hello")
+    session.respond("Weather in Paris, time in Rome?")
+    dropped = session.undo()  # the question, the calls, both results and the answer: one exchange
+    assert [m.role for m in dropped] == [Role.USER, Role.ASSISTANT, Role.TOOL, Role.TOOL, Role.ASSISTANT]
+    assert [m.content for m in session.history] == ["Hello", "Hi."]
+    assert_ledger_matches_cache(session)
+
+    manual, _ = scripted(lm, [call("get_weather", city="Paris"), "Sunny."], tool_execution="manual")
+    manual.respond("Weather in Paris?")
+    (pending,) = manual.pending_tool_calls
+    manual.respond("sunny", role=Role.TOOL, tool_call_id=pending.id)
+    dropped = manual.undo()  # the app sent the result as a prompt: undo drops that prompt and its reply
+    assert [m.role for m in dropped] == [Role.TOOL, Role.ASSISTANT] and manual.pending_tool_calls == [pending]
+
+
 TYPED_USE = '''
 from chatkit import ChatSession, StreamChunk, ToolCall, ToolLoopStream
 
