@@ -1,6 +1,6 @@
-"""Evaluate a demo pair (v2 world, issue 20) on held-out dialogues, played turn by turn through ``ChatSession``.
+"""Evaluate a demo pair on held-out dialogues, played turn by turn through ``ChatSession``.
 
-The dialogues come from ``train_demo_v2.make_dialogue`` in the held-out world (``train_demo.HELDOUT``:
+The dialogues come from ``train_demo.make_dialogue`` in the held-out world (``train_demo.HELDOUT``:
 names, cities, colours, pets and phrasings from lists training never sees, plus made-up names) with a
 seed training never used. Each user message goes to a real session (greedy) with the demo's
 ``calculate`` tool when the dialogue has tools (the tool loop runs it), and ``output=`` for the JSON
@@ -10,8 +10,8 @@ tool-call correctness and final arithmetic answers (operands up to 4 digits), th
 rate under speculative decoding and its speed against standard decoding, and recall across
 ``save_cache`` / ``.cache(path)``.
 
-    python scripts/eval_demo_v2.py --models /tmp/chatkit-demo-v2          # 200 dialogues
-    python scripts/eval_demo_v2.py --models chatkit/demo/models --no-speculative   # the shipped (v1) pair
+    python scripts/eval_demo.py --models chatkit/demo/models      # the shipped pair, 200 dialogues
+    python scripts/eval_demo.py --models /tmp/demo --no-speculative       # another pair, the chat model only
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import chatkit  # noqa: E402  (loads OpenBLAS before MLX)
 from chatkit import ChatKitError, ChatSession, ContextWindowExceededError, GenerateParams, SpeculativeConfig  # noqa: E402
 
-import train_demo_v2 as train_demo  # noqa: E402  (the dialogue generator)
+import train_demo  # noqa: E402  (the dialogue generator)
 
 GREEDY = GenerateParams(max_tokens=64, temperature=0.0)
 EVAL_STREAM = 7919  # the generator stream of held-out dialogues: training uses streams 1-4 only

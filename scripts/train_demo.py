@@ -1,40 +1,68 @@
-"""Train chatkit's bundled demo pair: a small chat model and a much smaller draft model.
+"""Train chatkit's bundled demo pair (``chatkit/demo/models``): a small chat model that remembers facts
+of any spelling, calls a ``calculate`` tool and fills JSON forms, and a draft model for it.
 
 Everything is synthetic and reproducible from ``--seed``:
 
-1. multi-turn dialogues (small sums, spelling, letter counts, facts the user tells and asks back
-   several turns later, repeating a few words, small talk), with a system prompt in about half of them;
-2. a byte-level BPE tokenizer (``tokenizers``) with ChatML specials and single-digit numbers;
+1. multi-turn dialogues (1 to 28 turns) in a small world: facts the user tells (name, city,
+   favourite colour, pet; most of them made-up strings, so the model learns to copy rather than to
+   recall a list) and asks back later in many phrasings, questions about facts never told ("I don't
+   know"), arithmetic through a ``calculate`` tool call whose result the answer copies, JSON forms
+   (a JSON Schema appended to the message, as ``respond(..., output=...)`` sends it), spelling,
+   letter counts, repeating words, small talk and polite refusals; a system prompt in some, the
+   tool in most. A held-out world (``HELDOUT``: other names, cities, colours, pets, phrasings) is
+   for evaluation only;
+2. a byte-level BPE tokenizer (``tokenizers``) with ChatML specials, ``<tool_call>`` markers and
+   single-digit numbers (any text can be written);
 3. two qwen3-architecture models (mlx-lm's own classes) trained with MLX on the same batches, loss on
-   the assistant's tokens only (its reply and the closing ``<|im_end|>``);
-4. both saved as folders ``mlx_lm.load`` / ``chatkit.load`` read, into ``chatkit/demo/models/``.
+   the assistant's tokens only (its replies, tool calls and closing ``<|im_end|>``), in three phases:
+   synthetic copying (random token strings repeated: the induction circuit that copying names
+   needs forms here), short dialogues that are mostly telling and recalling, then the full mix;
+4. both saved as folders ``mlx_lm.load`` / ``chatkit.load`` read.
 
-Run (about 19 minutes on 2 x86 cores, float32 with OpenBLAS: 13.6 for the chat model, 5.5 for the draft)::
+The two models train at the same time in two processes, one core and one BLAS thread each (on 2
+cores two BLAS threads made one model only ~7 % faster). See docs/demo.md for the measured run::
 
-    python scripts/train_demo.py            # writes chatkit/demo/models/{chat,draft}
-    python scripts/train_demo.py --quick    # a short smoke run into /tmp/chatkit-demo-quick
+    python scripts/train_demo.py                       # writes chatkit/demo/models/{chat,draft}
+    python scripts/train_demo.py --out /tmp/demo       # anywhere else
 
-``scripts/eval_demo.py`` plays held-out dialogues (``make_dialogue`` with another seed) through
-``chatkit.ChatSession``.
+``scripts/eval_demo.py --models chatkit/demo/models`` plays held-out dialogues (``make_dialogue`` in the
+held-out world, another seed) through ``chatkit.ChatSession``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-import chatkit  # noqa: F401  (loads OpenBLAS before MLX: float32 training is ~10x faster)
+# One BLAS thread per process: the two models train side by side, and a fixed thread count keeps
+# the float sums, so the weights, the same from run to run. Set before OpenBLAS loads.
+os.environ["OPENBLAS_NUM_THREADS"] = "1"
+if sys.platform.startswith("linux"):
+    # glibc returns MLX's large per-step buffers to the kernel and faults them in again each step:
+    # keeping them (trim and mmap thresholds up) made training steps 4-12 % faster here.
+    import ctypes
 
-import mlx.core as mx
-import mlx.nn as nn
-import mlx.optimizers as optim
-from mlx_lm.utils import get_total_parameters
+    _libc = ctypes.CDLL(None)
+    _libc.mallopt(-3, 32 * 1024 * 1024)  # M_MMAP_THRESHOLD (its maximum)
+    _libc.mallopt(-1, 1024 * 1024 * 1024)  # M_TRIM_THRESHOLD
+    _libc.mallopt(-2, 256 * 1024 * 1024)  # M_TOP_PAD
+
+import chatkit  # noqa: E402,F401  (loads OpenBLAS before MLX: float32 training is ~10x faster)
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+from mlx_lm.utils import get_total_parameters  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "chatkit" / "demo" / "models"
@@ -42,6 +70,10 @@ DEFAULT_OUT = ROOT / "chatkit" / "demo" / "models"
 # --------------------------------------------------------------------------------------------
 # The synthetic world
 # --------------------------------------------------------------------------------------------
+# Every list comes in two parts: what training sees and what only the evaluation sees (held-out
+# names, cities, colours, pets and phrasings). Most training names are random strings (syllables or
+# letters, any capitalization, accents, apostrophes, hyphens), so the model learns to copy what the
+# user said rather than to recall a list.
 
 NAMES = """Ada Alan Grace Linus Marie Nina Omar Priya Yuki Leo Sara Tom Emma Noah Olivia Liam Mia Lucas
 Zoe Ivan Elena Hugo Ines Kai Lena Max Nora Oscar Paula Quinn Rosa Sam Tara Uma Victor Wendy Xavier
@@ -49,20 +81,34 @@ Yara Zack Aiko Bruno Chloe Diego Eva Felix Gina Hana Igor Jade Karl Lara Mateo N
 Theo Vera Will Yusuf Zara Amir Bea Carlos Dara Erik Fatima Gus Hiro Isla Jonas Kira Luca Maya Nils
 Olga Pedro Rita Sven Tina Ugo Wanda Yves Anna Ben Clara Dan Ella Finn Greta Hans Iris Jack Kate Leon
 Mona Nick Pablo Ruth Simon Tess Vince Amelia Boris Cyrus Dora Edgar Flora Gabriel Helga Irene
-Jasper Keiko Lorenzo Mirela Nikolai Ophelia Rafael Selma Tobias Valentina Wilhelm Zainab""".split()
+Jasper Keiko Lorenzo Mirela Nikolai Ophelia Rafael Selma Tobias Valentina Wilhelm Zainab José Zoë
+Björn Siân O'Hara Jean-Luc Anne-Marie McKenzie DeShawn Łukasz Søren Ngozi Oluwaseun Xiomara""".split()
+HELDOUT_NAMES = """Noor Kenji Siobhan Thandiwe Aleksandr Mei-Ling Giuseppe Ximena Tupac Eitan Rhiannon
+Zbigniew Aoife Kwame Ingrid Rashid Yevgenia Tomasz Marisol Dagny Femi Hyun-woo Émilie Øystein Ptolemy
+Quetzal Brönte Lachlan Saoirse Vuk Zephyrine Kaito Bartholomew Ifeoma Mads Nguyen Oisín Parveen Renée
+Tadeusz Ulla Wojciech Yolanda Zaid Anouk Caoimhe D'Angelo Esperanza Florentyna Gwendolyn""".split()
 
 CITIES = """Lyon Paris Berlin Tokyo Lima Oslo Rome Cairo Delhi Seoul Madrid Lisbon Vienna Prague Dublin
 Boston Denver Austin Toronto Sydney Nairobi Lagos Hanoi Bangkok Manila Quito Bogota Havana Athens
 Warsaw Helsinki Zurich Geneva Munich Hamburg Milan Naples Porto Seville Valencia Montreal Chicago
 Seattle Portland Kyoto Osaka Busan Mumbai Dhaka Riga Tallinn Vilnius Bern Ghent Leeds York Glasgow
-Krakow Marseille Bordeaux Nantes Turin Florence Stockholm Copenhagen Reykjavik Santiago""".split()
+Krakow Marseille Bordeaux Nantes Turin Florence Stockholm Copenhagen Reykjavik Santiago São_Paulo
+New_York Los_Angeles Buenos_Aires Rio_de_Janeiro Kraków Zürich Málaga""".split()
+HELDOUT_CITIES = """Ouagadougou Thessaloniki Ljubljana Antananarivo Wellington Cusco Tbilisi Yerevan
+Almaty Bratislava Windhoek Kyiv Brisbane Halifax Winnipeg Da_Nang Cluj-Napoca Łódź Gdańsk Göteborg
+Aarhus Trondheim Düsseldorf Bilbao Salvador Medellín Guadalajara Valparaíso Hobart Dunedin Nagoya
+Sapporo Kathmandu Ulaanbaatar Timbuktu Marrakesh Zanzibar St._Petersburg Kuala_Lumpur Le_Havre
+Saint-Étienne Baton_Rouge""".split()
 
 COLOURS = """red blue green yellow orange purple pink brown black white grey gold silver teal violet
-indigo cyan beige maroon navy""".split()
+indigo cyan beige maroon navy olive coral amber ivory lilac khaki plum rust salmon jade""".split()
+HELDOUT_COLOURS = """vermilion chartreuse ultramarine mauve ochre cerulean magenta turquoise lavender
+crimson scarlet emerald sapphire cobalt periwinkle fuchsia tangerine aquamarine burgundy sepia""".split()
+SHADES = ["light", "dark", "pale", "bright", "deep", "sky", "forest", "royal", "hot", "baby"]
 
-PETS = "dog cat rabbit parrot hamster turtle horse goldfish".split()
-PET_NAMES = """Rex Bella Milo Luna Coco Buddy Daisy Rocky Pepper Oreo Biscuit Shadow Ziggy Mango Peanut
-Toby Whiskers Nemo Simba Kiwi Ginger Bailey Charlie Pickles Noodle Pip Fudge Sunny Olive Bruno""".split()
+PETS = "dog cat rabbit parrot hamster turtle horse goldfish snake lizard mouse pony".split()
+HELDOUT_PETS = "ferret hedgehog tortoise canary guinea_pig iguana".split()
+CITIES, HELDOUT_CITIES, HELDOUT_PETS = ([w.replace("_", " ") for w in ws] for ws in (CITIES, HELDOUT_CITIES, HELDOUT_PETS))
 
 WORDS = """cat dog sun moon tree book fish bird apple lemon house water river cloud chair table bread
 milk cake rain snow wind fire stone grass leaf road ship boat train plane car bike door window
@@ -72,6 +118,193 @@ music song dance dream smile heart hand foot head nose mouth eye ear hair night 
 spring autumn morning island forest desert ocean beach hill valley bridge castle tower city town
 king queen robot rocket planet star sugar salt honey butter cheese pizza pasta rice soup tea
 coffee juice orange banana grape melon peach cherry plum pear olive carrot potato tomato onion""".split()
+
+SYLLABLES = """ka ki ko ku ma mi mo na ni no ta te to ra ri ro sa si so la li lo da de do ba be bo ga go
+ha he ho ja jo va ve vi za zo pa pe pi fa fe fi ya yo wa we an en in on ar er or el al il ash ek ix
+uz ay ey oi au ou ia io ea th sh ch tr br kr st sk pl gl dr fl gr""".split()
+ACCENTED = dict(a="áàâäå", e="éèêë", i="íîï", o="óôöø", u="úûü", n="ñ", c="ç")
+
+
+def random_word(rng: np.random.Generator) -> str:
+    """A made-up word: syllables or random letters, 2 to 12 letters."""
+    if rng.random() < 0.75:
+        word = "".join(str(s) for s in rng.choice(SYLLABLES, size=int(rng.integers(1, 5))))
+    else:
+        word = "".join(chr(ord("a") + int(i)) for i in rng.integers(0, 26, size=int(rng.integers(2, 10))))
+    if rng.random() < 0.12:
+        i = int(rng.integers(len(word)))
+        if word[i] in ACCENTED:
+            word = word[:i] + str(rng.choice(list(ACCENTED[word[i]]))) + word[i + 1 :]
+    if rng.random() < 0.04:  # any Latin letter: names may hold letters the lists never show
+        i = int(rng.integers(len(word)))
+        word = word[:i] + chr(int(rng.integers(0xC0, 0x17F))) + word[i + 1 :]
+    return word[:12]
+
+
+def random_name(rng: np.random.Generator) -> str:
+    """A made-up proper name in a random spelling style."""
+    word = random_word(rng)
+    style = rng.random()
+    if style < 0.72:
+        name = word.capitalize()
+    elif style < 0.8:
+        name = word
+    elif style < 0.84:
+        name = word.upper()
+    elif style < 0.9:
+        name = f"{rng.choice(['Mc', 'De', 'Van', 'La', 'Mac', 'Di'])}{word.capitalize()}"
+    elif style < 0.95:
+        name = f"{word.capitalize()}{rng.choice(['-', chr(39)])}{random_word(rng).capitalize()}"
+    else:
+        name = f"{word.capitalize()} {random_word(rng).capitalize()}"
+    return name
+
+
+@dataclass(frozen=True)
+class World:
+    """What a dialogue may contain: the training world, or the held-out one the evaluation uses."""
+
+    names: list[str]
+    cities: list[str]
+    colours: list[str]
+    pets: list[str]
+    tell: dict[str, list[str]]
+    ask: dict[str, list[str]]
+    calc: list[str]
+    guided: list[str]
+    made_up: float  # the share of names (cities, colours...) that are random strings
+
+    def name(self, rng: np.random.Generator) -> str:
+        return random_name(rng) if rng.random() < self.made_up else str(rng.choice(self.names))
+
+    def city(self, rng: np.random.Generator) -> str:
+        if rng.random() >= self.made_up:
+            return str(rng.choice(self.cities))
+        city = random_name(rng)
+        r = rng.random()
+        if r < 0.1:
+            return f"{rng.choice(['New', 'San', 'Port', 'Saint', 'Fort', 'Lake'])} {city}"
+        if r < 0.15:
+            return f"{city} {rng.choice(['City', 'Springs', 'Bay', 'Falls'])}"
+        return city
+
+    def colour(self, rng: np.random.Generator) -> str:
+        r = rng.random()
+        if r < self.made_up / 2:
+            return random_word(rng)
+        colour = str(rng.choice(self.colours))
+        return f"{rng.choice(SHADES)} {colour}" if r > 0.85 else colour
+
+    def pet(self, rng: np.random.Generator) -> str:
+        return random_word(rng) if rng.random() < self.made_up / 4 else str(rng.choice(self.pets))
+
+
+TELL = {
+    "name": ["My name is {v}.", "I am {v}.", "I'm {v}.", "Call me {v}.", "You can call me {v}.", "My name's {v}.",
+             "Hi, I'm {v}.", "Hello, my name is {v}.", "I am called {v}.", "People call me {v}.", "Name's {v}.",
+             "Hey! I'm {v}.", "My first name is {v}.", "I go by {v}.", "Please call me {v}.", "{v} is my name.",
+             "Just call me {v}.", "Hi! My name is {v}.", "Hello, I am {v}.", "My friends call me {v}.",
+             "I'm known as {v}.", "They call me {v}.", "This is {v}.", "It's {v} here.", "My name: {v}.",
+             "Everybody knows me as {v}.", "You may call me {v}.", "I am {v}, by the way."],
+    "city": ["I live in {v}.", "I'm from {v}.", "I am from {v}.", "My home town is {v}.", "I moved to {v}.",
+             "My city is {v}.", "I'm based in {v}.", "Home for me is {v}.", "I reside in {v}.", "I live in {v} now.",
+             "My town is {v}.", "I'm living in {v}.", "I stay in {v}.", "I grew up in {v}.", "I was born in {v}.",
+             "I'm a resident of {v}.", "Right now I live in {v}.", "My home is in {v}.", "I moved here to {v}."],
+    "colour": ["My favourite colour is {v}.", "My favorite color is {v}.", "I like the colour {v}.",
+               "I love the color {v}.", "{v} is my favourite colour.", "My favourite colour? {v}.",
+               "The colour I like best is {v}.", "I like {v} best.", "My favourite colour is {v}, I think.",
+               "I adore the colour {v}.", "{v} is the colour I like most.", "My best colour is {v}.",
+               "The color I love is {v}.", "My favourite color? It's {v}."],
+    "pet": ["My {a} is called {v}.", "I have a {a} named {v}.", "My {a}'s name is {v}.", "I have a {a} called {v}.",
+            "Our {a} is named {v}.", "My pet {a} is {v}.", "I've got a {a} called {v}.", "My {a} is named {v}.",
+            "I keep a {a} called {v}.", "There's a {a} at home named {v}.", "Our family {a} is {v}.",
+            "I've a {a} named {v}.", "My {a} answers to {v}.", "We got a {a} and named it {v}."],
+}
+HELDOUT_TELL = {
+    "name": ["Hi there, I am {v}.", "Everyone calls me {v}.", "I'm called {v}.", "The name is {v}.",
+             "Hello! My name's {v}.", "Hey, call me {v}."],
+    "city": ["These days I live in {v}.", "I come from {v}.", "My hometown is {v}.", "I am living in {v}."],
+    "colour": ["I really like the colour {v}.", "My favorite colour is {v}.", "{v} is my favorite color."],
+    "pet": ["I own a {a} named {v}.", "We have a {a} called {v}.", "My {a} goes by {v}."],
+}
+# The second half of "My name is Ada and I live in Oslo."
+AND_TELL = {
+    "name": ["my name is {v}", "I'm {v}", "you can call me {v}"],
+    "city": ["I live in {v}", "I'm from {v}", "I am from {v}"],
+    "colour": ["my favourite colour is {v}", "I like the colour {v}", "my favorite color is {v}"],
+    "pet": ["I have a {a} named {v}", "my {a} is called {v}"],
+}
+TELL_REPLY = {
+    "name": "Nice to meet you, {v}.",
+    "city": "Noted: you live in {v}.",
+    "colour": "Noted: your favourite colour is {v}.",
+    "pet": "Noted: your {a} is called {v}.",
+}
+ASK = {
+    "name": ["What is my name?", "What's my name?", "Do you remember my name?", "Who am I?", "Do you know my name?",
+             "What did I say my name was?", "Tell me my name.", "What am I called?", "Remind me of my name.",
+             "Say my name.", "what is my name", "Can you tell me my name?", "What's my name again?",
+             "Do you still know my name?", "Can you remember my name?", "Which name did I give you?",
+             "What name did I tell you?", "What do people call me?", "And my name?", "My name, please?"],
+    "city": ["Where do I live?", "Which city do I live in?", "Where am I from?", "What is my city?",
+             "Do you remember where I live?", "What city am I from?", "Where did I say I live?",
+             "Tell me where I live.", "where do i live", "What's my home town?", "In which city do I live?",
+             "Can you remember where I live?", "Which place am I from?", "Where do I come from?",
+             "Which city is my home?", "What town am I from?", "Where's home for me?", "And where do I live?"],
+    "colour": ["What is my favourite colour?", "What's my favorite color?", "Which colour do I like?",
+               "Do you remember my favourite colour?", "What colour do I like best?", "Tell me my favourite colour.",
+               "What is my favorite color?", "Can you remember my favourite colour?", "Which colour is my favourite?",
+               "What colour did I say I like?", "What's my favourite colour again?", "Name my favourite colour.",
+               "Which color do I love?", "And my favourite colour?"],
+    "pet": ["What is my {a} called?", "What is the name of my {a}?", "What's my {a}'s name?", "What is my pet's name?",
+            "Do you remember my {a}'s name?", "What did I call my {a}?", "What's my pet called?",
+            "Can you remember my {a}'s name?", "What name does my {a} have?", "How did I name my {a}?",
+            "Which name did I give my {a}?", "My {a} is called what?", "Do you know what my {a} is called?",
+            "What was my pet's name?"],
+}
+HELDOUT_ASK = {
+    "name": ["What was my name again?", "Do you recall my name?", "what's my name?", "Remember my name?"],
+    "city": ["Which town do I live in?", "Do you know where I live?", "Where is my home?"],
+    "colour": ["Which color is my favorite?", "What was my favourite colour?", "Do you know my favourite colour?"],
+    "pet": ["How is my {a} called?", "What's the name of my pet?", "Do you know my {a}'s name?"],
+}
+ASK_REPLY = {
+    "name": "Your name is {v}.",
+    "city": "You live in {v}.",
+    "colour": "Your favourite colour is {v}.",
+    "pet": "Your {a} is called {v}.",
+}
+UNTOLD_REPLY = {
+    "name": "I don't know your name: you have not told me.",
+    "city": "I don't know where you live: you have not told me.",
+    "colour": "I don't know your favourite colour: you have not told me.",
+    "pet": "I don't know: you have not told me about a pet.",
+}
+
+CALC = ["What is {e}?", "What's {e}?", "Calculate {e}.", "Compute {e}.", "How much is {e}?", "{e} = ?", "{e}?",
+        "Please work out {e}.", "Can you calculate {e}?", "what is {e}", "Solve {e}.", "What does {e} make?",
+        "{e}", "Quick question: what is {e}?", "Can you work out {e}?", "Find {e}.", "Evaluate {e}.", "I need {e}.",
+        "Do {e} for me.", "What is the result of {e}?", "Result of {e}?", "What's {e} equal to?", "{e} is how much?",
+        "How much does {e} make?", "Give me {e}.", "{e} makes what?", "What do you get for {e}?",
+        "{e} please", "Hey, {e} = ?"]
+HELDOUT_CALC = ["What does {e} equal?", "Work out {e}.", "Could you compute {e}?", "Tell me {e}.", "calculate {e}"]
+WORD_OPS = {"+": ["plus", "and"], "-": ["minus", "take away"], "*": ["times", "multiplied by"], "/": ["divided by", "over"]}
+CALC_ERROR_REPLY = "Sorry, the calculator could not do that."
+NO_TOOL_REPLY = "I need my calculate tool for arithmetic: pass chatkit.demo.tools() to the session."
+TOOLS = [{"type": "function", "function": {"name": "calculate", "description": "Evaluate an arithmetic expression.",
+                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                                          "required": ["expression"]}}}]
+
+SPELL = ["Spell {w}.", "How do you spell {w}?", "Please spell {w}.", "Can you spell {w}?", "spell {w}"]
+REPEAT = ["Repeat after me: {w}.", "Please repeat: {w}.", "Repeat this: {w}.", "Say after me: {w}.", "Say {w}."]
+COUNT = ["How many letters are in {w}?", "How many letters does {w} have?", "Count the letters in {w}.",
+         "How long is the word {w}?"]
+
+GUIDED = ["Describe me as JSON.", "Fill in my profile.", "What do you know about me?", "Fill in the form.",
+          "Extract my details.", "Who am I?", "Summarize what I told you."]
+HELDOUT_GUIDED = ["Make my profile.", "Tell me what you know about me.", "Fill in this form about me."]
+GUIDED_FIELDS = {"name": ["name", "first_name"], "city": ["city", "home_city"], "colour": ["colour", "color", "favourite_colour"]}
+GUIDED_TITLES = ["Person", "Profile", "User", "Contact", "Info", "Me"]
 
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",
@@ -84,180 +317,290 @@ SYSTEM_PROMPTS = [
     "You are chatkit's demo assistant.",
 ]
 
-GREETINGS = ["Hello!", "Hi!", "Hi there.", "Hello.", "Good morning!", "Hey!"]
-THANKS = ["Thank you!", "Thanks.", "Thanks!", "Thank you very much."]
-BYES = ["Goodbye!", "Bye.", "See you later!", "Bye!"]
-WHO = ["Who are you?", "What are you?"]
-CAN = ["What can you do?", "How can you help me?"]
+GREETINGS = ["Hello!", "Hi!", "Hi there.", "Hello.", "Good morning!", "Hey!", "hi", "Good evening!"]
+THANKS = ["Thank you!", "Thanks.", "Thanks!", "Thank you very much.", "thx", "Great, thanks!"]
+BYES = ["Goodbye!", "Bye.", "See you later!", "Bye!", "Good night!"]
+WHO = ["Who are you?", "What are you?", "What is your name?", "Are you a robot?"]
+CAN = ["What can you do?", "How can you help me?", "Help", "What do you know?"]
+OUT = ["What is the capital of {c}?", "Who wrote {w}?", "Tell me about {c}.", "What is the weather in {c}?",
+       "Write a poem about {w}.", "Translate {w} into French.", "Who is the president of {c}?",
+       "How far is {c} from {d}?", "What time is it?", "Tell me a joke.", "What is the meaning of life?",
+       "Can you book a flight to {c}?", "Explain quantum physics.", "What year is it?", "What should I cook today?"]
 
 GREETING_REPLY = "Hello! How can I help you?"
 THANKS_REPLY = "You are welcome."
 BYE_REPLY = "Goodbye! Have a nice day."
 WHO_REPLY = "I am a tiny demo model trained for chatkit."
-CAN_REPLY = "I can do small sums, spell words, count letters, repeat after you and remember what you tell me."
+CAN_REPLY = ("I remember what you tell me about yourself, do arithmetic with my calculate tool, spell and count "
+             "letters, repeat after you and fill in a JSON form.")
+OUT_REPLY = "Sorry, I don't know about that: I am a tiny demo model."
 
-# The facts a user can tell, how they are told and asked, and the replies.
-FACTS = ("name", "city", "colour", "pet", "age")
-TELL = {
-    "name": ["My name is {v}.", "I am called {v}.", "Call me {v}.", "Hi, I'm {v}."],
-    "city": ["I live in {v}.", "I am from {v}.", "My home town is {v}."],
-    "colour": ["My favourite colour is {v}.", "I like the colour {v}.", "My favourite color is {v}."],
-    "pet": ["My {a} is called {v}.", "I have a {a} named {v}.", "My {a}'s name is {v}."],
-    "age": ["I am {v} years old.", "I'm {v} years old.", "My age is {v}."],
-}
-TELL_REPLY = {
-    "name": "Nice to meet you, {v}.",
-    "city": "Noted: you live in {v}.",
-    "colour": "Noted: your favourite colour is {v}.",
-    "pet": "Noted: your {a} is called {v}.",
-    "age": "Noted: you are {v} years old.",
-}
-ASK = {
-    "name": ["What is my name?", "What's my name?", "Do you remember my name?", "Who am I?"],
-    "city": ["Where do I live?", "Which city do I live in?", "Where am I from?"],
-    "colour": ["What is my favourite colour?", "Which colour do I like?", "What's my favourite color?"],
-    "pet": ["What is my {a} called?", "What is the name of my {a}?", "What's my {a}'s name?"],
-    "age": ["How old am I?", "What is my age?", "Do you remember how old I am?"],
-}
-ASK_REPLY = {
-    "name": "Your name is {v}.",
-    "city": "You live in {v}.",
-    "colour": "Your favourite colour is {v}.",
-    "pet": "Your {a} is called {v}.",
-    "age": "You are {v} years old.",
-}
-UNTOLD_REPLY = {
-    "name": "You have not told me your name yet.",
-    "city": "You have not told me where you live yet.",
-    "colour": "You have not told me your favourite colour yet.",
-    "age": "You have not told me your age yet.",
-}
+TRAIN = World(NAMES, CITIES, COLOURS, PETS, TELL, ASK, CALC, GUIDED, made_up=0.6)
+HELDOUT = World(HELDOUT_NAMES, HELDOUT_CITIES, HELDOUT_COLOURS, HELDOUT_PETS, HELDOUT_TELL, HELDOUT_ASK, HELDOUT_CALC,
+                HELDOUT_GUIDED, made_up=0.5)
 
-ADD = ["What is {a} + {b}?", "What is {a} plus {b}?", "Calculate {a} + {b}.", "What's {a} + {b}?", "{a} + {b} = ?"]
-SUB = ["What is {a} - {b}?", "What is {a} minus {b}?", "Calculate {a} - {b}.", "What's {a} - {b}?", "{a} - {b} = ?"]
-MUL = ["What is {a} * {b}?", "What is {a} times {b}?", "Calculate {a} * {b}.", "What's {a} * {b}?", "{a} * {b} = ?"]
-SPELL = ["Spell {w}.", "How do you spell {w}?", "Please spell {w}.", "Can you spell {w}?"]
-REPEAT = ["Repeat after me: {w}.", "Please repeat: {w}.", "Repeat this: {w}.", "Say after me: {w}."]
-COUNT = ["How many letters are in {w}?", "How many letters does {w} have?", "Count the letters in {w}."]
-
-TASKS = ("arithmetic", "spelling", "counting", "repeat", "tell", "recall", "untold", "smalltalk")
+TASKS = ("arithmetic", "spelling", "counting", "repeat", "tell", "recall", "untold", "smalltalk", "refuse", "guided")
 
 
 @dataclass
 class Turn:
+    """A user message and what follows it: assistant messages (the last is the answer) and tool results."""
+
     user: str
-    reply: str
+    replies: list[dict]
     task: str
     distance: int | None = None  # recall: turns since the fact was told (1 = the previous turn)
+    expression: str | None = None  # arithmetic: the expression the tool call must carry
+    schema: dict | None = None  # guided: the JSON Schema the user message describes
+
+    @property
+    def answer(self) -> str:
+        return self.replies[-1]["content"]
 
 
 @dataclass
 class Dialogue:
     system: str | None
+    tools: bool
     turns: list[Turn] = field(default_factory=list)
 
-    def messages(self, upto: int | None = None) -> list[dict[str, str]]:
-        msgs = [{"role": "system", "content": self.system}] if self.system else []
+    def messages(self, upto: int | None = None) -> list[dict]:
+        msgs: list[dict] = [{"role": "system", "content": self.system}] if self.system else []
         for t in self.turns[:upto]:
-            msgs += [{"role": "user", "content": t.user}, {"role": "assistant", "content": t.reply}]
+            msgs += [{"role": "user", "content": t.user}, *t.replies]
         return msgs
 
 
-def arithmetic(rng: np.random.Generator) -> Turn:
-    op = rng.choice(3, p=[0.45, 0.35, 0.2])
-    if op == 0:
-        a, b = (int(x) for x in rng.integers(0, 13, 2))
-        q, r = ADD, f"{a} + {b} = {a + b}."
-    elif op == 1:
-        a, b = sorted((int(x) for x in rng.integers(0, 16, 2)), reverse=True)
-        q, r = SUB, f"{a} - {b} = {a - b}."
+def say(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+OPENINGS = ["Hey, ", "OK, ", "So, ", "Hmm, ", "Well, ", "By the way, ", "Um, ", "Oh, ", "And ", "Now, ", "Okay so ",
+            "Alright, ", "One thing: ", "Listen, "]
+
+
+def casual(rng: np.random.Generator, text: str) -> str:
+    """Small variations users make: an opening word, no final punctuation, a lower-case first letter, '!'."""
+    if rng.random() < 0.12:
+        first = text if text.startswith(("I ", "I'")) or text[:1] == "{" else text[:1].lower() + text[1:]
+        text = str(rng.choice(OPENINGS)) + first
+    r = rng.random()
+    if r < 0.08 and text[-1] in ".?!":
+        text = text[:-1]
+    elif r < 0.12 and text.endswith("."):
+        text = text[:-1] + "!"
+    if rng.random() < 0.08 and text[:1].isupper() and not text.startswith(("I ", "I'")):
+        text = text[0].lower() + text[1:]
+    return text
+
+
+def operand(rng: np.random.Generator) -> str:
+    digits = int(rng.choice([1, 2, 3, 4, 5], p=[0.22, 0.3, 0.22, 0.18, 0.08]))
+    n = str(int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10**digits)))
+    if rng.random() < 0.06:
+        n += "." + str(int(rng.integers(1, 100)))
+    return n
+
+
+def expression(rng: np.random.Generator) -> tuple[str, list[str]]:
+    """An expression in the form tool calls carry ('12 * (3 + 4)') and its tokens."""
+    ops = [str(o) for o in rng.choice(["+", "-", "*", "/"], size=int(rng.choice([1, 2, 3], p=[0.78, 0.17, 0.05])),
+                                       p=[0.3, 0.27, 0.28, 0.15])]
+    parts = [operand(rng)]
+    for op in ops:
+        parts += [op, operand(rng)]
+    if len(ops) >= 2 and rng.random() < 0.5:  # parentheses around one operation
+        i = 2 * int(rng.integers(len(ops)))
+        parts[i] = "(" + parts[i]
+        parts[i + 2] = parts[i + 2] + ")"
+    return " ".join(parts), parts
+
+
+def user_expression(rng: np.random.Generator, canonical: str, parts: list[str]) -> str:
+    r = rng.random()
+    if r < 0.2:
+        return canonical.replace(" ", "")
+    if r < 0.4 and len(parts) == 3:
+        return f"{parts[0]} {rng.choice(WORD_OPS[parts[1]])} {parts[2]}"
+    return canonical
+
+
+def arithmetic(rng: np.random.Generator, world: World, tools: bool) -> Turn:
+    from chatkit.demo.calculator import calculate
+
+    if rng.random() < 0.02:
+        canonical, parts = f"{operand(rng)} / 0", []
     else:
-        a, b = (int(x) for x in rng.integers(1, 10, 2))
-        q, r = MUL, f"{a} * {b} = {a * b}."
-    return Turn(str(rng.choice(q)).format(a=a, b=b), r, "arithmetic")
+        canonical, parts = expression(rng)
+    user = casual(rng, str(rng.choice(world.calc)).format(e=user_expression(rng, canonical, parts)))
+    if not tools:
+        return Turn(user, say(NO_TOOL_REPLY), "arithmetic")
+    try:
+        result, answer = calculate(canonical), None
+    except ValueError as exc:  # what chatkit's tool loop sends back when a tool raises
+        result, answer = f"Error: calculate raised {type(exc).__name__}: {exc}", CALC_ERROR_REPLY
+    call = {"id": "call", "type": "function", "function": {"name": "calculate", "arguments": {"expression": canonical}}}
+    replies = [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": result, "name": "calculate", "tool_call_id": "call"},
+        {"role": "assistant", "content": answer or f"{canonical} = {result}."},
+    ]
+    return Turn(user, replies, "arithmetic", expression=canonical)
 
 
 def spelling(rng: np.random.Generator) -> Turn:
     w = str(rng.choice(WORDS))
-    return Turn(str(rng.choice(SPELL)).format(w=w), f"The word {w} is spelled {'-'.join(w)}.", "spelling")
+    return Turn(casual(rng, str(rng.choice(SPELL)).format(w=w)), say(f"The word {w} is spelled {'-'.join(w)}."), "spelling")
 
 
 def counting(rng: np.random.Generator) -> Turn:
     w = str(rng.choice(WORDS))
-    return Turn(str(rng.choice(COUNT)).format(w=w), f"The word {w} has {len(w)} letters.", "counting")
+    return Turn(casual(rng, str(rng.choice(COUNT)).format(w=w)), say(f"The word {w} has {len(w)} letters."), "counting")
 
 
-def repeat(rng: np.random.Generator) -> Turn:
-    """Copy a few words back: easy practice for the copying that recalling facts needs."""
-    pool = WORDS + NAMES + CITIES + COLOURS
-    words = " ".join(str(w) for w in rng.choice(pool, size=int(rng.integers(2, 7))))
-    return Turn(str(rng.choice(REPEAT)).format(w=words), f"You said: {words}.", "repeat")
+def repeat(rng: np.random.Generator, world: World) -> Turn:
+    """Copy a few words back: practice for the copying that recalling facts needs."""
+    makers = [lambda: str(rng.choice(WORDS)), lambda: world.name(rng), lambda: world.city(rng), lambda: random_word(rng)]
+    words = " ".join(makers[int(rng.integers(4))]() for _ in range(int(rng.integers(1, 6))))
+    return Turn(str(rng.choice(REPEAT)).format(w=words), say(f"You said: {words}."), "repeat")
 
 
-def fact_value(rng: np.random.Generator, kind: str) -> dict[str, str]:
+def refuse(rng: np.random.Generator, world: World) -> Turn:
+    q = str(rng.choice(OUT)).format(c=world.city(rng), d=world.city(rng), w=str(rng.choice(WORDS)))
+    return Turn(casual(rng, q), say(OUT_REPLY), "refuse")
+
+
+def fact_value(rng: np.random.Generator, world: World, kind: str) -> dict[str, str]:
     if kind == "name":
-        return {"v": str(rng.choice(NAMES))}
+        return {"v": world.name(rng)}
     if kind == "city":
-        return {"v": str(rng.choice(CITIES))}
+        return {"v": world.city(rng)}
     if kind == "colour":
-        return {"v": str(rng.choice(COLOURS))}
-    if kind == "pet":
-        return {"v": str(rng.choice(PET_NAMES)), "a": str(rng.choice(PETS))}
-    return {"v": str(int(rng.integers(5, 100)))}
+        return {"v": world.colour(rng)}
+    return {"v": world.name(rng), "a": world.pet(rng)}
 
 
-def make_dialogue(rng: np.random.Generator) -> Dialogue:
-    """A dialogue of 4-14 turns: facts told and asked back later, among other questions."""
-    n = int(rng.integers(4, 15))
-    system = str(rng.choice(SYSTEM_PROMPTS)) if rng.random() < 0.5 else None
-    slots: list[Turn | None] = [None] * n
-    # Facts: each told once, then asked back 1-2 times, 1 to n-1 turns later.
-    kinds = list(rng.permutation(FACTS))[: int(rng.integers(0 if rng.random() < 0.1 else 1, min(4, n // 2) + 1))]
-    free = list(range(n))
-    for kind in kinds:
-        told_candidates = [i for i in free if i < n - 1 and any(j > i for j in free)]
-        if not told_candidates:
-            break
-        i = int(rng.choice(told_candidates))
-        later = [j for j in free if j > i]
-        asks = sorted(rng.choice(later, size=min(len(later), int(rng.integers(1, 4))), replace=False).tolist())
-        fv = fact_value(rng, kind)
-        slots[i] = Turn(str(rng.choice(TELL[kind])).format(**fv), TELL_REPLY[kind].format(**fv), "tell")
-        for j in asks:
-            slots[j] = Turn(
-                str(rng.choice(ASK[kind])).format(**fv), ASK_REPLY[kind].format(**fv), "recall", distance=j - i
-            )
-        free = [k for k in free if k != i and k not in asks]
-    # Sometimes a question about a fact that was never told.
-    untold = [k for k in UNTOLD_REPLY if k not in kinds]
-    if untold and free and rng.random() < 0.25:
-        kind = str(rng.choice(untold))
-        j = int(rng.choice(free))
-        slots[j] = Turn(str(rng.choice(ASK[kind])), UNTOLD_REPLY[kind], "untold")
-        free.remove(j)
-    for j in free:
-        if j == 0 and rng.random() < 0.3:
-            slots[j] = Turn(str(rng.choice(GREETINGS)), GREETING_REPLY, "smalltalk")
+def upper_first(text: str) -> str:
+    return text[0].upper() + text[1:]
+
+
+def tell(rng: np.random.Generator, world: World, kinds: list[str], values: dict[str, dict[str, str]]) -> tuple[str, str]:
+    """The user's message telling one or two facts, and the reply."""
+    first = str(rng.choice(world.tell[kinds[0]])).format(**values[kinds[0]])
+    if len(kinds) == 1:
+        return casual(rng, first), TELL_REPLY[kinds[0]].format(**values[kinds[0]])
+    first = str(rng.choice([t for t in world.tell[kinds[0]] if t.endswith("{v}.")])).format(**values[kinds[0]])
+    second = str(rng.choice(AND_TELL[kinds[1]])).format(**values[kinds[1]])
+    text = f"{first[:-1]}{rng.choice([' and', ', and', ','])} {second}."
+    return casual(rng, text), " ".join(TELL_REPLY[k].format(**values[k]) for k in kinds)
+
+
+@lru_cache(maxsize=None)
+def schema_text(fields: tuple[tuple[str, str], ...], title: str, max_length: int | None) -> tuple[str, str]:
+    """A pydantic-style JSON Schema with string fields (JSON), and chatkit's description of it."""
+    from chatkit.guided.describe import instructions
+    from chatkit.guided.spec import output_spec
+
+    props = {}
+    for key, _ in fields:
+        prop: dict = {"maxLength": max_length} if max_length else {}
+        props[key] = {**prop, "title": key.replace("_", " ").title(), "type": "string"}
+    schema = {"properties": props, "required": [k for k, _ in fields], "title": title, "type": "object"}
+    return json.dumps(schema), instructions(output_spec(schema))
+
+
+def guided(rng: np.random.Generator, world: World, known: dict[str, dict[str, str]], base: str | None = None) -> Turn:
+    """A question with a JSON Schema appended (as ``respond(..., output=...)`` sends it); the reply is the
+    compact JSON object, with the facts known so far and "" for the others."""
+    kinds = [str(k) for k in rng.permutation(list(GUIDED_FIELDS))[: int(rng.integers(1, 4))]]
+    if rng.random() < 0.6:
+        kinds = ["name", "city"] + [k for k in kinds if k not in ("name", "city")][: int(rng.integers(0, 2))]
+    fields = tuple((str(rng.choice(GUIDED_FIELDS[k])), k) for k in kinds)
+    value = {key: known[kind]["v"] if kind in known else "" for key, kind in fields}
+    longest = max(len(v) for v in value.values())
+    max_length = rng.choice([None] + [n for n in (16, 20, 32) if n >= longest])
+    schema, described = schema_text(fields, str(rng.choice(GUIDED_TITLES)), max_length)
+    base = base or str(rng.choice(world.guided))
+    return Turn(f"{base}\n\n{described}", say(json.dumps(value, ensure_ascii=False, separators=(",", ":"))),
+                "guided", schema=json.loads(schema))
+
+
+def turn_count(rng: np.random.Generator) -> int:
+    r = rng.random()
+    return int(rng.integers(1, 9) if r < 0.55 else rng.integers(9, 17) if r < 0.87 else rng.integers(17, 29))
+
+
+def make_dialogue(rng: np.random.Generator, world: World = TRAIN, school: bool = False) -> Dialogue:
+    """A dialogue of 1-28 turns: facts told and asked back later, questions about facts never told,
+    arithmetic through the tool, JSON forms, and other small tasks.
+
+    ``school``: a short dialogue (1-6 turns) that is mostly copying (telling and recalling facts,
+    repeating, tool calls): the first steps of training, where copying has to emerge."""
+    n = int(rng.integers(1, 7)) if school else turn_count(rng)
+    system = str(rng.choice(SYSTEM_PROMPTS)) if rng.random() < 0.4 else None
+    tools = rng.random() < (0.95 if school else 0.8)
+    plan: list[str] = []
+    kinds = [str(k) for k in rng.permutation(list(TELL_REPLY))[: int(rng.integers(1 if school else 0, 5))]]
+    cuts = (0.3, 0.65, 0.72) if school else (0.17, 0.42, 0.5)
+    for _ in range(n):
+        r = rng.random()
+        plan.append("tell" if r < cuts[0] else "ask" if r < cuts[1] else "untold" if r < cuts[2] else "other")
+    known: dict[str, dict[str, str]] = {}
+    turns: list[Turn] = []
+    told_at: dict[str, int] = {}
+    pending = list(kinds)
+    for i, what in enumerate(plan):
+        if what == "tell" and pending:
+            group = [pending.pop(0)]
+            if pending and rng.random() < 0.25:
+                group.append(pending.pop(0))
+            for k in group:
+                known[k] = fact_value(rng, world, k)
+                told_at[k] = i
+            if len(group) == 2 and "name" in group and "city" in group and rng.random() < 0.3:
+                user, _ = tell(rng, world, group, known)
+                turns.append(guided(rng, world, known, base=user))
+                continue
+            user, reply = tell(rng, world, group, known)
+            turns.append(Turn(user, say(reply), "tell"))
             continue
-        if j == n - 1 and rng.random() < 0.2:
-            slots[j] = Turn(str(rng.choice(BYES)), BYE_REPLY, "smalltalk")
+        if what == "ask" and known:
+            k = str(rng.choice(list(known)))
+            q = casual(rng, str(rng.choice(world.ask[k])).format(**known[k]))
+            turns.append(Turn(q, say(ASK_REPLY[k].format(**known[k])), "recall", distance=i - told_at[k]))
+            continue
+        untold = [k for k in TELL_REPLY if k not in known]
+        if untold and (what == "untold" or what == "ask" and rng.random() < 0.3):
+            k = str(rng.choice(untold))
+            q = casual(rng, str(rng.choice(world.ask[k])).format(a=world.pet(rng)))
+            turns.append(Turn(q, say(UNTOLD_REPLY[k]), "untold"))
             continue
         r = rng.random()
-        if r < 0.45:
-            slots[j] = arithmetic(rng)
-        elif r < 0.60:
-            slots[j] = spelling(rng)
-        elif r < 0.75:
-            slots[j] = counting(rng)
+        if school:
+            turns.append(arithmetic(rng, world, tools) if r < 0.55 else repeat(rng, world) if r < 0.9 else guided(rng, world, known))
+        elif i == 0 and r < 0.15:
+            turns.append(Turn(str(rng.choice(GREETINGS)), say(GREETING_REPLY), "smalltalk"))
+        elif i == n - 1 and r < 0.1:
+            turns.append(Turn(str(rng.choice(BYES)), say(BYE_REPLY), "smalltalk"))
+        elif r < 0.42:
+            turns.append(arithmetic(rng, world, tools))
+        elif r < 0.5:
+            turns.append(spelling(rng))
+        elif r < 0.57:
+            turns.append(counting(rng))
+        elif r < 0.7:
+            turns.append(repeat(rng, world))
+        elif r < 0.8:
+            turns.append(guided(rng, world, known))
+        elif r < 0.9:
+            turns.append(refuse(rng, world))
         elif r < 0.94:
-            slots[j] = repeat(rng)
+            turns.append(Turn(str(rng.choice(THANKS)), say(THANKS_REPLY), "smalltalk"))
         elif r < 0.97:
-            slots[j] = Turn(str(rng.choice(THANKS)), THANKS_REPLY, "smalltalk")
-        elif r < 0.985:
-            slots[j] = Turn(str(rng.choice(WHO)), WHO_REPLY, "smalltalk")
+            turns.append(Turn(str(rng.choice(WHO)), say(WHO_REPLY), "smalltalk"))
         else:
-            slots[j] = Turn(str(rng.choice(CAN)), CAN_REPLY, "smalltalk")
-    return Dialogue(system, [t for t in slots if t is not None])
+            turns.append(Turn(str(rng.choice(CAN)), say(CAN_REPLY), "smalltalk"))
+    return Dialogue(system, tools, turns)
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,6 +608,7 @@ def make_dialogue(rng: np.random.Generator) -> Dialogue:
 # --------------------------------------------------------------------------------------------
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ADDED = ("<tool_call>", "</tool_call>")  # plain added tokens, as in Qwen's tokenizers: mlx-lm finds its JSON tool parser
 EOS = "<|im_end|>"
 PAD = "<|endoftext|>"
 # Qwen2's pre-tokenizer regex: words with their leading space, one digit per token.
@@ -272,21 +616,56 @@ PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+# ChatML with Qwen-style tool calls, made short for a small context: the tools are listed by name in
+# the system turn, a call is <tool_call>{"name": ..., "arguments": ...}</tool_call> (mlx-lm's JSON tool
+# parser reads it), a result is a message of role "tool".
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0].role == 'system' %}{{- messages[0].content + '\\n' }}{%- endif %}"
+    "{{- 'Tools:' }}{%- for tool in tools %}{{- ' ' + (tool.function.name if tool.function is defined else tool.name) }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif messages and messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
+    "{%- for tool_call in message.tool_calls or [] %}"
+    "{%- if (loop.first and message.content) or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{%- if tool_call.function %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 
-def render(messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """The ChatML text of ``messages`` (as CHAT_TEMPLATE renders it) and the character spans the loss
-    covers: each assistant reply with its closing ``<|im_end|>``."""
+def render(messages: list[dict], tools: bool = False) -> tuple[str, list[tuple[int, int]]]:
+    """The text of ``messages`` as CHAT_TEMPLATE renders it (with the demo's tools when ``tools``) and
+    the character spans the loss covers: each assistant message with its closing ``<|im_end|>``."""
     parts, spans, pos = [], [], 0
-    for m in messages:
+    rest = list(messages)
+    if tools or rest and rest[0]["role"] == "system":
+        system = rest.pop(0)["content"] if rest and rest[0]["role"] == "system" else None
+        lines = ([system] if system else []) + (["Tools: calculate"] if tools else [])
+        parts.append(f"<|im_start|>system\n{chr(10).join(lines)}{EOS}\n")
+        pos = len(parts[0])
+    for m in rest:
         head = f"<|im_start|>{m['role']}\n"
-        body = m["content"] + EOS
+        body = m["content"]
+        for i, call in enumerate(m.get("tool_calls") or []):
+            f = call["function"]
+            sep = "\n" if i or m["content"] else ""
+            body += f'{sep}<tool_call>\n{{"name": "{f["name"]}", "arguments": {json.dumps(f["arguments"], ensure_ascii=False)}}}\n</tool_call>'
+        body += EOS
         if m["role"] == "assistant":
             spans.append((pos + len(head), pos + len(head) + len(body)))
         piece = head + body + "\n"
@@ -295,13 +674,17 @@ def render(messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
     return "".join(parts), spans
 
 
+def tokenizer_texts(seed: int, n: int = 6000) -> list[str]:
+    rng = np.random.default_rng([seed, 1])
+    texts = [render(d.messages(), d.tools)[0] for d in (make_dialogue(rng) for _ in range(n))]
+    # Every word of the world at least a few times, so each becomes one token with its leading space.
+    texts += [" ".join(f"{w} {w} {w}" for w in NAMES + CITIES + COLOURS + PETS + WORDS)] * 5
+    return texts
+
+
 def train_tokenizer(vocab_size: int, seed: int):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    rng = np.random.default_rng([seed, 1])
-    texts = [render(make_dialogue(rng).messages())[0] for _ in range(20000)]
-    # Every word of the world at least a few times, so each becomes one token with its leading space.
-    texts += [" ".join(f"{w} {w} {w}" for w in NAMES + CITIES + COLOURS + PETS + PET_NAMES + WORDS)] * 5
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -315,13 +698,14 @@ def train_tokenizer(vocab_size: int, seed: int):
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=list(SPECIALS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=list(SPECIALS + ADDED),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte: any text can be written
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
-    # Specials must be matched before pre-tokenization (they are ids 0-2 already).
+    tok.train_from_iterator(tokenizer_texts(seed), trainer=trainer)
+    # Specials and markers must be matched before pre-tokenization (they are ids 0-4 already).
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
     return tok
 
 
@@ -340,8 +724,8 @@ def tokenizer_config(context: int) -> dict:
 
 
 def encode(tok, dialogues: list[Dialogue]) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Token ids and loss masks (1 on the assistant's reply tokens and their ``<|im_end|>``)."""
-    rendered = [render(d.messages()) for d in dialogues]
+    """Token ids and loss masks (1 on the assistant's tokens and their ``<|im_end|>``)."""
+    rendered = [render(d.messages(), d.tools) for d in dialogues]
     encs = tok.encode_batch([text for text, _ in rendered], add_special_tokens=False)
     out = []
     for (text, spans), enc in zip(rendered, encs):
@@ -362,8 +746,8 @@ def encode(tok, dialogues: list[Dialogue]) -> list[tuple[np.ndarray, np.ndarray]
 
 SHAPES = {
     # name: hidden size, layers, MLP size, attention heads, key-value heads (head_dim 32)
-    "chat": (64, 4, 256, 2, 1),
-    "draft": (32, 2, 128, 1, 1),
+    "chat": (96, 4, 256, 3, 3),
+    "draft": (64, 2, 192, 2, 2),
 }
 
 
@@ -402,7 +786,13 @@ def build_model(config: dict, seed: int):
     return model
 
 
-def batches(tok, seed: int, batch_size: int, max_len: int, pool: int = 8):
+def loss_fn(model, ids, mask):
+    logits = model(ids[:, :-1])
+    ce = nn.losses.cross_entropy(logits, ids[:, 1:]) * mask[:, 1:]
+    return ce.sum() / mask[:, 1:].sum()
+
+
+def batches(tok, seed: int, batch_size: int, max_len: int, pool: int = 8, school: bool = False):
     """An endless, seeded stream of padded (ids, mask) batches of fresh dialogues.
 
     Dialogues are drawn ``pool`` batches at a time and sorted by length, so a batch holds dialogues
@@ -411,12 +801,12 @@ def batches(tok, seed: int, batch_size: int, max_len: int, pool: int = 8):
     rng = np.random.default_rng([seed, 2])
     pad = tok.token_to_id(PAD)
     while True:
-        items = [x for x in encode(tok, [make_dialogue(rng) for _ in range(batch_size * pool)]) if len(x[0]) <= max_len]
+        items = [x for x in encode(tok, [make_dialogue(rng, school=school) for _ in range(batch_size * pool)]) if len(x[0]) <= max_len]
         items.sort(key=lambda x: len(x[0]))
         chunks = [items[i : i + batch_size] for i in range(0, len(items), batch_size)]
         for k in rng.permutation(len(chunks)):
             chunk = chunks[k]
-            width = -(-max(len(ids) for ids, _ in chunk) // 32) * 32
+            width = -(-max(len(ids) for ids, _ in chunk) // 128) * 128  # few shapes: each compiles once
             ids = np.full((len(chunk), width), pad, dtype=np.int32)
             mask = np.zeros((len(chunk), width), dtype=np.float32)
             for r, (i, m) in enumerate(chunk):
@@ -425,19 +815,47 @@ def batches(tok, seed: int, batch_size: int, max_len: int, pool: int = 8):
             yield mx.array(ids), mx.array(mask)
 
 
-def loss_fn(model, ids, mask):
-    logits = model(ids[:, :-1])
-    ce = nn.losses.cross_entropy(logits, ids[:, 1:]) * mask[:, 1:]
-    return ce.sum() / mask[:, 1:].sum()
+def copy_batches(tok, seed: int, batch_size: int = 32, width: int = 128):
+    """An endless stream of synthetic copying batches: random token strings, each followed by
+    ``<|im_end|>`` and itself again; the loss covers the repeats (from their second token).
+
+    Measured with these phases run by a scratch driver (docs/demo-training-v2-copy.log; 30 warm-up steps,
+    not this script's steps/20): without this phase, 500 to 800 steps of dialogues taught no copying at all (0 %
+    recall, held-out names); after 300 steps of it (qwen3 shape 96,4,256,3,3, lr 3e-3, no weight
+    decay) the loss on repeats fell from 7.3 to 1.4, and 400 steps of school dialogues then reached
+    58-67 % teacher-forced recall of held-out names told 1-2 turns earlier and 48 % exact tool calls.
+    (The same run with a llama-shaped model, no q/k norms, learnt no copying in that time.)"""
+    rng = np.random.default_rng([seed, 5])
+    end, vocab = tok.token_to_id(EOS), tok.get_vocab_size()
+    first = len(SPECIALS) + len(ADDED)
+    while True:
+        ids = np.zeros((batch_size, width), np.int32)
+        mask = np.zeros((batch_size, width), np.float32)
+        for r in range(batch_size):
+            pos = 0
+            while True:
+                n = int(rng.integers(2, 12))
+                if pos + 2 * n + 1 > width:
+                    break
+                run = rng.integers(first, vocab, size=n)
+                ids[r, pos : pos + n] = run
+                ids[r, pos + n] = end
+                ids[r, pos + n + 1 : pos + 2 * n + 1] = run
+                mask[r, pos + n + 2 : pos + 2 * n + 1] = 1.0  # a repeat's first token cannot be known
+                pos += 2 * n + 1
+        yield mx.array(ids), mx.array(mask)
 
 
 def train(name: str, model, tok, *, steps: int, batch_size: int, lr: float, seed: int, max_len: int,
-          eval_set, log_every: int = 50) -> dict:
+          eval_set, copy_steps: int = 0, school_steps: int = 0, weight_decay: float = 0.05,
+          log_every: int = 50) -> dict:
+    """``copy_steps`` of synthetic copying, then ``school_steps`` of short copying dialogues, then the
+    full mix, ``steps`` in all."""
     warmup = max(1, steps // 20)
     schedule = optim.join_schedules(
         [optim.linear_schedule(lr / 100, lr, warmup), optim.cosine_decay(lr, steps - warmup, lr / 20)], [warmup]
     )
-    opt = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.98], weight_decay=0.05)
+    opt = optim.AdamW(learning_rate=schedule, betas=[0.9, 0.98], weight_decay=weight_decay)
     grad = nn.value_and_grad(model, loss_fn)
 
     def step(ids, mask):
@@ -448,11 +866,13 @@ def train(name: str, model, tok, *, steps: int, batch_size: int, lr: float, seed
 
     state = [model.state, opt.state]
     step = mx.compile(step, inputs=state, outputs=state)
+    copying = copy_batches(tok, seed)
+    school = batches(tok, seed + 1, 2 * batch_size, max_len, school=True)  # short dialogues: twice as many
     stream = batches(tok, seed, batch_size, max_len)
     t0 = time.perf_counter()
     tokens, recent = 0, []
     for i in range(1, steps + 1):
-        ids, mask = next(stream)
+        ids, mask = next(copying if i <= copy_steps else school if i <= copy_steps + school_steps else stream)
         loss = step(ids, mask)
         mx.eval(loss, state)
         tokens += ids.size
@@ -462,7 +882,7 @@ def train(name: str, model, tok, *, steps: int, batch_size: int, lr: float, seed
             print(f"[{name}] step {i}/{steps} loss {np.mean(recent):.4f} lr {schedule(opt.step).item():.2e} "
                   f"{tokens / dt:.0f} tok/s {dt / 60:.1f} min", flush=True)
             recent = []
-        if eval_set is not None and (i % (log_every * 10) == 0 or i == steps):
+        if eval_set is not None and (i % (log_every * 5) == 0 or i == steps):
             report = teacher_forced(model, eval_set)
             print(f"[{name}] held-out exact replies (teacher forced): "
                   + ", ".join(f"{k} {v:.0%}" for k, v in report.items()), flush=True)
@@ -470,10 +890,27 @@ def train(name: str, model, tok, *, steps: int, batch_size: int, lr: float, seed
     return {"train_loss": float(np.mean(recent or [loss.item()])), "minutes": (time.perf_counter() - t0) / 60, **final}
 
 
-def make_eval_set(tok, seed: int, n: int = 96):
+def make_eval_set(tok, seed: int, n: int = 48):
+    """Held-out dialogues (the evaluation's world: names, cities, phrasings training never sees)."""
     rng = np.random.default_rng([seed, 3])
-    dialogues = [make_dialogue(rng) for _ in range(n)]
+    dialogues = [make_dialogue(rng, HELDOUT) for _ in range(n)]
     return dialogues, encode(tok, dialogues)
+
+
+def reply_keys(d: Dialogue) -> list[str]:
+    """One key per assistant message of ``d``: its turn's task, with tool calls and recall distance apart."""
+    keys = []
+    for turn in d.turns:
+        for m in turn.replies:
+            if m["role"] != "assistant":
+                continue
+            if m.get("tool_calls"):
+                keys.append("tool call")
+            elif turn.task == "recall":
+                keys.append("recall 3+" if turn.distance >= 3 else "recall 1-2")
+            else:
+                keys.append(turn.task)
+    return keys
 
 
 def teacher_forced(model, eval_set, loss_only: bool = False) -> dict:
@@ -493,7 +930,7 @@ def teacher_forced(model, eval_set, loss_only: bool = False) -> dict:
             continue
         pred = np.array(mx.argmax(logits, axis=-1)[0])
         ok = pred == ids[1:]
-        # Mask runs (one per reply) in order.
+        # Mask runs (one per assistant message) in order.
         runs, cur = [], []
         for pos, v in enumerate(mask[1:]):
             if v:
@@ -503,8 +940,7 @@ def teacher_forced(model, eval_set, loss_only: bool = False) -> dict:
                 cur = []
         if cur:
             runs.append(cur)
-        for turn, run in zip(d.turns, runs):
-            key = turn.task if turn.task != "recall" else ("recall 3+" if turn.distance >= 3 else "recall 1-2")
+        for key, run in zip(reply_keys(d), runs, strict=True):
             hits.setdefault(key, []).append(int(ok[run].all()))
     if loss_only:
         return {"heldout_loss": total_loss / total_n}
@@ -529,79 +965,94 @@ def save(folder: Path, model, config: dict, tok) -> None:
 
 
 def check_template(tok) -> None:
-    """The Python renderer used for training equals the jinja template the models ship with."""
-    import jinja2
+    """The Python renderer used for training equals the shipped template as transformers renders it
+    (with and without tools, tool calls and results, system prompts)."""
+    from transformers import PreTrainedTokenizerFast
 
-    env = jinja2.Environment()
-    template = env.from_string(CHAT_TEMPLATE)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, **{k: v for k, v in tokenizer_config(512).items()
+                                                           if k not in ("tokenizer_class", "model_max_length")})
     rng = np.random.default_rng(12345)
-    for _ in range(20):
-        msgs = make_dialogue(rng).messages()
-        assert template.render(messages=msgs, add_generation_prompt=False) == render(msgs)[0]
-    ids = tok.encode("<|im_start|>assistant\n", add_special_tokens=False).ids
-    assert ids[0] == tok.token_to_id("<|im_start|>"), ids
+    for _ in range(40):
+        d = make_dialogue(rng)
+        msgs = d.messages()
+        shipped = hf.apply_chat_template(msgs, tools=TOOLS if d.tools else None, tokenize=False)
+        assert shipped == render(msgs, d.tools)[0], (shipped, render(msgs, d.tools)[0])
+    ids = tok.encode("<|im_start|>assistant\n<tool_call>", add_special_tokens=False).ids
+    assert ids[0] == tok.token_to_id("<|im_start|>") and ids[-1] == tok.token_to_id("<tool_call>"), ids
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help=f"default {DEFAULT_OUT} (/tmp/chatkit-demo-quick with --quick)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where chat/ and draft/ go (default: the shipped pair)")
     p.add_argument("--vocab-size", type=int, default=1536)
-    p.add_argument("--chat-steps", type=int, default=None, help="default 3000 (150 with --quick)")
-    p.add_argument("--draft-steps", type=int, default=None, help="default 2200 (150 with --quick)")
+    p.add_argument("--chat-steps", type=int, default=1400)
+    p.add_argument("--draft-steps", type=int, default=1400)
+    p.add_argument("--copy-steps", type=int, default=300, help="first steps of synthetic copying (see copy_batches)")
+    p.add_argument("--school-steps", type=int, default=500, help="then steps of short copying dialogues")
+    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--chat-lr", type=float, default=3e-3)
     p.add_argument("--draft-lr", type=float, default=3e-3)
-    p.add_argument("--max-len", type=int, default=512, help="longest training dialogue in tokens")
-    # The training dialogues are at most ~400 tokens long; past ~450 the models meet positions they
-    # were never trained on and their answers fall apart. Written into the configs as the context
-    # window, it makes chatkit refuse such prompts (ContextWindowExceededError) instead.
-    p.add_argument("--context", type=int, default=448, help="the context window written into the configs")
+    p.add_argument("--max-len", type=int, default=1024, help="longest training dialogue in tokens")
+    # A 20-turn chat takes about 950 tokens. Past the window the models would meet positions they were
+    # never trained on; written into the configs, it makes chatkit refuse such prompts
+    # (ContextWindowExceededError) instead of answering nonsense.
+    p.add_argument("--context", type=int, default=1024, help="the context window written into the configs")
     p.add_argument("--chat-shape", default=None, help="hidden,layers,mlp,heads,kv_heads (default %s)" % ",".join(map(str, SHAPES["chat"])))
     p.add_argument("--draft-shape", default=None, help="default %s" % ",".join(map(str, SHAPES["draft"])))
-    p.add_argument("--quick", action="store_true", help="a short smoke run (a few minutes)")
-    p.add_argument("--only", choices=["chat", "draft"], default=None, help="train one model only")
+    p.add_argument("--only", choices=["chat", "draft"], default=None,
+                   help="train one model in this process (by default both train at once, in two processes)")
     args = p.parse_args(argv)
-    args.chat_steps = args.chat_steps or (150 if args.quick else 3000)
-    args.draft_steps = args.draft_steps or (150 if args.quick else 2200)
-    out = args.out or (Path("/tmp/chatkit-demo-quick") if args.quick else DEFAULT_OUT)
+    for name in ("chat", "draft") if args.only is None else (args.only,):
+        if args.copy_steps + args.school_steps >= getattr(args, f"{name}_steps"):
+            p.error(f"--copy-steps + --school-steps ({args.copy_steps + args.school_steps}) leave no steps of the "
+                    f"full mix in --{name}-steps ({getattr(args, f'{name}_steps')}): give more {name} steps.")
+    return args
 
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
     t0 = time.perf_counter()
+    if args.only is None:
+        # Both models at once, one process (one core, one BLAS thread) each; they print their own lines.
+        children = [subprocess.Popen([sys.executable, __file__, *argv, "--only", name]) for name in ("chat", "draft")]
+        codes = [child.wait() for child in children]
+        if any(codes):
+            sys.exit(f"training failed (exit codes {codes})")
+        print(f"total {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+        return
+
+    name = args.only
     tok = train_tokenizer(args.vocab_size, args.seed)
     check_template(tok)
-    vocab = tok.get_vocab()
-    single = [w for w in NAMES + CITIES + COLOURS + PET_NAMES + WORDS if f"\u0120{w}" in vocab]
-    print(f"tokenizer: {tok.get_vocab_size()} tokens, {len(single)}/"
-          f"{len(NAMES + CITIES + COLOURS + PET_NAMES + WORDS)} world words are one token "
-          f"({time.perf_counter() - t0:.1f} s)", flush=True)
-    sample_rng = np.random.default_rng([args.seed, 4])
-    sample = encode(tok, [make_dialogue(sample_rng) for _ in range(500)])
-    lengths = np.array([len(i) for i, _ in sample])
-    masked = sum(m.sum() for _, m in sample) / lengths.sum()
-    print(f"dialogues: {lengths.mean():.0f} tokens on average (max {lengths.max()}), "
-          f"{masked:.0%} of tokens in the loss", flush=True)
-
+    if name == "chat":
+        pieces = [len(tok.encode(" " + w).ids) for w in HELDOUT_NAMES + HELDOUT_CITIES]
+        print(f"tokenizer: {tok.get_vocab_size()} tokens; a held-out name or city is {np.mean(pieces):.1f} tokens "
+              f"on average ({time.perf_counter() - t0:.1f} s)", flush=True)
+        sample_rng = np.random.default_rng([args.seed, 4])
+        sample = encode(tok, [make_dialogue(sample_rng) for _ in range(500)])
+        lengths = np.array([len(i) for i, _ in sample])
+        masked = sum(m.sum() for _, m in sample) / lengths.sum()
+        print(f"dialogues: {lengths.mean():.0f} tokens on average (max {lengths.max()}), "
+              f"{masked:.0%} of tokens in the loss", flush=True)
     eval_set = make_eval_set(tok, args.seed + 1000)
     ids = {t: tok.token_to_id(t) for t in SPECIALS}
-    results = {}
-    for name, steps, lr, seed_offset in (("chat", args.chat_steps, args.chat_lr, 10), ("draft", args.draft_steps, args.draft_lr, 20)):
-        if args.only and name != args.only:
-            continue
-        shape = getattr(args, f"{name}_shape")
-        config = model_config(tuple(int(x) for x in shape.split(",")) if shape else name, tok.get_vocab_size(), ids,
-                              args.context)
-        model = build_model(config, args.seed + seed_offset)
-        n_params = get_total_parameters(model)
-        print(f"[{name}] {n_params / 1e6:.2f}M parameters, {steps} steps of {args.batch_size} dialogues", flush=True)
-        # Both models see the same batches (same data seed).
-        results[name] = train(name, model, tok, steps=steps, batch_size=args.batch_size, lr=lr,
-                              seed=args.seed, max_len=args.max_len, eval_set=eval_set)
-        save(out / name, model, config, tok)
-        size = (out / name / "model.safetensors").stat().st_size
-        print(f"[{name}] final train loss {results[name]['train_loss']:.4f}, held-out loss "
-              f"{results[name]['heldout_loss']:.4f}, {results[name]['minutes']:.1f} min; "
-              f"saved {out / name} ({size / 1e6:.1f} MB)", flush=True)
-    print(f"total {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+    steps, lr, seed_offset = (args.chat_steps, args.chat_lr, 10) if name == "chat" else (args.draft_steps, args.draft_lr, 20)
+    shape = getattr(args, f"{name}_shape")
+    config = model_config(tuple(int(x) for x in shape.split(",")) if shape else name, tok.get_vocab_size(), ids, args.context)
+    model = build_model(config, args.seed + seed_offset)
+    print(f"[{name}] {get_total_parameters(model) / 1e6:.2f}M parameters, {steps} steps of {args.batch_size} dialogues",
+          flush=True)
+    # Both models see the same batches (same data seed).
+    result = train(name, model, tok, steps=steps, batch_size=args.batch_size, lr=lr, seed=args.seed,
+                   max_len=args.max_len, eval_set=eval_set, copy_steps=args.copy_steps,
+                   school_steps=args.school_steps, weight_decay=args.weight_decay)
+    save(args.out / name, model, config, tok)
+    size = (args.out / name / "model.safetensors").stat().st_size
+    print(f"[{name}] final train loss {result['train_loss']:.4f}, held-out loss {result['heldout_loss']:.4f}, "
+          f"{result['minutes']:.1f} min; saved {args.out / name} ({size / 1e6:.1f} MB)", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,15 +54,14 @@ def test_app_integration():
 
 def test_guided_example():
     out = run("guided.py")
-    assert "Your name is Ada.\n" in out and "You live in Oslo.\n" in out
-    assert "from the guided replies: Person(name='Ada', city='Oslo')" in out
+    person = out.split("(output=Person)\n")[1].splitlines()[0]
+    assert re.fullmatch(r"Person\(name='[^']*', city='[^']*'\)", person), person  # valid by construction
     committed = out.split("committed reply: ")[1].splitlines()[0]
-    assert set(json.loads(committed)) == {"name", "city"}
+    assert set(json.loads(committed)) == {"name", "city", "colour"}
     partials = [line for line in out.splitlines() if line.startswith("  partial: ")]
     assert len(partials) >= 2, "the object fills in while it streams"
-    assert "(session.respond(..., grammar=...))\nYour name is Ada.\n" in out
-    assert "7 + 5 = 12." in out and "IncompleteOutputError" in out
-    assert out.rstrip().endswith("Your name is Ada."), "the session stays usable"
+    assert "(regex)\nYour name is Ada.\n" in out and "IncompleteOutputError" in out
+    assert out.rstrip().endswith("Your favourite colour is teal."), "the session stays usable"
 
 
 def test_tools_example():

@@ -373,7 +373,7 @@ def test_over_the_context_window_is_413_and_the_conversation_is_intact(demo):
         replies, usages = conversation(c, ["My name is Ada."])
         history = [{"role": "system", "content": SYSTEM}, user("My name is Ada."),
                    {"role": "assistant", "content": replies[0]}]
-        status, data = post(running, "/chat/completions", {"messages": [*history, user("word " * 500)]})
+        status, data = post(running, "/chat/completions", {"messages": [*history, user("word " * 1100)]})
         assert status == 413 and data["error"]["code"] == "context_length_exceeded"
         r = chat(c, [*history, user("What is my name?")])
     assert r.choices[0].message.content == replies_in_process(demo, ["My name is Ada.", "What is my name?"],

@@ -27,8 +27,9 @@ Esc then Enter starts a new line inside a message (pasted text keeps its lines).
 {history} (set CHATKIT_HISTORY_FILE to move it, or to an empty value to keep none)."""
 
 CHAT_DESCRIPTION = """A streaming chat in the terminal. Without --model it chats with chatkit's bundled demo model, a
-tiny model that only knows a small world: see the README ("The command line") for the phrasings it
-understands. Replies are greedy unless --temp is given; the KV cache is reused from turn to turn."""
+tiny model of a small world (facts you tell it, arithmetic through its calculate tool, small talk): see
+the README ("What the demo model understands"). Replies are greedy unless --temp is given; the KV
+cache is reused from turn to turn."""
 
 MIN_KV_SIZE = 8  # CacheOptions' lower bound: mlx-lm's rotating cache keeps 4 tokens and needs room past them
 KV_BITS = (2, 3, 4, 5, 6, 8)
@@ -100,8 +101,8 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--draft", metavar="ID|PATH|demo|prompt_lookup",
                       help="speculative decoding: a smaller model sharing the tokenizer, or 'prompt_lookup' (drafts "
                            "from the conversation itself, no model) (default: none). "
-                           "With the demo pair on a CPU this is slower than without it (0.5x to 0.6x the "
-                           "speed, measured): a draft pays off only when it is much cheaper than the "
+                           "With the demo pair on a CPU it is hardly faster than without it (1.03x, "
+                           "measured): a draft pays off only when it is much cheaper than the "
                            "model and agrees with it. Cannot be combined with --max-kv-size or --kv-bits")
     chat.add_argument("--num-draft", type=_num_draft, default="auto", metavar="auto|N",
                       help="tokens drafted per step with --draft: 'auto' tunes it from the acceptance measured so "

@@ -1,25 +1,25 @@
 """chatkit's bundled demo pair: a tiny chat model and a draft model for speculative decoding, and the
-``calculate`` tool of the coming demo v2.
+demo's ``calculate`` tool.
 
 Both models are qwen3-architecture models trained from scratch (``scripts/train_demo.py``) on
-synthetic dialogues, with their own byte-level BPE tokenizer and a ChatML template. They do small sums
-("What is 7 + 5?"), spell and count letters of common words ("Spell cat.", "How many letters are in
-apple?"), repeat a few words ("Repeat after me: red tiger."), small talk, and remember facts you tell
-them ("My name is Ada.", "I live in Lyon.", "My favourite colour is green.", "I have a dog named
-Rex.", "I am 34 years old.") to answer later ("What is my name?"). Outside that little world their
-replies are nonsense. Their context window is 448 tokens, a little past their longest training
-dialogues. No download needed: ``chatkit.load("demo")`` and ``chatkit.load("demo-draft")``::
+synthetic dialogues, with their own byte-level BPE tokenizer and a ChatML template with Qwen-style
+tool calls. They remember facts you tell them (a name, a city, a favourite colour, a pet), also names
+and phrasings they never saw in training, because they copy them from the conversation ("I'm Noor.",
+then "What did I say my name was?"); they say they do not know what you did not tell them; they
+answer arithmetic by calling ``calculate`` and copying its result; they fill JSON forms from the
+conversation (``respond(..., output=...)``), count letters, repeat after you, make small talk and
+politely refuse the rest. Spelling is weak. Their context window is 1,024 tokens (about 20 turns).
+No download needed: ``chatkit.load("demo")`` and ``chatkit.load("demo-draft")``::
 
     import chatkit
 
     lm = chatkit.load("demo")
-    draft = chatkit.SpeculativeConfig(chatkit.load("demo-draft"), 4)
-    session = chatkit.ChatSession.builder(lm).speculative(draft).build()
-    print(session.respond("My name is Ada."))
+    session = chatkit.ChatSession.builder(lm).tools(chatkit.demo.tools()).build()
+    print(session.respond("What is 25 + 30?"))   # a real call of calculate, then "25 + 30 = 55."
 
-``tools()`` is ``[calculate]``, exact arithmetic without ``eval``, for a demo trained to call it
-(``scripts/train_demo_v2.py``, docs/demo.md; ``chatkit chat`` gives it to such a demo by default).
-This package only knows where the files are (loading them is ``chatkit.load``'s job) and the tool.
+``tools()`` is ``[calculate]``, exact arithmetic without ``eval``; ``chatkit chat`` gives it to the
+demo by default. This package only knows where the files are (loading them is ``chatkit.load``'s
+job) and the tool.
 """
 
 from __future__ import annotations
