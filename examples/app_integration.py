@@ -52,8 +52,8 @@ asyncio.run(ui())
 
 
 def worker(out: list) -> None:
-    session = ChatSession.builder(lm).generate_params(GenerateParams(max_tokens=32)).build()
-    out.append(session.respond("What is 2 + 3?"))
+    session = ChatSession.builder(lm).tools(chatkit.demo.tools()).generate_params(GenerateParams(max_tokens=32)).build()
+    out.append(session.respond("What is 2 + 3?"))  # the demo calls its calculate tool, then answers
     mx.clear_streams()  # MLX asks a thread that ran MLX work to destroy its streams before it ends
 
 

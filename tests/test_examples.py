@@ -47,7 +47,8 @@ def test_app_integration():
     stopped = next(line for line in out.splitlines() if line.startswith("stopped after"))
     shown = stopped.split("shown: ")[1].split("; kept: ")[0].strip("'")
     kept = stopped.split("; kept: ")[1].strip("'")
-    full = "I can do small sums, spell words, count letters, repeat after you and remember what you tell me."
+    full = ("I remember what you tell me about yourself, do arithmetic with my calculate tool, spell and count "
+            "letters, repeat after you and fill in a JSON form.")
     assert shown and kept.startswith(shown) and full.startswith(kept) and len(kept) < len(full), stopped
     assert "bot> Your name is Ada." in out and "worker thread bot> 2 + 3 = 5." in out
 

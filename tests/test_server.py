@@ -429,8 +429,8 @@ def test_chatkit_serve_command(tmp_path):
                 assert proc.poll() is None, proc.communicate()[1]
                 time.sleep(0.1)
         assert [m.id for m in models] == ["demo"]
-        r = chat(c, [{"role": "user", "content": "What is 2 + 3?"}])
-        assert "5" in r.choices[0].message.content
+        r = chat(c, [{"role": "user", "content": "My name is Ada."}])
+        assert r.choices[0].message.content == "Nice to meet you, Ada."
     finally:
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
