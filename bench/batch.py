@@ -14,7 +14,8 @@ differs). Aggregate tok/s = all tokens generated / wall time from the first star
 
 Before part 1, the model's own decode step at each batch size (a forward pass and an argmax, no
 chatkit, no BatchGenerator) and its own prefill of the prompts, one and N in one batch: what batching
-can gain at best on the machine as it is during the run. Decoding gains (one step at batch N costs
+can gain at best on the machine as it is during the run; and mlx-lm's ``BatchGenerator`` alone over the
+same prompts (what the engine drives: its step is the engine's floor). Decoding gains (one step at batch N costs
 far less than N steps at batch 1); prefill hardly does (it is compute-bound already), so the
 end-to-end ceiling, prefill included, is lower than the decode step's. Besides the end-to-end speedup,
 the table gives the decode speedup: aggregate decode tok/s while the sessions decode, N x each
@@ -39,8 +40,9 @@ from chatkit import BatchEngine, ChatSession, GenerateParams
 
 import mlx.core as mx
 from _common import OtherLoad, cache_state, clone, describe, load_model, median, wait_until_quiet
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.sample_utils import make_logits_processors
 
 WORDS = ("the river town keeps a small library where seven old maps show roads that no longer exist "
          "and every evening a clerk writes down who came to read them").split()
@@ -122,6 +124,26 @@ def prefill(lm, texts: list[str], steps: int = 3) -> float:
     return best
 
 
+def generator_step(lm, n: int, tokens: int) -> float:
+    """mlx-lm's ``BatchGenerator`` alone over the same N prompts and per-row ``logit_bias`` processors
+    (no sessions, no threads): its median step once every row decodes. The engine cannot beat it."""
+    eos = list(lm.tokenizer.eos_token_ids)
+    ids = [lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt(i)}], add_generation_prompt=True)
+           for i in range(n)]
+    gen = BatchGenerator(lm.model, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512)
+    gen.insert(ids, max_tokens=[tokens] * n,
+               logits_processors=[make_logits_processors(logit_bias={t: -1e9 for t in eos})] * n)
+    times: list[float] = []
+    done = 0
+    while done < n:
+        _, out = gen.next()
+        times.append(time.perf_counter())
+        done += sum(r.finish_reason is not None for r in out)
+    gen.close()
+    half = times[-(tokens // 2) :]
+    return median([b - a for a, b in zip(half, half[1:])])
+
+
 def ttft(lm, reps: int):
     instructions = "You are the archivist of the river town. " + " ".join(
         WORDS[k % len(WORDS)] for k in range(1500))
@@ -194,6 +216,8 @@ def main() -> None:
         f"{b} prompts {1000 * t:.1f} ms" for b, t in together.items()))
     say("End-to-end ceiling (prefill included, " + f"{args.tokens} tokens per turn): " + ", ".join(
         f"{b} sessions {c:.2f}x" for b, c in ceiling.items()))
+    say("mlx-lm's BatchGenerator alone (same prompts and processors, no chatkit), per step: " + ", ".join(
+        f"batch {b}: {1000 * generator_step(lm, b, args.tokens):.1f} ms" for b in sizes))
     say(f"\nPart 1: {args.tokens} tokens per session, greedy, EOS biased -1e9 (a logits processor per session)")
     say("speedup: aggregate tok/s, prefill included (wall time from the first start to the last token);")
     say("decode speedup: aggregate decode tok/s once the sessions decode (N x ms/token alone / ms/token batched)")
