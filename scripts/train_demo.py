@@ -1,5 +1,5 @@
 """Train chatkit's bundled demo pair (``chatkit/demo/models``): a small chat model that remembers facts
-of any spelling, calls a ``calculate`` tool and fills JSON forms, and a draft model for it.
+of any spelling, calls a ``calculate`` tool and is trained to fill JSON forms, and a draft model for it.
 
 Everything is synthetic and reproducible from ``--seed``:
 
@@ -382,7 +382,7 @@ OPENINGS = ["Hey, ", "OK, ", "So, ", "Hmm, ", "Well, ", "By the way, ", "Um, ", 
 def casual(rng: np.random.Generator, text: str) -> str:
     """Small variations users make: an opening word, no final punctuation, a lower-case first letter, '!'."""
     if rng.random() < 0.12:
-        first = text if text.startswith(("I ", "I'")) or text[:1] == "{" else text[:1].lower() + text[1:]
+        first = text if text.startswith(("I ", "I'")) else text[:1].lower() + text[1:]
         text = str(rng.choice(OPENINGS)) + first
     r = rng.random()
     if r < 0.08 and text[-1] in ".?!":
