@@ -266,7 +266,12 @@ class ChatSession:
             return dropped
 
     def regenerate(self) -> str:
-        """Answer the last prompt again, replacing the last reply; returns the new reply."""
+        """Answer the last prompt again, replacing the last reply; returns the new reply.
+
+        After an automatic tool loop the last prompt is the last tool result: only the final answer is
+        generated again, from the same results (no tool runs again, and a call in the new reply is not
+        run). To redo the whole exchange, ``undo()`` then ``respond()`` the prompt again.
+        """
         with self.stream_regenerate() as stream:
             for _ in stream:
                 pass
