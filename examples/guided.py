@@ -4,10 +4,12 @@ Run: python examples/guided.py [--model demo|ID|PATH]
 
 1. output=Person: a message becomes a validated Person. The JSON Schema is described at the end of
    the message (the demo was trained on that description) and the reply is constrained token by
-   token, so it parses whatever the model would have written. (The demo fills forms poorly, often
-   with empty strings, see docs/demo.md: the point here is that the value is always valid.)
+   token, so it parses whatever the model would have written. (The demo copies one fact into a form,
+   but often garbles a second one, see docs/demo.md: the point here is that the value is always valid.)
 2. Streamed: the form fills in field by field (stream.partial); stream.value is the final object.
-3. A regex, and a reply cut short by max_tokens (IncompleteOutputError; the session stays usable).
+3. A regex (the demo never saw one described, so the name it fills in may be wrong; the shape is
+   right by construction), and a reply cut short by max_tokens (IncompleteOutputError; the session
+   stays usable).
 """
 
 import argparse
@@ -37,10 +39,11 @@ args = parser.parse_args()
 session = ChatSession.builder(chatkit.load(args.model)).generate_params(GenerateParams(max_tokens=48)).build()
 
 # 1. A validated object from one message.
-person = session.respond("My name is Ada and I live in Oslo.", output=Person)
-print(f"> My name is Ada and I live in Oslo.  (output=Person)\n{person!r}")
+person = session.respond("My name is Ada.", output=Person)
+print(f"> My name is Ada.  (output=Person)\n{person!r}")
 
 # 2. A form filled in from the conversation, streamed as partial objects.
+print(f"> I live in Oslo.\n{session.respond('I live in Oslo.')}")
 print(f"> My favourite colour is teal.\n{session.respond('My favourite colour is teal.')}")
 print("> Fill in my profile.  (output=Profile, streamed)")
 with session.stream_respond("Fill in my profile.", output=Profile) as stream:

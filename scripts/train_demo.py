@@ -172,7 +172,11 @@ class World:
     ask: dict[str, list[str]]
     calc: list[str]
     guided: list[str]
-    made_up: float  # the share of names (cities, colours...) that are random strings
+    made_up: float  # the share of names and cities that are random strings
+    made_up_colour: float  # ... of colours
+    made_up_pet: float  # ... of the kinds of pets
+    decimals: float  # the share of arithmetic operands with decimals
+    adverbs: tuple[str, ...] = ()  # inserted after "I" in some telling messages ("I also live in ...")
 
     def name(self, rng: np.random.Generator) -> str:
         return random_name(rng) if rng.random() < self.made_up else str(rng.choice(self.names))
@@ -190,13 +194,13 @@ class World:
 
     def colour(self, rng: np.random.Generator) -> str:
         r = rng.random()
-        if r < self.made_up / 2:
+        if r < self.made_up_colour:
             return random_word(rng)
         colour = str(rng.choice(self.colours))
         return f"{rng.choice(SHADES)} {colour}" if r > 0.85 else colour
 
     def pet(self, rng: np.random.Generator) -> str:
-        return random_word(rng) if rng.random() < self.made_up / 4 else str(rng.choice(self.pets))
+        return random_word(rng) if rng.random() < self.made_up_pet else str(rng.choice(self.pets))
 
 
 TELL = {
@@ -205,20 +209,28 @@ TELL = {
              "Hey! I'm {v}.", "My first name is {v}.", "I go by {v}.", "Please call me {v}.", "{v} is my name.",
              "Just call me {v}.", "Hi! My name is {v}.", "Hello, I am {v}.", "My friends call me {v}.",
              "I'm known as {v}.", "They call me {v}.", "This is {v}.", "It's {v} here.", "My name: {v}.",
-             "Everybody knows me as {v}.", "You may call me {v}.", "I am {v}, by the way."],
+             "Everybody knows me as {v}.", "You may call me {v}.", "I am {v}, by the way.", "{v} here.",
+             "{v}, that's me.", "{v} is what people call me.", "{v} is how people know me.", "I'd like you to call me {v}.", "So, I am {v}."],
     "city": ["I live in {v}.", "I'm from {v}.", "I am from {v}.", "My home town is {v}.", "I moved to {v}.",
              "My city is {v}.", "I'm based in {v}.", "Home for me is {v}.", "I reside in {v}.", "I live in {v} now.",
              "My town is {v}.", "I'm living in {v}.", "I stay in {v}.", "I grew up in {v}.", "I was born in {v}.",
-             "I'm a resident of {v}.", "Right now I live in {v}.", "My home is in {v}.", "I moved here to {v}."],
+             "I'm a resident of {v}.", "Right now I live in {v}.", "My home is in {v}.", "I moved here to {v}.",
+             "{v} is where I live.", "{v} is my home.", "{v} is my city.", "{v} is my home town.",
+             "{v} is the city I live in.", "I have a flat in {v}.",
+             "My house is in {v}.", "At the moment I live in {v}.", "I currently live in {v}."],
     "colour": ["My favourite colour is {v}.", "My favorite color is {v}.", "I like the colour {v}.",
                "I love the color {v}.", "{v} is my favourite colour.", "My favourite colour? {v}.",
                "The colour I like best is {v}.", "I like {v} best.", "My favourite colour is {v}, I think.",
                "I adore the colour {v}.", "{v} is the colour I like most.", "My best colour is {v}.",
-               "The color I love is {v}.", "My favourite color? It's {v}."],
+               "The color I love is {v}.", "My favourite color? It's {v}.", "{v}, that's my favourite colour.", "{v} is my best colour.", "{v} is the color I like best.",
+               "{v} is the colour I prefer.", "I'm a fan of the colour {v}.", "I prefer the color {v}.",
+               "The best colour is {v}.", "My favourite colour would be {v}.", "I like the color {v} a lot."],
     "pet": ["My {a} is called {v}.", "I have a {a} named {v}.", "My {a}'s name is {v}.", "I have a {a} called {v}.",
             "Our {a} is named {v}.", "My pet {a} is {v}.", "I've got a {a} called {v}.", "My {a} is named {v}.",
             "I keep a {a} called {v}.", "There's a {a} at home named {v}.", "Our family {a} is {v}.",
-            "I've a {a} named {v}.", "My {a} answers to {v}.", "We got a {a} and named it {v}."],
+            "I've a {a} named {v}.", "My {a} answers to {v}.", "We got a {a} and named it {v}.",
+            "{v} is my {a}.", "{v} is the name of my {a}.", "{v} is what I call my {a}.", "My {a} has the name {v}.", "I've got a pet {a}, {v}.",
+            "At home I have a {a} called {v}.", "My little {a} is called {v}.", "My {a}'s called {v}."],
 }
 HELDOUT_TELL = {
     "name": ["Hi there, I am {v}.", "Everyone calls me {v}.", "I'm called {v}.", "The name is {v}.",
@@ -335,9 +347,14 @@ CAN_REPLY = ("I remember what you tell me about yourself, do arithmetic with my 
              "letters, repeat after you and fill in a JSON form.")
 OUT_REPLY = "Sorry, I don't know about that: I am a tiny demo model."
 
-TRAIN = World(NAMES, CITIES, COLOURS, PETS, TELL, ASK, CALC, GUIDED, made_up=0.6)
+# Training makes up colours and kinds of pets almost as often as names, so that the model learns to copy
+# them too (with made_up_colour 0.3 and made_up_pet 0.15, held-out colours and pets were recalled 19 % and
+# 21 % of the time against 52 % for names: docs/demo.md). The held-out world keeps the rates it was first
+# measured with, so that every run is scored on the same kind of dialogues.
+TRAIN = World(NAMES, CITIES, COLOURS, PETS, TELL, ASK, CALC, GUIDED, made_up=0.6, made_up_colour=0.48, made_up_pet=0.36,
+              decimals=0.12, adverbs=("also", "actually", "still", "truly", "honestly", "now", "mostly"))
 HELDOUT = World(HELDOUT_NAMES, HELDOUT_CITIES, HELDOUT_COLOURS, HELDOUT_PETS, HELDOUT_TELL, HELDOUT_ASK, HELDOUT_CALC,
-                HELDOUT_GUIDED, made_up=0.5)
+                HELDOUT_GUIDED, made_up=0.5, made_up_colour=0.25, made_up_pet=0.125, decimals=0.06)
 
 TASKS = ("arithmetic", "spelling", "counting", "repeat", "tell", "recall", "untold", "smalltalk", "refuse", "guided")
 
@@ -394,21 +411,21 @@ def casual(rng: np.random.Generator, text: str) -> str:
     return text
 
 
-def operand(rng: np.random.Generator) -> str:
+def operand(rng: np.random.Generator, decimals: float) -> str:
     digits = int(rng.choice([1, 2, 3, 4, 5], p=[0.22, 0.3, 0.22, 0.18, 0.08]))
     n = str(int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10**digits)))
-    if rng.random() < 0.06:
+    if rng.random() < decimals:
         n += "." + str(int(rng.integers(1, 100)))
     return n
 
 
-def expression(rng: np.random.Generator) -> tuple[str, list[str]]:
+def expression(rng: np.random.Generator, decimals: float) -> tuple[str, list[str]]:
     """An expression in the form tool calls carry ('12 * (3 + 4)') and its tokens."""
     ops = [str(o) for o in rng.choice(["+", "-", "*", "/"], size=int(rng.choice([1, 2, 3], p=[0.78, 0.17, 0.05])),
                                        p=[0.3, 0.27, 0.28, 0.15])]
-    parts = [operand(rng)]
+    parts = [operand(rng, decimals)]
     for op in ops:
-        parts += [op, operand(rng)]
+        parts += [op, operand(rng, decimals)]
     if len(ops) >= 2 and rng.random() < 0.5:  # parentheses around one operation
         i = 2 * int(rng.integers(len(ops)))
         parts[i] = "(" + parts[i]
@@ -429,9 +446,9 @@ def arithmetic(rng: np.random.Generator, world: World, tools: bool) -> Turn:
     from chatkit.demo.calculator import calculate
 
     if rng.random() < 0.02:
-        canonical, parts = f"{operand(rng)} / 0", []
+        canonical, parts = f"{operand(rng, world.decimals)} / 0", []
     else:
-        canonical, parts = expression(rng)
+        canonical, parts = expression(rng, world.decimals)
     user = casual(rng, str(rng.choice(world.calc)).format(e=user_expression(rng, canonical, parts)))
     if not tools:
         return Turn(user, say(NO_TOOL_REPLY), "arithmetic")
@@ -484,9 +501,17 @@ def upper_first(text: str) -> str:
     return text[0].upper() + text[1:]
 
 
+def with_adverb(rng: np.random.Generator, world: World, text: str) -> str:
+    """Sometimes an adverb after "I" ("I also live in Oslo."): the fact is not always right after "I"."""
+    if world.adverbs and rng.random() < 0.15 and text.startswith("I ") and text.split()[1] in (
+            "live", "like", "love", "have", "am", "go", "moved", "grew", "keep", "prefer", "currently"):
+        return f"I {rng.choice(world.adverbs)} {text[2:]}"
+    return text
+
+
 def tell(rng: np.random.Generator, world: World, kinds: list[str], values: dict[str, dict[str, str]]) -> tuple[str, str]:
     """The user's message telling one or two facts, and the reply."""
-    first = str(rng.choice(world.tell[kinds[0]])).format(**values[kinds[0]])
+    first = with_adverb(rng, world, str(rng.choice(world.tell[kinds[0]])).format(**values[kinds[0]]))
     if len(kinds) == 1:
         return casual(rng, first), TELL_REPLY[kinds[0]].format(**values[kinds[0]])
     first = str(rng.choice([t for t in world.tell[kinds[0]] if t.endswith("{v}.")])).format(**values[kinds[0]])
@@ -509,11 +534,16 @@ def schema_text(fields: tuple[tuple[str, str], ...], title: str, max_length: int
     return json.dumps(schema), instructions(output_spec(schema))
 
 
-def guided(rng: np.random.Generator, world: World, known: dict[str, dict[str, str]], base: str | None = None) -> Turn:
+def guided(rng: np.random.Generator, world: World, known: dict[str, dict[str, str]], base: str | None = None,
+           told: list[str] | None = None) -> Turn:
     """A question with a JSON Schema appended (as ``respond(..., output=...)`` sends it); the reply is the
-    compact JSON object, with the facts known so far and "" for the others."""
+    compact JSON object, with the facts known so far and "" for the others. ``base``: the message the
+    schema is appended to (a question by default); ``told``: kinds it tells, always among the fields."""
     kinds = [str(k) for k in rng.permutation(list(GUIDED_FIELDS))[: int(rng.integers(1, 4))]]
-    if rng.random() < 0.6:
+    if told:
+        extra = [k for k in kinds if k not in told][: int(rng.integers(0, 2))]
+        kinds = [k for k in GUIDED_FIELDS if k in told or k in extra]
+    elif rng.random() < 0.6:
         kinds = ["name", "city"] + [k for k in kinds if k not in ("name", "city")][: int(rng.integers(0, 2))]
     fields = tuple((str(rng.choice(GUIDED_FIELDS[k])), k) for k in kinds)
     value = {key: known[kind]["v"] if kind in known else "" for key, kind in fields}
@@ -557,9 +587,10 @@ def make_dialogue(rng: np.random.Generator, world: World = TRAIN, school: bool =
             for k in group:
                 known[k] = fact_value(rng, world, k)
                 told_at[k] = i
-            if len(group) == 2 and "name" in group and "city" in group and rng.random() < 0.3:
+            fields = [k for k in group if k in GUIDED_FIELDS]
+            if fields and rng.random() < 0.2:  # "My name is Ada and I live in Oslo." with output=Person
                 user, _ = tell(rng, world, group, known)
-                turns.append(guided(rng, world, known, base=user))
+                turns.append(guided(rng, world, known, base=user, told=fields))
                 continue
             user, reply = tell(rng, world, group, known)
             turns.append(Turn(user, say(reply), "tell"))
@@ -590,8 +621,8 @@ def make_dialogue(rng: np.random.Generator, world: World = TRAIN, school: bool =
             turns.append(counting(rng))
         elif r < 0.7:
             turns.append(repeat(rng, world))
-        elif r < 0.8:
-            turns.append(guided(rng, world, known))
+        elif r < 0.8:  # forms mostly after facts were told: most fields then have a value to copy
+            turns.append(guided(rng, world, known) if known or rng.random() < 0.4 else repeat(rng, world))
         elif r < 0.9:
             turns.append(refuse(rng, world))
         elif r < 0.94:
@@ -986,7 +1017,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where chat/ and draft/ go (default: the shipped pair)")
     p.add_argument("--vocab-size", type=int, default=1536)
-    p.add_argument("--chat-steps", type=int, default=1400)
+    p.add_argument("--chat-steps", type=int, default=1650)
     p.add_argument("--draft-steps", type=int, default=1400)
     p.add_argument("--copy-steps", type=int, default=300, help="first steps of synthetic copying (see copy_batches)")
     p.add_argument("--school-steps", type=int, default=500, help="then steps of short copying dialogues")

@@ -265,7 +265,7 @@ def test_version_help_and_inspect(tmp_path):
     assert version.returncode == 0 and re.match(r"chatkit \d+\.\d+\.\d+ \(mlx .*, mlx-lm .*\)", version.stdout)
     helped = run("chat", "--help").stdout
     assert "demo model" in helped and "(default: 256" in helped and "/retry" in helped and "Ctrl-R" in helped
-    assert "hardly faster" in helped  # --draft with the demo on a CPU
+    assert "no faster than without it" in helped  # --draft with the demo on a CPU
 
     saved = tmp_path / "chat.safetensors"
     turns = ["My name is Ada.", "What is 7 + 5?", "Spell tiger.", "I live in Lyon."]
@@ -399,9 +399,9 @@ def test_the_demo_in_a_terminal_with_names_and_numbers_it_never_trained_on(tmp_p
     assert "I don't know where you live: you have not told me." in ask(child, "Where do I live?")
     ask(child, "/clear")
     assert "Nice to meet you, Zbigniew." in ask(child, "Call me Zbigniew.")
-    assert "Noted: you live in Ouagadougou." in ask(child, "I live in Ouagadougou.")
+    assert "Noted: you live in Ljubljana." in ask(child, "I live in Ljubljana.")
     assert "1234 + 5678 = 6912." in ask(child, "What is 1234 + 5678?")
-    assert "You live in Ouagadougou." in ask(child, "Where do I live?")
+    assert "You live in Ljubljana." in ask(child, "Where do I live?")
     assert "I don't know: you have not told me about a pet." in ask(child, "What is my dog called?")
     child.sendline("/quit")
     child.expect(pexpect.EOF)

@@ -56,12 +56,14 @@ def test_app_integration():
 def test_guided_example():
     out = run("guided.py")
     person = out.split("(output=Person)\n")[1].splitlines()[0]
-    assert re.fullmatch(r"Person\(name='[^']*', city='[^']*'\)", person), person  # valid by construction
+    assert person == "Person(name='Ada', city='')", person  # the name copied, the city not told yet
     committed = out.split("committed reply: ")[1].splitlines()[0]
     assert set(json.loads(committed)) == {"name", "city", "colour"}
     partials = [line for line in out.splitlines() if line.startswith("  partial: ")]
     assert len(partials) >= 2, "the object fills in while it streams"
-    assert "(regex)\nYour name is Ada.\n" in out and "IncompleteOutputError" in out
+    # The demo never saw a regex described in a message (only JSON Schemas): the name is often wrong, the shape never.
+    assert re.fullmatch(r"Your name is [A-Z][a-z]+\.", out.split("(regex)\n")[1].splitlines()[0])
+    assert "IncompleteOutputError" in out
     assert out.rstrip().endswith("Your favourite colour is teal."), "the session stays usable"
 
 
