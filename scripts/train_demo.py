@@ -210,7 +210,8 @@ TELL = {
              "Just call me {v}.", "Hi! My name is {v}.", "Hello, I am {v}.", "My friends call me {v}.",
              "I'm known as {v}.", "They call me {v}.", "This is {v}.", "It's {v} here.", "My name: {v}.",
              "Everybody knows me as {v}.", "You may call me {v}.", "I am {v}, by the way.", "{v} here.",
-             "{v}, that's me.", "{v} is what people call me.", "{v} is how people know me.", "I'd like you to call me {v}.", "So, I am {v}."],
+             "{v}, that's me.", "{v} is what people call me.", "{v} is how people know me.",
+             "I'd like you to call me {v}.", "So, I am {v}."],
     "city": ["I live in {v}.", "I'm from {v}.", "I am from {v}.", "My home town is {v}.", "I moved to {v}.",
              "My city is {v}.", "I'm based in {v}.", "Home for me is {v}.", "I reside in {v}.", "I live in {v} now.",
              "My town is {v}.", "I'm living in {v}.", "I stay in {v}.", "I grew up in {v}.", "I was born in {v}.",
@@ -222,14 +223,15 @@ TELL = {
                "I love the color {v}.", "{v} is my favourite colour.", "My favourite colour? {v}.",
                "The colour I like best is {v}.", "I like {v} best.", "My favourite colour is {v}, I think.",
                "I adore the colour {v}.", "{v} is the colour I like most.", "My best colour is {v}.",
-               "The color I love is {v}.", "My favourite color? It's {v}.", "{v}, that's my favourite colour.", "{v} is my best colour.", "{v} is the color I like best.",
-               "{v} is the colour I prefer.", "I'm a fan of the colour {v}.", "I prefer the color {v}.",
+               "The color I love is {v}.", "My favourite color? It's {v}.", "{v}, that's my favourite colour.",
+               "{v} is my best colour.", "{v} is the color I like best.", "{v} is the colour I prefer.", "I'm a fan of the colour {v}.", "I prefer the color {v}.",
                "The best colour is {v}.", "My favourite colour would be {v}.", "I like the color {v} a lot."],
     "pet": ["My {a} is called {v}.", "I have a {a} named {v}.", "My {a}'s name is {v}.", "I have a {a} called {v}.",
             "Our {a} is named {v}.", "My pet {a} is {v}.", "I've got a {a} called {v}.", "My {a} is named {v}.",
             "I keep a {a} called {v}.", "There's a {a} at home named {v}.", "Our family {a} is {v}.",
             "I've a {a} named {v}.", "My {a} answers to {v}.", "We got a {a} and named it {v}.",
-            "{v} is my {a}.", "{v} is the name of my {a}.", "{v} is what I call my {a}.", "My {a} has the name {v}.", "I've got a pet {a}, {v}.",
+            "{v} is my {a}.", "{v} is the name of my {a}.", "{v} is what I call my {a}.", "My {a} has the name {v}.",
+            "I've got a pet {a}, {v}.",
             "At home I have a {a} called {v}.", "My little {a} is called {v}.", "My {a}'s called {v}."],
 }
 HELDOUT_TELL = {
@@ -349,7 +351,7 @@ OUT_REPLY = "Sorry, I don't know about that: I am a tiny demo model."
 
 # Training makes up colours and kinds of pets almost as often as names, so that the model learns to copy
 # them too (with made_up_colour 0.3 and made_up_pet 0.15, held-out colours and pets were recalled 19 % and
-# 21 % of the time against 52 % for names: docs/demo.md). The held-out world keeps the rates it was first
+# 21 % of the time, names 52 %: docs/demo.md, run 7). The held-out world keeps the rates it was first
 # measured with, so that every run is scored on the same kind of dialogues.
 TRAIN = World(NAMES, CITIES, COLOURS, PETS, TELL, ASK, CALC, GUIDED, made_up=0.6, made_up_colour=0.48, made_up_pet=0.36,
               decimals=0.12, adverbs=("also", "actually", "still", "truly", "honestly", "now", "mostly"))
