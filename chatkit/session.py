@@ -256,7 +256,7 @@ class ChatSession:
             conversation = self._conversation
             if not conversation.ends_with_exchange():
                 raise NothingToUndoError("There is no exchange to undo: the history does not end with a reply.")
-            start = conversation.exchange_start(self._tools is not None and self._tool_options.execution == "auto")
+            start = conversation.exchange_start(self._runs_tools())
             kept, dropped = conversation.messages[:start], list(conversation.messages[start:])
             try:
                 ids = self._rendered_ids(kept)
@@ -482,7 +482,7 @@ class ChatSession:
 
         return ToolLoopStream(
             open_round, self._append, tools, message,
-            execute=options.execution == "auto" and any(t.function is not None for t in tools),
+            execute=self._runs_tools(),
             max_rounds=options.max_rounds, raise_errors=options.errors == "raise", generate=generate,
         )
 
@@ -492,6 +492,11 @@ class ChatSession:
             self._conversation.record([*self._conversation.messages, *messages], [])
 
     # -- internals ------------------------------------------------------------------------------
+    def _runs_tools(self) -> bool:
+        """Whether replies run an automatic tool loop (so an exchange spans its tool rounds)."""
+        tools = self._tools or []
+        return self._tool_options.execution == "auto" and any(t.function is not None for t in tools)
+
     def _strict_grammar(self) -> Any:
         """The strict tool-call grammar of the current tools (compiled once per tool set)."""
         tools = self._tools or []

@@ -9,8 +9,8 @@ then "What did I say my name was?"); they say they do not know what you did not 
 answer arithmetic by calling ``calculate`` and copying its result; they answer JSON forms
 (``respond(..., output=...)``) with valid objects, filled when they can copy the fact (a second
 fact is often garbled); they count letters (right about half the time), repeat after you, make small
-talk and politely refuse the rest. Spelling mostly fails. Their context window is 1,024 tokens (about 20 turns).
-No download needed: ``chatkit.load("demo")`` and ``chatkit.load("demo-draft")``::
+talk and politely refuse the rest. Spelling mostly fails. Their context window is 1,024 tokens
+(about 20 turns). No download needed: ``chatkit.load("demo")`` and ``chatkit.load("demo-draft")``::
 
     import chatkit
 
