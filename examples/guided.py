@@ -7,9 +7,9 @@ Run: python examples/guided.py [--model demo|ID|PATH]
    token, so it parses whatever the model would have written. (The demo copies one fact into a form,
    but often garbles a second one, see docs/demo.md: the point here is that the value is always valid.)
 2. Streamed: the form fills in field by field (stream.partial); stream.value is the final object.
-3. A regex (the demo never saw one described, so the name it fills in may be wrong; the shape is
-   right by construction), and a reply cut short by max_tokens (IncompleteOutputError; the session
-   stays usable).
+3. A regex sent without its description (include_schema=False: the demo never saw a regex described,
+   and a description it does not know would only confuse it; the shape is right by construction
+   either way), and a reply cut short by max_tokens (IncompleteOutputError; the session stays usable).
 """
 
 import argparse
@@ -56,7 +56,7 @@ print(f"value: {stream.value!r}")
 print(f"committed reply: {session.history[-1].content}")
 
 # 3. A regex, and a reply cut short.
-name_reply = session.respond("What is my name?", regex=r"Your name is [A-Z][a-z]+\.")
+name_reply = session.respond("What is my name?", regex=r"Your name is [A-Z][a-z]+\.", include_schema=False)
 print(f"> What is my name?  (regex)\n{name_reply}")
 session.generate_params = GenerateParams(max_tokens=6)
 try:
