@@ -54,14 +54,16 @@ def new_tool_call_id(basis: str | None = None) -> str:
 class ToolCall:
     """A call of a tool by the model: ``name`` with JSON ``arguments``.
 
-    ``error`` is set when the model's call could not be read (not JSON, no name): the tool loop sends
-    it back to the model as the tool's result instead of calling anything.
+    ``error`` is set when the model's call could not be read (not JSON, no name, cut by ``max_tokens``):
+    the tool loop sends it back to the model as the tool's result instead of calling anything, and
+    ``text`` keeps what the model wrote (``chatkit serve`` sends it as the call's arguments, never ``{}``).
     """
 
     id: str
     name: str
     arguments: Mapping[str, Any] = field(default_factory=dict)
     error: str | None = None
+    text: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.id, str) or not isinstance(self.name, str):

@@ -213,11 +213,12 @@ def parse_tool_calls(parser: Callable[..., Any] | None, text: str, tools: Sequen
     if not text.strip():
         return []
     if parser is None:
-        return [ToolCall(new_id(0), "", {}, error="This model's tool-call format is not known to chatkit.")]
+        return [ToolCall(new_id(0), "", {}, error="This model's tool-call format is not known to chatkit.", text=text)]
     try:
         parsed = parser(text, tools)
     except Exception as exc:  # each format's parser raises its own errors (json, ValueError, ...)
-        return [ToolCall(new_id(0), _guess_name(text), {}, error=f"The tool call is not valid: {exc}. It was: {text.strip()}")]
+        return [ToolCall(new_id(0), _guess_name(text), {}, error=f"The tool call is not valid: {exc}. It was: {text.strip()}",
+                         text=text)]
     calls = []
     for index, item in enumerate(parsed if isinstance(parsed, list) else [parsed]):
         name = item.get("name") if isinstance(item, dict) else None
@@ -230,7 +231,7 @@ def parse_tool_calls(parser: Callable[..., Any] | None, text: str, tools: Sequen
         call_id = (item.get("id") if isinstance(item, dict) else None) or new_id(index)
         if not isinstance(name, str) or not name or not isinstance(arguments, dict):
             error = f'A tool call needs {{"name": ..., "arguments": {{...}}}}; it was: {text.strip()}'
-            calls.append(ToolCall(str(call_id), name if isinstance(name, str) else "", {}, error=error))
+            calls.append(ToolCall(str(call_id), name if isinstance(name, str) else "", {}, error=error, text=text))
         else:
             calls.append(ToolCall(str(call_id), name, arguments))
     return calls

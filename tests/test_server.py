@@ -284,7 +284,7 @@ def user(text):
     ({"messages": [user("hi")], "functions": [{"name": "f"}]}, "functions"),
     ({"messages": [user("hi"), {"role": "tool", "tool_call_id": "abc", "content": "1"}]}, "messages[1]"),
     ({"messages": [user("hi"), {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "abc", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]},
+        {"id": "abc", "type": "function", "function": {"name": "f", "arguments": 5}}]},
         {"role": "tool", "tool_call_id": "abc", "content": "1"}]}, "messages[1].tool_calls[0]"),
     ({"messages": [user("hi"), {"role": "assistant", "content": None, "tool_calls": [
         {"id": "abc", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
@@ -661,6 +661,30 @@ def test_a_strict_tool_gets_calls_that_follow_its_schema(think):
     calls = r.choices[0].message.tool_calls
     assert r.choices[0].finish_reason == "tool_calls" and calls and all(_readable(tc, "get_weather") for tc in calls)
     assert status == 400 and data["error"]["param"] == "tools[0]" and "strict" in data["error"]["message"]
+
+
+def test_a_call_cut_by_max_tokens_is_sent_as_far_as_it_went_never_as_empty_arguments(think):
+    """A client that runs the calls it gets must not run get_weather({}): the cut call's arguments are
+    the model's text as far as it went (not JSON, as OpenAI sends a call cut by max_tokens), and the
+    conversation goes on when the client re-sends it with a result."""
+    cut = [call_text("get_weather", city="Paris in France")]
+    messages = [user("Weather?")]
+    with scripted_server(think, cut, max_tokens=20) as running:
+        c = client(running)
+        r = chat(c, messages, tools=[WEATHER])
+        (tc,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "length" and tc.function.name == "get_weather"
+        assert tc.function.arguments != "{}" and '{"city": "Paris in France"}'.startswith(tc.function.arguments)
+        with pytest.raises(ValueError):
+            json.loads(tc.function.arguments)
+        messages += [r.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": tc.id, "content": "Error: the call was cut."}]
+        assert chat(c, messages, tools=[WEATHER], max_tokens=4).choices[0].message.content
+    with scripted_server(think, cut, max_tokens=20) as running:
+        streamed = list(chat(client(running), messages[:1], tools=[WEATHER], stream=True))
+    calls = [d for ch in streamed if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+    assert [d.function.arguments for d in calls] == [tc.function.arguments]
+    assert streamed[-1].choices[0].finish_reason == "length"
 
 
 def _readable(tc, name):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -317,10 +318,24 @@ def _tool_call(data: Any, where: str) -> ToolCall:
     if not isinstance(data, Mapping) or data.get("type", "function") != "function" or not data.get("id"):
         raise BadRequestError(f'{where}: a tool call is {{"id", "type": "function", "function": {{"name", '
                               '"arguments"}}}} with the id the tool message answers.', param=where)
+    function = data.get("function")
+    if isinstance(function, Mapping):
+        name, arguments = function.get("name"), function.get("arguments")
+        if isinstance(name, str) and isinstance(arguments, str) and not _is_json_object(arguments):
+            # A call the model did not finish (cut by max_tokens) comes back as it was sent: unread, as in the session.
+            return ToolCall(str(data["id"]), name, {}, error="The tool call's arguments are not a JSON object.",
+                            text=arguments)
     try:
         return ToolCall.from_dict(data)
     except ChatKitError as exc:
         raise BadRequestError(f"{where}: {exc}", param=where) from exc
+
+
+def _is_json_object(text: str) -> bool:
+    try:
+        return not text.strip() or isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _input_items(raw: list[Any]) -> list[ChatMessage]:
@@ -447,10 +462,20 @@ def finish_reason(finish: str | None, reply: ChatMessage) -> str:
     return "tool_calls" if reply.tool_calls and reason == "stop" else reason
 
 
+def arguments_text(call: ToolCall) -> str:
+    """A call's arguments as the JSON string OpenAI sends. A call the model did not finish or wrote
+    wrong (``call.error``) gets the arguments as far as the model wrote them, not valid JSON, as
+    OpenAI sends a call cut by ``max_tokens``: never ``"{}"``, which a client would run."""
+    if call.error is None:
+        return json.dumps(call.arguments, ensure_ascii=False)
+    text = (call.text or "").strip()
+    key = re.search(r'"(?:arguments|parameters)"\s*:\s*', text)  # the JSON formats' arguments, as far as they go
+    return text[key.end() :] if key else text
+
+
 def tool_call_object(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     """A call in a chat message (``index`` set: in a stream delta), arguments as a JSON string."""
-    obj: dict[str, Any] = {"id": call.id, "type": "function",
-                           "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+    obj: dict[str, Any] = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments_text(call)}}
     return obj if index is None else {"index": index, **obj}
 
 
@@ -580,7 +605,7 @@ class OutputItems:
         return {"type": "message", "id": self.id("message"), "status": status, "role": "assistant", "content": content}
 
     def call(self, call: ToolCall, status: str = "completed") -> dict[str, Any]:
-        arguments = json.dumps(call.arguments, ensure_ascii=False) if status != "in_progress" else ""
+        arguments = arguments_text(call) if status != "in_progress" else ""
         return {"type": "function_call", "id": self.id(call.id), "call_id": call.id, "name": call.name,
                 "arguments": arguments, "status": status}
 
