@@ -19,7 +19,9 @@ same prompts (what the engine drives: its step is the engine's floor). Decoding 
 far less than N steps at batch 1); prefill hardly does (it is compute-bound already), so the
 end-to-end ceiling, prefill included, is lower than the decode step's. Besides the end-to-end speedup,
 the table gives the decode speedup: aggregate decode tok/s while the sessions decode, N x each
-session's ms/token alone over its ms/token in the batch.
+session's ms/token alone over its ms/token in the batch; and, in its last column, what raw mlx-lm gets
+from batching the same N prompts in the same run (``batch_generate`` against N ``stream_generate``
+calls, no chatkit): the issue's yardstick, measured side by side.
 
 Part 2, time to first token of a new session whose ~2,000-token instructions are already in the
 engine's prefix cache (another session answered once): ``stream_respond`` to the first chunk, median
@@ -40,7 +42,7 @@ from chatkit import BatchEngine, ChatSession, GenerateParams
 
 import mlx.core as mx
 from _common import OtherLoad, cache_state, clone, describe, load_model, median, wait_until_quiet
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import BatchGenerator, batch_generate, generate_step, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -144,6 +146,24 @@ def generator_step(lm, n: int, tokens: int) -> float:
     return median([b - a for a, b in zip(half, half[1:])])
 
 
+def mlx_lm_alone(lm, n: int, tokens: int) -> float:
+    """Raw mlx-lm end to end, no chatkit: ``batch_generate`` of the N prompts against N ``stream_generate``
+    calls one after another (the same prompts, per-row ``logit_bias``): the speedup mlx-lm itself gets
+    from batching on this machine, the yardstick the issue quotes (5.3x at 8 where it was measured)."""
+    eos = {t: -1e9 for t in lm.tokenizer.eos_token_ids}
+    ids = [lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt(i)}], add_generation_prompt=True)
+           for i in range(n)]
+    t0 = time.perf_counter()
+    for row in ids:
+        for _ in stream_generate(lm.model, lm.tokenizer, row, max_tokens=tokens,
+                                 logits_processors=make_logits_processors(logit_bias=eos)):
+            pass
+    sequential = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    batch_generate(lm.model, lm.tokenizer, ids, max_tokens=tokens, logits_processors=make_logits_processors(logit_bias=eos))
+    return sequential / (time.perf_counter() - t0)
+
+
 def ttft(lm, reps: int):
     instructions = "You are the archivist of the river town. " + " ".join(
         WORDS[k % len(WORDS)] for k in range(1500))
@@ -221,14 +241,17 @@ def main() -> None:
     say(f"\nPart 1: {args.tokens} tokens per session, greedy, EOS biased -1e9 (a logits processor per session)")
     say("speedup: aggregate tok/s, prefill included (wall time from the first start to the last token);")
     say("decode speedup: aggregate decode tok/s once the sessions decode (N x ms/token alone / ms/token batched)")
+    say("mlx-lm alone: raw mlx-lm's batch_generate of the N prompts against N stream_generate calls (no chatkit)")
     say(f"{'sessions':>8} | {'sequential tok/s':>16} | {'batched tok/s':>13} | {'speedup':>7} | {'ceiling':>7} | "
-        f"{'ms/token alone':>14} | {'ms/token batched':>16} | {'decode speedup':>14} | peak batch | same tokens")
+        f"{'ms/token alone':>14} | {'ms/token batched':>16} | {'decode speedup':>14} | peak batch | same tokens | "
+        "mlx-lm alone")
     for n in sizes:
         with BatchEngine(lm, max_batch=16, prefix_cache_bytes=0) as engine:
             r = throughput(lm, n, args.tokens, engine)
+        raw = mlx_lm_alone(lm, n, args.tokens)
         say(f"{r['n']:>8} | {r['seq_tps']:>16.1f} | {r['batch_tps']:>13.1f} | {r['batch_tps'] / r['seq_tps']:>6.2f}x | "
             f"{ceiling[n]:>6.2f}x | {1000 * r['per_seq']:>14.1f} | {1000 * r['per_batch']:>16.1f} | "
-            f"{n * r['per_seq'] / r['per_batch']:>13.2f}x | {r['peak']:>10} | {r['same']}")
+            f"{n * r['per_seq'] / r['per_batch']:>13.2f}x | {r['peak']:>10} | {r['same']!s:>11} | {raw:>11.2f}x")
         if not r["same"]:
             say("  !! batched tokens differ from the sequential run")
     rows, plain = ttft(lm, args.ttft_reps)
