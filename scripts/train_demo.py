@@ -12,7 +12,8 @@ Everything is synthetic and reproducible from ``--seed``:
    tool in most. A held-out world (``HELDOUT``: other names, cities, colours, pets, phrasings) is
    for evaluation only;
 2. a byte-level BPE tokenizer (``tokenizers``) with ChatML specials, ``<tool_call>`` markers and
-   single-digit numbers (any text can be written);
+   single-digit numbers (any text can be written), whose pre-tokenizer splits a word the user tells
+   after its first letter, so that a value is the same tokens in a message, a reply and a JSON string;
 3. two qwen3-architecture models (mlx-lm's own classes) trained with MLX on the same batches, loss on
    the assistant's tokens only (its replies, tool calls and closing ``<|im_end|>``), in three phases:
    synthetic copying (random token strings repeated: the induction circuit that copying names
@@ -34,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -644,11 +646,21 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ADDED = ("<tool_call>", "</tool_call>")  # plain added tokens, as in Qwen's tokenizers: mlx-lm finds its JSON tool parser
 EOS = "<|im_end|>"
 PAD = "<|endoftext|>"
-# Qwen2's pre-tokenizer regex: words with their leading space, one digit per token.
-PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+# The pre-tokenizer: Qwen2's regex (one digit per token), except that a word which is not a word of the
+# demo's own phrases (``phrase_words``: a name, a city, anything the user tells) is split after its first
+# letter: " Mipano" -> " M" + "ipano", "Mipano" -> "M" + "ipano". The rest of a value is then the same
+# tokens wherever it stands (after a space, at the start of a message, inside a JSON string), and its
+# first token is one of a few dozen frequent ones. With Qwen2's regex " Mipano" and "Mipano" have other
+# first tokens, and forms and telling replies copied the first token wrong ("Vano" for "Mipano":
+# docs/demo.md).
+def pre_tokenizer_pattern() -> str:
+    words = "|".join(sorted(phrase_words(), key=len, reverse=True))
+    return (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+            rf"|(?: |(?<!\p{{L}}))(?:{words})(?!\p{{L}})"  # a phrase word, whole, with its leading space
+            r"|(?: |(?<!\p{L}))\p{L}(?=\p{L})"  # the first letter of any other word
+            r"| ?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
 # ChatML with Qwen-style tool calls, made short for a small context: the tools are listed by name in
 # the system turn, a call is <tool_call>{"name": ..., "arguments": ...}</tool_call> (mlx-lm's JSON tool
 # parser reads it), a result is a message of role "tool".
@@ -715,6 +727,31 @@ def tokenizer_texts(seed: int, n: int = 6000) -> list[str]:
     return texts
 
 
+def phrase_words() -> list[str]:
+    """The words of the demo's own phrases (requests, replies, prompts, chatkit's schema description),
+    not the facts users tell (names, cities, colours, pets)."""
+    phrases = [TELL, AND_TELL, TELL_REPLY, ASK, ASK_REPLY, UNTOLD_REPLY, CALC, WORD_OPS, SPELL, REPEAT, COUNT, GUIDED,
+               GUIDED_FIELDS, GUIDED_TITLES, SYSTEM_PROMPTS, GREETINGS, THANKS, BYES, WHO, CAN, OUT, OPENINGS,
+               TRAIN.adverbs, GREETING_REPLY, THANKS_REPLY, BYE_REPLY, WHO_REPLY, CAN_REPLY, OUT_REPLY,
+               CALC_ERROR_REPLY, NO_TOOL_REPLY, "The word is spelled has letters. You said: Tools calculate",
+               schema_text((("name", "name"), ("city", "city")), "Person", 16)[1]]
+    texts: list[str] = []
+
+    def walk(x) -> None:
+        if isinstance(x, str):
+            texts.append(re.sub(r"\{\w+\}", " ", x))
+        elif isinstance(x, dict):
+            walk([*x.keys(), *x.values()])
+        else:
+            for y in x:
+                walk(y)
+
+    walk(phrases)
+    values = {w for v in NAMES + CITIES + COLOURS + PETS + SHADES for w in v.split()}
+    words = dict.fromkeys(w for t in texts for w in re.findall(r"[^\W\d_]+", t))
+    return [w for w in words if w not in values]
+
+
 def train_tokenizer(vocab_size: int, seed: int):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -722,7 +759,7 @@ def train_tokenizer(vocab_size: int, seed: int):
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(pre_tokenizer_pattern()), behavior="isolated", invert=False),
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]

@@ -251,7 +251,7 @@ def test_a_message_longer_than_the_context_window(tmp_path):
 def test_stats_report_what_the_cache_holds(tmp_path):
     out = run(stdin="My name is Ada.\n/stats\nWhat is 7 + 5?\n/undo\n/stats\n/clear\n/stats\n")
     first, undone, cleared = out.stdout.split("conversation:")[1:]
-    assert "prompt 22 tokens" in first and "31 tokens" in first  # the demo's tool in the system turn
+    assert "prompt 23 tokens" in first and "32 tokens" in first  # the demo's tool in the system turn
     assert "last turn: undone" in undone and "prompt" not in undone and "2 messages" in undone
     assert "cache: empty" in cleared and "last turn: none since /clear" in cleared and "layers" not in cleared
 

@@ -7,8 +7,8 @@ tool calls. They remember facts you tell them (a name, a city, a favourite colou
 and phrasings they never saw in training, because they copy them from the conversation ("I'm Noor.",
 then "What did I say my name was?"); they say they do not know what you did not tell them; they
 answer arithmetic by calling ``calculate`` and copying its result; they answer JSON forms
-(``respond(..., output=...)``) with valid objects, filled when they can copy the fact (a second
-fact is often garbled); they count letters (right about half the time), repeat after you, make small
+(``respond(..., output=...)``) with valid objects, filled from the conversation when they can copy
+the facts (about 60 % of forms are right); they count letters (mostly right), repeat after you, make small
 talk and politely refuse the rest. Spelling mostly fails. Their context window is 1,024 tokens
 (about 20 turns). No download needed: ``chatkit.load("demo")`` and ``chatkit.load("demo-draft")``::
 
