@@ -646,14 +646,14 @@ SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 ADDED = ("<tool_call>", "</tool_call>")  # plain added tokens, as in Qwen's tokenizers: mlx-lm finds its JSON tool parser
 EOS = "<|im_end|>"
 PAD = "<|endoftext|>"
-# The pre-tokenizer: Qwen2's regex (one digit per token), except that a word which is not a word of the
-# demo's own phrases (``phrase_words``: a name, a city, anything the user tells) is split after its first
-# letter: " Mipano" -> " M" + "ipano", "Mipano" -> "M" + "ipano". The rest of a value is then the same
-# tokens wherever it stands (after a space, at the start of a message, inside a JSON string), and its
-# first token is one of a few dozen frequent ones. With Qwen2's regex " Mipano" and "Mipano" have other
-# first tokens, and forms and telling replies copied the first token wrong ("Vano" for "Mipano":
-# docs/demo.md).
 def pre_tokenizer_pattern() -> str:
+    """The pre-tokenizer's regex: Qwen2's (one digit per token), except that a word which is not a word of
+    the demo's own phrases (``phrase_words``: a name, a city, anything the user tells) is split after its
+    first letter: " Mipano" -> " M" + "ipano", "Mipano" -> "M" + "ipano". The rest of a value is then the
+    same tokens wherever it stands (after a space, at the start of a message, inside a JSON string), and
+    its first token is one of a few dozen frequent ones. With Qwen2's regex " Mipano" and "Mipano" have
+    other first tokens, and forms and telling replies copied the first token wrong ("Vano" for "Mipano",
+    run 9: docs/demo.md)."""
     words = "|".join(sorted(phrase_words(), key=len, reverse=True))
     return (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
             rf"|(?: |(?<!\p{{L}}))(?:{words})(?!\p{{L}})"  # a phrase word, whole, with its leading space
