@@ -56,7 +56,7 @@ class ToolCall:
 
     ``error`` is set when the model's call could not be read (not JSON, no name, cut by ``max_tokens``):
     the tool loop sends it back to the model as the tool's result instead of calling anything, and
-    ``text`` keeps what the model wrote (``chatkit serve`` sends it as the call's arguments, never ``{}``).
+    ``text`` keeps what the model wrote (``chatkit serve`` sends the arguments part of it, never ``{}``).
     """
 
     id: str

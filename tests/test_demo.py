@@ -124,7 +124,7 @@ def test_small_talk_and_refusals(lm):
     session = chat(lm)
     assert session.respond("Hello!") == "Hello! How can I help you?"
     assert session.respond("What is the capital of France?") == "Sorry, I don't know about that: I am a tiny demo model."
-    # Counting is in the right form but often wrong (docs/demo.md): the count is not checked here.
+    # Counts are right 85 % of the time on held-out words (docs/demo.md), not for this one: the form is checked.
     assert re.fullmatch(r"The word garden has \d+ letters\.", session.respond("How many letters are in garden?"))
 
 

@@ -464,8 +464,9 @@ def finish_reason(finish: str | None, reply: ChatMessage) -> str:
 
 def arguments_text(call: ToolCall) -> str:
     """A call's arguments as the JSON string OpenAI sends. A call the model did not finish or wrote
-    wrong (``call.error``) gets the arguments as far as the model wrote them, not valid JSON, as
-    OpenAI sends a call cut by ``max_tokens``: never ``"{}"``, which a client would run."""
+    wrong (``call.error``) gets its text from the ``"arguments"`` key on, as far as the model wrote it
+    (the whole call text in formats without that key): not valid JSON, as OpenAI sends a call cut by
+    ``max_tokens``, and never ``"{}"``, which a client would run."""
     if call.error is None:
         return json.dumps(call.arguments, ensure_ascii=False)
     text = (call.text or "").strip()
