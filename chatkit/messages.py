@@ -73,6 +73,9 @@ class ToolCall:
                 f"Tool call arguments must be a dict, got {type(self.arguments).__name__}."
             )
         object.__setattr__(self, "arguments", dict(self.arguments))
+        for key in ("error", "text"):
+            if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
+                raise InvalidMessageError(f"A tool call's {key} must be a str, got {type(getattr(self, key)).__name__}.")
 
     def to_dict(self) -> dict[str, Any]:
         """The OpenAI / Hugging Face form: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
@@ -80,7 +83,8 @@ class ToolCall:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ToolCall:
-        """Read the OpenAI form (``arguments`` as an object or a JSON string) or a flat ``{name, arguments}``."""
+        """Read the OpenAI form (``arguments`` as an object or a JSON string) or a flat ``{name, arguments}``,
+        and the ``error`` / ``text`` of an unread call that :func:`saved_dict` writes."""
         if not isinstance(data, Mapping):
             raise InvalidMessageError(f"A tool call must be a dict, got {type(data).__name__}.")
         function = data.get("function", data)
@@ -96,7 +100,8 @@ class ToolCall:
             except json.JSONDecodeError as exc:
                 raise InvalidMessageError(f"Tool call arguments are not valid JSON: {exc}.") from exc
         call_id = data.get("id") or new_tool_call_id()
-        return cls(str(call_id), function["name"], arguments if arguments is not None else {})
+        return cls(str(call_id), function["name"], arguments if arguments is not None else {},
+                   error=data.get("error"), text=data.get("text"))
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,16 @@ class ChatMessage:
             tool_calls=tuple(ToolCall.from_dict(c) for c in calls),
             tool_call_id=data.get("tool_call_id"),
         )
+
+
+def saved_dict(message: ChatMessage) -> dict[str, Any]:
+    """``message.to_dict()`` and the ``error`` / ``text`` of its unread tool calls, for the files chatkit
+    writes itself (a saved session, the server's stored responses), which ``from_dict`` reads back.
+    ``to_dict`` leaves them out: templates and the server's conversation keys see the OpenAI form only."""
+    d = message.to_dict()
+    for call, out in zip(message.tool_calls, d.get("tool_calls", ())):
+        out.update({key: getattr(call, key) for key in ("error", "text") if getattr(call, key) is not None})
+    return d
 
 
 _KEYS = {"role", "content", "name", "reasoning_content", "reasoning", "thinking", "tool_calls", "tool_call_id"}

@@ -31,7 +31,7 @@ from .errors import (
     SessionBusyError,
 )
 from .loading import LoadedModel
-from .messages import ChatMessage, MessageLike, Role, ToolCall, as_message, check_instructions
+from .messages import ChatMessage, MessageLike, Role, ToolCall, as_message, check_instructions, saved_dict
 from .params import GenerateParams, LogitsProcessor
 from .speculative import SpeculativeConfig, check_cache_options
 from .stream import GuidedStream, ResponseStream, TurnResult, TurnStats
@@ -223,7 +223,7 @@ class ChatSession:
                 cache.ledger,
                 fingerprint=self._lm.fingerprint,
                 instructions=self._instructions,
-                messages=[m.to_dict() for m in self._conversation.messages],
+                messages=[saved_dict(m) for m in self._conversation.messages],
                 generate_params=self._params.to_dict(),
                 cache_options=asdict(cache.options),
                 checkpoints=cache.checkpoints,

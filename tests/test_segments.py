@@ -3,7 +3,7 @@ switch and budget, and the history fields they fill."""
 
 from types import SimpleNamespace
 
-from chatkit import ChatMessage, ChatSession, GenerateParams, ToolCall
+from chatkit import ChatMessage, ChatSession, GenerateParams, InvalidMessageError, ToolCall
 from chatkit.segments import Segmenter
 from chatkit.testing import Scripted
 from chatkit.testing.templates import QWEN3
@@ -243,6 +243,26 @@ def test_save_and_restore_keep_reasoning_and_tool_calls_and_the_next_turn_is_exa
             pass
     assert s.tokens == fresh_reply_tool(again, lm)
     assert_ledger_matches_cache(again)
+
+
+def test_save_and_restore_keep_a_broken_calls_error_and_text(tiny, tmp_path):
+    lm = tiny(tokenizer="bpe-think")
+    session = scripted_session(lm, ['<tool_call>\n{"name": "f", "arguments": {"q": </tool_call>'])
+    session.respond("go")
+    (call,) = session.history[-1].tool_calls
+    assert call.error is not None and call.text is not None
+    session.save_cache(tmp_path / "s.safetensors")
+    again = ChatSession.builder(lm).cache(tmp_path / "s.safetensors").build()
+    assert again.history == session.history
+    assert (again.history[-1].tool_calls[0].error, again.history[-1].tool_calls[0].text) == (call.error, call.text)
+    # The OpenAI form leaves them out (templates and the server's conversation keys read it).
+    assert set(call.to_dict()) == {"id", "type", "function"}
+
+
+@pytest.mark.parametrize("key", ["error", "text"])
+def test_a_tool_calls_error_or_text_that_is_not_a_str_is_refused(key):
+    with pytest.raises(InvalidMessageError, match=key):
+        ToolCall.from_dict({"id": "a", "function": {"name": "f", "arguments": {}}, key: 5})
 
 
 def fresh_reply_tool(session, lm):

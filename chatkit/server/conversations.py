@@ -30,7 +30,7 @@ from ..cache.store import inspect as inspect_cache
 from ..engine.batch import BatchEngine
 from ..errors import ChatKitError, ContextWindowExceededError, SessionBusyError
 from ..loading import LoadedModel
-from ..messages import ChatMessage, Role
+from ..messages import ChatMessage, Role, saved_dict
 from ..params import GenerateParams
 from ..pool import SessionPool
 from ..session import ChatSession
@@ -369,7 +369,7 @@ class ResponseStore:
 
     def add(self, response: dict[str, Any], added: Sequence[ChatMessage], reply: ChatMessage) -> None:
         """Keep ``response`` (an OpenAI response object) with the messages it added and its reply."""
-        record = {"response": response, "added": [m.to_dict() for m in added], "reply": reply.to_dict()}
+        record = {"response": response, "added": [saved_dict(m) for m in added], "reply": saved_dict(reply)}
         self._records[response["id"]] = record
         if self._folder is not None:
             path = self._folder / f"{response['id']}.json"
