@@ -5,6 +5,7 @@ prefix cache, the async API and SessionPool over an engine."""
 import asyncio
 import os
 import threading
+import weakref
 
 from chatkit import BatchEngine, ChatSession, GenerateParams, SessionPool, SpeculativeConfig
 from chatkit.cache.prefix import PrefixCache
@@ -179,6 +180,38 @@ def test_a_cancelled_and_a_failing_session_leave_the_others_intact(lm, engine):
     # The failing session works again once its processor does.
     bad.generate_params = params.copy()
     assert bad.respond("Now it works.") == session_for(lm, params=params.copy()).respond("Now it works.")
+
+
+def test_during_a_batched_turn_only_the_batch_holds_the_cache_and_a_failed_turn_starts_the_next_afresh(lm, engine):
+    params = params_for(lm, 6, no_eos=True)
+    session = session_for(lm, params=params.copy(), engine=engine)
+    session.respond("Hello there!")
+    held = [weakref.ref(layer) for layer in cache_state(session).layers]
+    alive = []
+
+    def watch(tokens, logits):
+        alive.append(sum(ref() is not None for ref in held))
+        return logits
+
+    session.generate_params = params.copy(logits_processors=[watch])
+    session.respond("And then?")
+    assert alive and max(alive) == 0  # from the first step on the session's own layers are freed: not held twice
+    assert_ledger_matches_cache(session)
+
+    class Boom(Exception):
+        pass
+
+    def boom(tokens, logits):
+        raise Boom("processor failed")
+
+    session.generate_params = params.copy(logits_processors=[boom])
+    with pytest.raises(Boom):
+        session.respond("This one fails.")
+    assert len(session.history) == 4 and cache_state(session).empty  # the messages stay; the cache went with the batch
+    session.generate_params = params.copy()
+    expected = fresh_reply(session, "Go on.")
+    assert turn_tokens(session, "Go on.") == expected
+    assert_ledger_matches_cache(session)
 
 
 def test_multi_turn_reuse_through_the_engine_equals_a_fresh_session(lm, engine):

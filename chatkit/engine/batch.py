@@ -5,7 +5,8 @@ join and leave between steps; a new turn's prefill is cut into ``prefill_step_si
 per decode step of the others). A session's turn hands over its own cache layers, sampler and logits
 processors; tokens come back through a queue on the turn's own thread. When the turn ends, its
 extended cache goes back to the session (trimmed to what the turn consumed), so commit, reuse, undo
-and save work exactly as for a session alone.
+and save work exactly as for a session alone. During the turn only the batch holds it (a failed turn's
+session starts the next one from an empty cache).
 
 What runs alone (through the session's local source, as without an engine), and why:
 - speculative sessions: ``BatchGenerator`` feeds one token per sequence and step; verifying drafts
@@ -167,7 +168,8 @@ class BatchEngine:
             return None
         if not job.finished.wait(HANDBACK_WAIT):
             return None
-        return job.handback
+        back, job.handback = job.handback, None  # the session's from now on: the job may outlive the turn
+        return back
 
     # -- the scheduler ------------------------------------------------------------------------
     def _generator(self) -> BatchGenerator:
@@ -232,7 +234,7 @@ class BatchEngine:
                 (job.uid,) = gen.insert(
                     [list(job.suffix)],
                     max_tokens=[job.max_tokens],
-                    caches=[job.layers],
+                    caches=[list(job.layers)],
                     all_tokens=[list(job.context)],
                     samplers=[job.guarded_sampler()],
                     logits_processors=[list(job.guarded_processors())],
@@ -241,6 +243,10 @@ class BatchEngine:
             except Exception as exc:
                 self._finish(job, None, exc)
                 continue
+            # The batch copies the layers into its own cache: the session lets go of them, so that its
+            # cache is not held twice during the turn. It gets the batch's back when the turn ends (or
+            # starts from an empty cache if the turn fails; see BatchSource).
+            job.layers.clear()
             with self._cond:
                 self._active[job.uid] = job
 
@@ -375,6 +381,8 @@ class BatchSource:
                     if layer.offset > target:
                         layer.trim(layer.offset - target)
                 layers[:] = back
+            elif not layers:  # handed to the batch and not given back (the turn failed): rebuild next turn
+                cache.reset()
 
 
 def check_engine(engine: Any, model: Any) -> None:
