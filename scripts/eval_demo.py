@@ -5,8 +5,9 @@ names, cities, colours, pets and phrasings from lists training never sees, plus 
 seed training never used. Each user message goes to a real session (greedy) with the demo's
 ``calculate`` tool when the dialogue has tools (the tool loop runs it), and ``output=`` for the JSON
 form questions; the session keeps the model's own replies in its history, as in a real chat.
-Printed: per task the share of exact replies, recall of stated facts, "I don't know" when not told,
-tool-call correctness and final arithmetic answers (operands up to 4 digits), the draft's acceptance
+Printed: per task the share of exact replies (over the turns that fit the model's context window; the
+turns after it filled up are counted apart, and as misses in another column), recall of stated
+facts, "I don't know" when not told, tool-call correctness and final arithmetic answers (operands up to 4 digits), the draft's acceptance
 rate under speculative decoding and its speed against standard decoding, and recall across
 ``save_cache`` / ``.cache(path)``.
 
@@ -80,7 +81,11 @@ def score(turn: train_demo.Turn, reply: str, calls: list[str], hits: dict[str, l
         hits["arithmetic answer" + small].append(ok)
     elif turn.task == "recall":
         hits["recall"].append(ok)
+        hits[f"recall, asked {turn.phrasing!r}"].append(ok)
         hits["recall (told 3+ turns earlier)" if turn.distance >= 3 else "recall (told 1-2 turns earlier)"].append(ok)
+    elif turn.task == "untold":
+        hits["untold"].append(ok)
+        hits[f"untold, asked {turn.phrasing!r}"].append(ok)
     elif turn.task == "guided":
         hits["guided (JSON form)"].append(ok)
     else:
@@ -90,21 +95,23 @@ def score(turn: train_demo.Turn, reply: str, calls: list[str], hits: dict[str, l
 
 def play(lm, draft, dialogues, num_draft: int, show: int) -> dict:
     hits: dict[str, list[bool]] = defaultdict(list)
+    past: dict[str, list[bool]] = defaultdict(list)  # turns after the context window filled up
     proposed = accepted = same = compared = 0
     gen_tokens = {"standard": 0, "speculative": 0}
     gen_time = {"standard": 0.0, "speculative": 0.0}
-    shown = full = 0
-    for d in dialogues:
+    shown = 0
+    full: list[int] = []  # the dialogues that filled the context window
+    for i, d in enumerate(dialogues):
         plain = session(lm, d)
         spec = session(lm, d, draft, num_draft) if draft is not None else None
         for k, turn in enumerate(d.turns):
             t = time.perf_counter()
             try:
                 reply, calls = ask(plain, turn)
-            except ContextWindowExceededError:  # long-winded replies filled the window: the rest are misses
-                full += 1
+            except ContextWindowExceededError:  # the rest of the dialogue does not fit: not played
+                full.append(i)
                 for rest in d.turns[k:]:
-                    score(rest, "", [], hits)
+                    score(rest, "", [], past)
                 break
             except ChatKitError as exc:  # e.g. a guided reply cut short: a miss
                 reply, calls = f"<{type(exc).__name__}>", []
@@ -127,8 +134,14 @@ def play(lm, draft, dialogues, num_draft: int, show: int) -> dict:
                 compared += 1
                 proposed += spec.last_stats.draft_tokens_proposed
                 accepted += spec.last_stats.draft_tokens_accepted
-    return dict(hits=hits, same=same, proposed=proposed, accepted=accepted, gen_tokens=gen_tokens,
+    return dict(hits=hits, past=past, same=same, proposed=proposed, accepted=accepted, gen_tokens=gen_tokens,
                 gen_time=gen_time, full=full, compared=compared)
+
+
+def expected_tokens(lm, d: train_demo.Dialogue) -> int:
+    """The tokens of dialogue ``d`` with its expected replies, as the demo's template renders it."""
+    text, _ = train_demo.render(d.messages(), d.tools)
+    return len(lm.tokenizer.encode(text, add_special_tokens=False))
 
 
 def draft_alone(draft, dialogues) -> float:
@@ -199,13 +212,27 @@ def main(argv: list[str] | None = None) -> None:
           f"model context {lm.context_length} tokens")
     t0 = time.perf_counter()
     r = play(lm, draft, dialogues, args.num_draft, args.show_misses)
-    hits = r["hits"]
-    print("\n| held-out task | exact | count | target |\n|---|---|---|---|")
-    for key in sorted(hits):
+    hits, past = r["hits"], r["past"]
+    print("\n| held-out task | exact | count | turns past the window | exact, those counted as misses | target |\n"
+          "|---|---|---|---|---|---|")
+    keys = hits.keys() | past.keys()
+    asked = sorted(k for k in keys if ", asked " in k)  # recall and untold per question: a table of their own
+    for key in sorted(keys - set(asked)):
         target = f">= {TARGETS[key]:.0%}" if key in TARGETS else ""
-        print(f"| {key} | {np.mean(hits[key]):.1%} | {sum(hits[key])}/{len(hits[key])} | {target} |")
+        played, n_past = hits[key], len(past[key])
+        exact = f"{np.mean(played):.1%}" if played else "-"
+        print(f"| {key} | {exact} | {sum(played)}/{len(played)} | {n_past} | "
+              f"{sum(played) / (len(played) + n_past):.1%} | {target} |")
+    print("\n| recall / untold, by held-out question | exact | count |\n|---|---|---|")
+    for key in (k for k in asked if hits[k]):
+        print(f"| {key} | {np.mean(hits[key]):.1%} | {sum(hits[key])}/{len(hits[key])} |")
     if r["full"]:
-        print(f"\nthe context window filled up in {r['full']} dialogues (their remaining turns count as misses)")
+        window = lm.context_length
+        longer = [i for i, d in enumerate(dialogues) if expected_tokens(lm, d) >= window]
+        print(f"\nthe context window ({window} tokens) filled up in {len(r['full'])} dialogues: their remaining turns "
+              f"were not played (the 'turns past the window' column). {len(longer)} of the {len(dialogues)} dialogues "
+              f"are longer than the window with the expected replies themselves ({len(set(longer) & set(r['full']))} "
+              f"of those filled it up).")
     gt, gs = r["gen_tokens"], r["gen_time"]
     if draft is not None:
         rate = r["accepted"] / max(r["proposed"], 1)

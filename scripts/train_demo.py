@@ -373,6 +373,7 @@ class Turn:
     distance: int | None = None  # recall: turns since the fact was told (1 = the previous turn)
     expression: str | None = None  # arithmetic: the expression the tool call must carry
     schema: dict | None = None  # guided: the JSON Schema the user message describes
+    phrasing: str | None = None  # recall and untold: the question's template (before casual variations)
 
     @property
     def answer(self) -> str:
@@ -601,14 +602,16 @@ def make_dialogue(rng: np.random.Generator, world: World = TRAIN, school: bool =
             continue
         if what == "ask" and known:
             k = str(rng.choice(list(known)))
-            q = casual(rng, str(rng.choice(world.ask[k])).format(**known[k]))
-            turns.append(Turn(q, say(ASK_REPLY[k].format(**known[k])), "recall", distance=i - told_at[k]))
+            phrasing = str(rng.choice(world.ask[k]))
+            q = casual(rng, phrasing.format(**known[k]))
+            turns.append(Turn(q, say(ASK_REPLY[k].format(**known[k])), "recall", distance=i - told_at[k], phrasing=phrasing))
             continue
         untold = [k for k in TELL_REPLY if k not in known]
         if untold and (what == "untold" or what == "ask" and rng.random() < 0.3):
             k = str(rng.choice(untold))
-            q = casual(rng, str(rng.choice(world.ask[k])).format(a=world.pet(rng)))
-            turns.append(Turn(q, say(UNTOLD_REPLY[k]), "untold"))
+            phrasing = str(rng.choice(world.ask[k]))
+            q = casual(rng, phrasing.format(a=world.pet(rng)))
+            turns.append(Turn(q, say(UNTOLD_REPLY[k]), "untold", phrasing=phrasing))
             continue
         r = rng.random()
         if school:
