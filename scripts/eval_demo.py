@@ -7,9 +7,9 @@ seed training never used. Each user message goes to a real session (greedy) with
 form questions; the session keeps the model's own replies in its history, as in a real chat.
 Printed: per task the share of exact replies (over the turns that fit the model's context window; the
 turns after it filled up are counted apart, and as misses in another column), recall of stated
-facts, "I don't know" when not told, tool-call correctness and final arithmetic answers (operands up to 4 digits), the draft's acceptance
-rate under speculative decoding and its speed against standard decoding, and recall across
-``save_cache`` / ``.cache(path)``.
+facts and "I don't know" when not told (also per held-out question), tool-call correctness and
+final arithmetic answers (operands up to 4 digits), the draft's acceptance rate under speculative
+decoding and its speed against standard decoding, and recall across ``save_cache`` / ``.cache(path)``.
 
     python scripts/eval_demo.py --models chatkit/demo/models      # the shipped pair, 200 dialogues
     python scripts/eval_demo.py --models /tmp/demo --no-speculative       # another pair, the chat model only
