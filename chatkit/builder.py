@@ -39,6 +39,10 @@ def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
         raise InvalidParamsError(
             "builder() takes chatkit.load(...)'s result, or an mlx-lm model and its tokenizer."
         )
+    if not all(callable(getattr(tokenizer, name, None)) for name in ("encode", "decode")):
+        raise InvalidParamsError(
+            f"builder() takes an mlx-lm model and its tokenizer; got a {type(tokenizer).__name__} as the tokenizer."
+        )
     tokenizer = _tokenizer.wrap(tokenizer)
     args = getattr(model, "args", None)
     config = dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {}
@@ -136,6 +140,8 @@ class ChatSessionBuilder:
 
     def prefill_progress(self, callback: ProgressCallback | None) -> ChatSessionBuilder:
         """Called as ``callback(done, total)`` while a prompt is prefilled."""
+        if callback is not None and not callable(callback):
+            raise InvalidParamsError(f"prefill_progress() takes a callable (done, total) or None, got {type(callback).__name__}.")
         self._progress = callback
         return self
 
@@ -151,6 +157,8 @@ class ChatSessionBuilder:
         """
         if not isinstance(source, (str, os.PathLike)) and not _is_layer_list(source):
             raise InvalidParamsError("cache() takes a file path or a list of mlx-lm cache layers.")
+        if not isinstance(verify, bool):
+            raise InvalidParamsError(f"cache(verify=...) takes True or False, got {verify!r}.")
         self._restore = (source, verify)
         return self
 

@@ -66,7 +66,7 @@ class LoadedModel:
     @cached_property
     def vocab_size(self) -> int:
         """How many logits the model produces per token (token ids are below this)."""
-        for config in (self.config, self.config.get("text_config"), vars(getattr(self.model, "args", None) or object())):
+        for config in (self.config, self.config.get("text_config"), getattr(getattr(self.model, "args", None), "__dict__", None)):
             value = config.get("vocab_size") if isinstance(config, Mapping) else None
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value

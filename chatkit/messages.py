@@ -76,6 +76,12 @@ class ToolCall:
         for key in ("error", "text"):
             if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
                 raise InvalidMessageError(f"A tool call's {key} must be a str, got {type(getattr(self, key)).__name__}.")
+        try:  # the template renders the arguments and a saved session writes them: JSON-ready data only
+            arguments = json.dumps(self.arguments, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidMessageError(f"Tool call arguments must be JSON data (str keys, no cycles): {exc}.") from None
+        for what, text in (("id", self.id), ("name", self.name), ("arguments", arguments), ("text", self.text or "")):
+            check_text(f"Tool call {what}", text)
 
     def to_dict(self) -> dict[str, Any]:
         """The OpenAI / Hugging Face form: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
@@ -91,7 +97,7 @@ class ToolCall:
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise InvalidMessageError(
                 'A tool call dict needs {"function": {"name": ..., "arguments": ...}}, '
-                f"got keys {sorted(data)}."
+                f"got keys {_keys(data)}."
             )
         arguments = function.get("arguments", {})
         if isinstance(arguments, str):
@@ -99,6 +105,8 @@ class ToolCall:
                 arguments = json.loads(arguments) if arguments.strip() else {}
             except json.JSONDecodeError as exc:
                 raise InvalidMessageError(f"Tool call arguments are not valid JSON: {exc}.") from exc
+            except RecursionError:
+                raise InvalidMessageError("Tool call arguments are nested too deeply to read.") from None
         call_id = data.get("id") or new_tool_call_id()
         return cls(str(call_id), function["name"], arguments if arguments is not None else {},
                    error=data.get("error"), text=data.get("text"))
@@ -130,8 +138,8 @@ class ChatMessage:
             value = getattr(self, key)
             if value is not None and not isinstance(value, str):
                 raise InvalidMessageError(f"Message {key} must be a str, got {type(value).__name__}.")
-        calls = self.tool_calls
-        if isinstance(calls, (str, Mapping)) or not all(isinstance(c, ToolCall) for c in calls or ()):
+        calls = self.tool_calls or ()
+        if not isinstance(calls, (list, tuple)) or not all(isinstance(c, ToolCall) for c in calls):
             raise InvalidMessageError("Message tool_calls must be a list of chatkit.ToolCall.")
         object.__setattr__(self, "tool_calls", tuple(calls or ()))
         if self.tool_calls and self.role is not Role.ASSISTANT:
@@ -181,14 +189,14 @@ class ChatMessage:
         unknown = set(data) - _KEYS
         if unknown:
             raise InvalidMessageError(
-                f"Unsupported message keys {sorted(unknown)}: a message has {', '.join(sorted(_KEYS))}."
+                f"Unsupported message keys {_keys(unknown)}: a message has {', '.join(sorted(_KEYS))}."
             )
         if "role" not in data or "content" not in data:
-            raise InvalidMessageError(f"A message dict needs 'role' and 'content', got keys {sorted(data)}.")
+            raise InvalidMessageError(f"A message dict needs 'role' and 'content', got keys {_keys(data)}.")
         reasoning = next((data[k] for k in ("reasoning_content", "reasoning", "thinking") if data.get(k) is not None), None)
         calls = data.get("tool_calls") or ()
-        if isinstance(calls, (str, Mapping)):
-            raise InvalidMessageError("A message's tool_calls must be a list.")
+        if not isinstance(calls, (list, tuple)):
+            raise InvalidMessageError(f"A message's tool_calls must be a list, got {type(calls).__name__}.")
         content = data["content"]
         return cls(
             data["role"],
@@ -245,7 +253,14 @@ def as_messages(messages: Iterable[MessageLike]) -> list[ChatMessage]:
     """``as_message`` over a list; a bare str or dict is refused as a likely mistake."""
     if isinstance(messages, (str, bytes, Mapping)):
         raise InvalidMessageError("Expected a list of messages, got a single value.")
+    if not isinstance(messages, Iterable):
+        raise InvalidMessageError(f"Expected a list of messages, got {type(messages).__name__}.")
     return [as_message(m) for m in messages]
+
+
+def _keys(data: Iterable[Any]) -> list[str]:
+    """A dict's keys for an error message (sorted as text: keys of mixed types do not sort)."""
+    return sorted(map(str, data))
 
 
 __all__ = [

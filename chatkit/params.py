@@ -24,8 +24,8 @@ class GenerateParams:
     ``temperature=0`` is greedy decoding. ``top_p`` (1.0 = off), ``top_k`` (0 = off) and ``min_p``
     (0 = off) filter before sampling. ``repetition_penalty`` looks at the last
     ``repetition_context_size`` tokens. ``seed`` reseeds MLX's random generator at the start of each
-    turn. ``stop`` strings end the reply (they are cut from it). ``logit_bias`` adds to the logits of
-    token ids. ``template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``).
+    turn. ``stop`` strings end the reply (they are cut from it; one string or a list). ``logit_bias``
+    adds to the logits of token ids. ``template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``).
     ``logits_processors`` are extra mlx-lm-style callables ``(tokens, logits) -> logits``.
     ``thinking`` turns the template's thinking switch on or off (``None``: the template's default;
     mlx-lm names it for the template, e.g. ``enable_thinking``). ``max_thinking_tokens`` ends the
@@ -49,12 +49,15 @@ class GenerateParams:
 
     def copy(self, **changes: Any) -> GenerateParams:
         """A copy with ``changes`` applied (containers are copied, not shared)."""
+        # Values of the wrong type are kept as they are, for validate() to name.
         base = replace(
             self,
-            stop=tuple(self.stop),
-            logit_bias=dict(self.logit_bias) if self.logit_bias is not None else None,
-            template_kwargs=dict(self.template_kwargs),
-            logits_processors=tuple(self.logits_processors),
+            stop=_stops(self.stop),
+            logit_bias=dict(self.logit_bias) if isinstance(self.logit_bias, Mapping) else self.logit_bias,
+            template_kwargs=dict(self.template_kwargs) if isinstance(self.template_kwargs, Mapping) else self.template_kwargs,
+            logits_processors=tuple(self.logits_processors)
+            if isinstance(self.logits_processors, (list, tuple))
+            else self.logits_processors,
         )
         return replace(base, **changes)
 
@@ -71,7 +74,7 @@ class GenerateParams:
             "repetition_penalty": self.repetition_penalty,
             "repetition_context_size": self.repetition_context_size,
             "seed": self.seed,
-            "stop": list(self.stop),
+            "stop": list(_stops(self.stop)),
             "logit_bias": {str(k): v for k, v in (self.logit_bias or {}).items()} or None,
             "template_kwargs": json.loads(json.dumps(dict(self.template_kwargs), default=str)),
             "thinking": self.thinking,
@@ -101,15 +104,7 @@ class GenerateParams:
             except (TypeError, ValueError):
                 raise InvalidParamsError("logit_bias keys must be token ids (ints).") from None
         if "stop" in known:
-            stop = known["stop"]
-            # A lone string would become a tuple of its characters: keep it one stop string.
-            known["stop"] = (stop,) if isinstance(stop, str) else stop
-            if known["stop"] is None:
-                known["stop"] = ()
-            elif not isinstance(known["stop"], (list, tuple)):
-                raise InvalidParamsError(f"stop must be a list of strings, got {type(stop).__name__}.")
-            else:
-                known["stop"] = tuple(known["stop"])
+            known["stop"] = () if known["stop"] is None else _stops(known["stop"])
         if "template_kwargs" in known and known["template_kwargs"] is None:
             known["template_kwargs"] = {}
         params = cls(**known)
@@ -140,16 +135,13 @@ class GenerateParams:
             not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0
         ):
             raise bad("repetition_penalty", "must be a number > 0 or None")
-        if not _is_int(self.repetition_context_size) or self.repetition_context_size < 1:
-            raise bad("repetition_context_size", "must be an int >= 1")
+        if not _is_int(self.repetition_context_size) or not 1 <= self.repetition_context_size < 2**31:
+            raise bad("repetition_context_size", "must be an int in [1, 2**31)")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise bad("seed", "must be an int in [0, 2**64) (what mx.random.seed takes) or None")
-        if (
-            isinstance(self.stop, (str, bytes))
-            or not isinstance(self.stop, (list, tuple))
-            or not all(isinstance(s, str) and s for s in self.stop)
-        ):
-            raise bad("stop", "must be a list of non-empty strings")
+        stop = _stops(self.stop)
+        if not isinstance(stop, tuple) or not all(isinstance(s, str) and s for s in stop):
+            raise bad("stop", "must be a non-empty string or a list of them")
         if self.logit_bias is not None and (
             not isinstance(self.logit_bias, Mapping)
             or not all(_is_int(k) and k >= 0 and _is_number(v) for k, v in self.logit_bias.items())
@@ -161,7 +153,7 @@ class GenerateParams:
             raise bad("thinking", "must be True, False or None")
         if self.max_thinking_tokens is not None and (not _is_int(self.max_thinking_tokens) or self.max_thinking_tokens < 0):
             raise bad("max_thinking_tokens", "must be an int >= 0 or None")
-        if isinstance(self.logits_processors, (str, bytes)) or not all(callable(p) for p in self.logits_processors):
+        if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(p) for p in self.logits_processors):
             raise bad("logits_processors", "must be a list of callables (tokens, logits) -> logits")
         if vocab_size is not None:
             # mlx-lm writes logit_bias into the logits by index and top_k partitions them: an id
@@ -169,8 +161,8 @@ class GenerateParams:
             too_big = sorted(k for k in (self.logit_bias or {}) if k >= vocab_size)
             if too_big:
                 raise bad("logit_bias", f"token id {too_big[0]} is outside the model's vocabulary (ids 0 to {vocab_size - 1})")
-            if self.top_k > vocab_size:
-                raise bad("top_k", f"is larger than the model's vocabulary ({vocab_size} tokens)")
+            if self.top_k >= vocab_size:  # mlx-lm's top-k needs fewer than the vocabulary
+                raise bad("top_k", f"must be smaller than the model's vocabulary ({vocab_size} tokens; 0 turns it off)")
 
     def make_sampler(self) -> Sampler:
         """mlx-lm's sampler for these settings."""
@@ -189,6 +181,13 @@ class GenerateParams:
             repetition_context_size=self.repetition_context_size,
         )
         return processors + list(self.logits_processors)
+
+
+def _stops(value: Any) -> Any:
+    """``stop`` as a tuple: a lone string is one stop string (not its characters); other types stay."""
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 def _is_int(value: Any) -> TypeGuard[int]:

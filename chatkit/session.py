@@ -587,7 +587,7 @@ def _prompt_message(
         message = as_message(prompt)
     else:
         raise InvalidMessageError(f"A prompt is a str or a message, got {type(prompt).__name__}.")
-    if not message.content.strip():
+    if not message.content.strip() and message.role is not Role.TOOL:  # a tool may well return nothing
         raise InvalidMessageError("The prompt is empty: send some text.")
     if message.role is Role.ASSISTANT:
         raise InvalidMessageError("A prompt cannot come from the assistant: use role user, tool or system.")

@@ -17,6 +17,7 @@ PUBLIC = {
     "SpeculativeCacheRestoreError", "IncompatibleDraftError", "MissingDependencyError", "SessionBusyError", "ContextWindowExceededError",
     "NothingToUndoError", "NothingToRegenerateError", "CacheError", "NoCacheAvailableError", "CacheFileError",
     "IncompatibleCacheError", "ToolLoopLimitError", "ToolExecutionError", "DistributedError",
+    "InvalidOutputSpecError", "OutputValidationError", "IncompleteOutputError",  # guided replies (respond(output=...))
 }
 
 

@@ -113,10 +113,12 @@ def output_spec(
     if regex is not None:
         if not isinstance(regex, str):
             raise InvalidOutputSpecError(f"regex= must be a str, got {type(regex).__name__}.")
+        _check_text("regex=", regex)
         spec = OutputSpec("regex", llguidance.LLMatcher.grammar_from_regex(regex), regex)
     elif grammar is not None:
         if not isinstance(grammar, str):
             raise InvalidOutputSpecError(f"grammar= must be Lark grammar text, got {type(grammar).__name__}.")
+        _check_text("grammar=", grammar)
         spec = OutputSpec("grammar", llguidance.LLMatcher.grammar_from_lark(grammar), grammar)
     elif isinstance(output, Mapping):
         schema = strict_schema(_plain_json(output))
@@ -125,7 +127,7 @@ def output_spec(
         adapter = _adapter(output)
         try:
             raw = adapter.json_schema()
-        except PydanticUserError as e:
+        except (PydanticUserError, AssertionError) as e:  # pydantic asserts on some types (Literal[()])
             raise InvalidOutputSpecError(f"No JSON Schema for output={output!r}: {e}. {_SUPPORTED}") from e
         schema = strict_schema(raw)
         spec = OutputSpec("json", _json_grammar(schema), output, schema, adapter)
@@ -139,6 +141,15 @@ _SUPPORTED = (
 )
 
 
+def _check_text(name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidOutputSpecError(
+            f"{name} holds an invalid character at position {exc.start} (a lone surrogate, not Unicode text)."
+        ) from None
+
+
 def _adapter(output: Any) -> TypeAdapter:
     if isinstance(output, (str, bytes)):
         raise InvalidOutputSpecError(
@@ -149,7 +160,7 @@ def _adapter(output: Any) -> TypeAdapter:
     output = _typeddict_for_pydantic(output)
     try:
         return TypeAdapter(output)
-    except (PydanticUserError, TypeError) as e:
+    except (PydanticUserError, TypeError, AssertionError) as e:  # pydantic asserts on some types (Literal[()])
         raise InvalidOutputSpecError(f"Unsupported output type {output!r}: {e}. {_SUPPORTED}") from e
 
 

@@ -13,7 +13,7 @@ import asyncio
 import inspect
 import json
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +45,12 @@ def as_tool(item: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
             raise InvalidParamsError(
                 'A tool schema needs a name: {"type": "function", "function": {"name": ..., "parameters": {...}}}.'
             )
-        return Tool({"type": "function", "function": dict(function)})
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, Mapping):
+            raise InvalidParamsError(
+                f"Tool {function['name']!r}: parameters must be a JSON schema dict, got {type(parameters).__name__}."
+            )
+        return Tool(_json_ready({"type": "function", "function": dict(function)}))
     if callable(item):
         from transformers.utils import get_json_schema  # imported on use: transformers is slow to import
 
@@ -57,15 +62,25 @@ def as_tool(item: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
                 f"Cannot make a tool schema from {name}: {exc} Give it type hints and a docstring with an "
                 "Args: section (one line per parameter), or pass its JSON schema dict instead."
             ) from exc
-        return Tool(schema, item)
+        return Tool(_json_ready(schema), item)
     raise InvalidParamsError(f"A tool is a Python function or a JSON schema dict, got {type(item).__name__}.")
+
+
+def _json_ready(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema``, checked to be JSON text a tokenizer takes (the template renders it into the prompt)."""
+    name = schema["function"]["name"]
+    try:
+        json.dumps(schema, ensure_ascii=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:  # a set, a cycle, a lone surrogate ("\ud800")
+        raise InvalidParamsError(f"Tool {name!r}: its schema is not JSON text ({exc}): give str keys and values.") from None
+    return schema
 
 
 def as_tools(items: Sequence[Any] | None) -> list[Tool] | None:
     """``as_tool`` over a list (``None`` for no tools); names must be unique."""
     if items is None:
         return None
-    if isinstance(items, (str, bytes, Mapping)) or callable(items):
+    if isinstance(items, (str, bytes, Mapping)) or callable(items) or not isinstance(items, Iterable):
         raise InvalidParamsError("tools takes a list of functions or JSON schema dicts.")
     tools = [as_tool(t) for t in items]
     names = [t.name for t in tools]
@@ -101,7 +116,13 @@ def call_tool(tools: Sequence[Tool], call: ToolCall, *, raise_errors: bool = Fal
         result = _run(tool.function, call.arguments)
     except Exception as exc:  # the tool's own failure is the model's to read
         return fail(f"{call.name} raised {type(exc).__name__}: {exc}", exc)
-    return answer(result if isinstance(result, str) else json.dumps(result, ensure_ascii=False, default=str))
+    if isinstance(result, str):
+        return answer(result)
+    try:
+        return answer(json.dumps(result, ensure_ascii=False, default=str))
+    except (TypeError, ValueError, RecursionError) as exc:  # e.g. dict keys that are tuples, a cycle
+        return fail(f"{call.name} returned a {type(result).__name__} that is not JSON ({exc}): return a str "
+                    "or JSON-ready data.", exc)
 
 
 def check_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> str | None:
