@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from .errors import InvalidMessageError
+from .errors import ChatKitError, InvalidMessageError
 
 
 class Role(str, Enum):
@@ -221,12 +221,12 @@ def saved_dict(message: ChatMessage) -> dict[str, Any]:
 _KEYS = {"role", "content", "name", "reasoning_content", "reasoning", "thinking", "tool_calls", "tool_call_id"}
 
 
-def check_text(what: str, text: str) -> None:
-    """``InvalidMessageError`` for lone surrogates (a bad decode, JSON ``"\\ud800"``): no tokenizer takes them."""
+def check_text(what: str, text: str, error: type[ChatKitError] = InvalidMessageError) -> None:
+    """``error`` for lone surrogates (a bad decode, JSON ``"\\ud800"``): no tokenizer takes them."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidMessageError(
+        raise error(
             f"{what} holds an invalid character {text[exc.start]!r} at position {exc.start} "
             "(a lone surrogate, not Unicode text): decode the text with errors='replace' first."
         ) from None

@@ -46,7 +46,7 @@ def test_params_validate_names_the_bad_setting():
         dict(top_k=-2),
         dict(min_p=1.5),
         dict(repetition_penalty=0),
-        dict(stop="END"),
+        dict(stop=5),
         dict(stop=[""]),
         dict(logit_bias={"a": 1}),
         dict(seed=1.5),
@@ -56,6 +56,7 @@ def test_params_validate_names_the_bad_setting():
         with pytest.raises(InvalidParamsError, match=name):
             GenerateParams(**change).validate()
     GenerateParams(stop=["x"], logit_bias={3: -1.0}, seed=3).validate()
+    GenerateParams(stop="END").validate()  # one stop string, as OpenAI's API and from_dict take it
 
 
 def test_params_map_onto_mlx_lm_sampler_and_processors():

@@ -23,6 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 from pydantic.errors import PydanticUserError
 
 from ..errors import IncompleteOutputError, InvalidOutputSpecError, OutputValidationError
+from ..messages import check_text
 from .partial import partial_json
 
 Kind = Literal["json", "regex", "grammar"]
@@ -113,12 +114,12 @@ def output_spec(
     if regex is not None:
         if not isinstance(regex, str):
             raise InvalidOutputSpecError(f"regex= must be a str, got {type(regex).__name__}.")
-        _check_text("regex=", regex)
+        check_text("regex=", regex, InvalidOutputSpecError)
         spec = OutputSpec("regex", llguidance.LLMatcher.grammar_from_regex(regex), regex)
     elif grammar is not None:
         if not isinstance(grammar, str):
             raise InvalidOutputSpecError(f"grammar= must be Lark grammar text, got {type(grammar).__name__}.")
-        _check_text("grammar=", grammar)
+        check_text("grammar=", grammar, InvalidOutputSpecError)
         spec = OutputSpec("grammar", llguidance.LLMatcher.grammar_from_lark(grammar), grammar)
     elif isinstance(output, Mapping):
         schema = strict_schema(_plain_json(output))
@@ -139,15 +140,6 @@ _SUPPORTED = (
     "Use a pydantic model, a dataclass, a TypedDict, Literal[...], an Enum, int, float, bool, str, "
     "list[...] of these, or a JSON Schema dict."
 )
-
-
-def _check_text(name: str, text: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidOutputSpecError(
-            f"{name} holds an invalid character at position {exc.start} (a lone surrogate, not Unicode text)."
-        ) from None
 
 
 def _adapter(output: Any) -> TypeAdapter:
