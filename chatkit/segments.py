@@ -25,6 +25,7 @@ import mlx.core as mx
 from mlx_lm.generate import TextStateMachine
 
 from . import formats
+from .errors import InvalidMessageError
 from .messages import ToolCall, new_tool_call_id
 
 TEXT, REASONING, TOOL_CALL, TOOL_RESULT = "text", "reasoning", "tool_call", "tool_result"
@@ -219,6 +220,12 @@ def parse_tool_calls(parser: Callable[..., Any] | None, text: str, tools: Sequen
     except Exception as exc:  # each format's parser raises its own errors (json, ValueError, ...)
         return [ToolCall(new_id(0), _guess_name(text), {}, error=f"The tool call is not valid: {exc}. It was: {text.strip()}",
                          text=text)]
+    def unread(index: int, call_id: str, name: str, error: str) -> ToolCall:
+        try:
+            return ToolCall(call_id, name, {}, error=error, text=text)
+        except InvalidMessageError:  # an id or name spelt with a lone surrogate ("\ud800" in the JSON)
+            return ToolCall(new_id(index), "", {}, error=error, text=text)
+
     calls = []
     for index, item in enumerate(parsed if isinstance(parsed, list) else [parsed]):
         name = item.get("name") if isinstance(item, dict) else None
@@ -226,14 +233,17 @@ def parse_tool_calls(parser: Callable[..., Any] | None, text: str, tools: Sequen
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments) if arguments.strip() else {}
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 arguments = None
-        call_id = (item.get("id") if isinstance(item, dict) else None) or new_id(index)
+        call_id = str((item.get("id") if isinstance(item, dict) else None) or new_id(index))
         if not isinstance(name, str) or not name or not isinstance(arguments, dict):
             error = f'A tool call needs {{"name": ..., "arguments": {{...}}}}; it was: {text.strip()}'
-            calls.append(ToolCall(str(call_id), name if isinstance(name, str) else "", {}, error=error, text=text))
-        else:
-            calls.append(ToolCall(str(call_id), name, arguments))
+            calls.append(unread(index, call_id, name if isinstance(name, str) else "", error))
+            continue
+        try:
+            calls.append(ToolCall(call_id, name, arguments))
+        except InvalidMessageError as exc:  # arguments no tokenizer takes: told to the model like bad JSON
+            calls.append(unread(index, call_id, name, f"The tool call is not valid: {exc} It was: {text.strip()}"))
     return calls
 
 

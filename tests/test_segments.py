@@ -4,7 +4,7 @@ switch and budget, and the history fields they fill."""
 from types import SimpleNamespace
 
 from chatkit import ChatMessage, ChatSession, GenerateParams, InvalidMessageError, ToolCall
-from chatkit.segments import Segmenter
+from chatkit.segments import Segmenter, parse_tool_calls
 from chatkit.testing import Scripted
 from chatkit.testing.templates import QWEN3
 
@@ -80,6 +80,18 @@ def test_a_broken_tool_call_becomes_a_call_with_an_error():
     seg, pieces = run(['<tool_call>{"name": "f", "arguments": {"x": </tool_call>'])
     (call,) = seg.tool_calls
     assert call.name == "f" and call.error is not None and call.arguments == {}
+
+
+@pytest.mark.parametrize("call", [
+    '{"name": "f", "arguments": {"x": "\\ud800"}}',   # a lone surrogate, spelt as JSON escapes it
+    '{"name": "\\udfff", "arguments": {}}',
+    '{"name": "f", "id": "\\ud800", "arguments": {}}',
+])
+def test_a_call_no_tokenizer_could_take_back_becomes_a_call_with_an_error(call):
+    (parsed,) = parse_tool_calls(json_tools.parse_tool_call, call, None, id_basis="t")
+    assert parsed.error is not None and parsed.arguments == {} and parsed.text == call
+    for value in (parsed.id, parsed.name):  # what the template renders later: it must encode
+        value.encode("utf-8")
 
 
 def test_the_prompt_leaving_think_open_starts_in_reasoning(tiny):
