@@ -771,3 +771,21 @@ def test_serve_refuses_bad_batch_and_draft_flags(capsys):
     assert main(["--batch", "4", "--parallel", "8"]) == 1 and "leave out --parallel 8" in capsys.readouterr().err
     assert main(["--draft", "demo", "--num-draft", "many"]) == 1
     assert "'auto'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments, unread", [('{"x": "\\ud800"}', None), ("\ud800", None), ('{"x": ' * 100_000, True)])
+def test_re_sent_calls_no_tokenizer_takes_are_a_400_never_a_500(arguments, unread):
+    """A lone surrogate is a 400; JSON nested too deeply to read comes back as an unread call."""
+    from chatkit.server.errors import BadRequestError
+    from chatkit.server.protocol import parse_chat
+
+    call = {"id": "abcdefghi", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    body = {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "abcdefghi", "content": "ok"}]}
+    if unread is None:
+        with pytest.raises(BadRequestError, match="surrogate"):
+            parse_chat(body, GenerateParams())
+        return
+    request = parse_chat(body, GenerateParams())
+    (sent,) = next(m for m in (*request.history, *request.added) if m.tool_calls).tool_calls
+    assert sent.error is not None and sent.arguments == {}

@@ -319,13 +319,13 @@ def _tool_call(data: Any, where: str) -> ToolCall:
         raise BadRequestError(f'{where}: a tool call is {{"id", "type": "function", "function": {{"name", '
                               '"arguments"}}}} with the id the tool message answers.', param=where)
     function = data.get("function")
-    if isinstance(function, Mapping):
-        name, arguments = function.get("name"), function.get("arguments")
-        if isinstance(name, str) and isinstance(arguments, str) and not _is_json_object(arguments):
-            # A call the model did not finish (cut by max_tokens) comes back as it was sent: unread, as in the session.
-            return ToolCall(str(data["id"]), name, {}, error="The tool call's arguments are not a JSON object.",
-                            text=arguments)
     try:
+        if isinstance(function, Mapping):
+            name, arguments = function.get("name"), function.get("arguments")
+            if isinstance(name, str) and isinstance(arguments, str) and not _is_json_object(arguments):
+                # A call the model did not finish (cut by max_tokens) comes back as it was sent: unread, as in the session.
+                return ToolCall(str(data["id"]), name, {}, error="The tool call's arguments are not a JSON object.",
+                                text=arguments)
         return ToolCall.from_dict(data)
     except ChatKitError as exc:
         raise BadRequestError(f"{where}: {exc}", param=where) from exc
@@ -334,7 +334,7 @@ def _tool_call(data: Any, where: str) -> ToolCall:
 def _is_json_object(text: str) -> bool:
     try:
         return not text.strip() or isinstance(json.loads(text), dict)
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
 
 
