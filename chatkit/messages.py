@@ -76,11 +76,8 @@ class ToolCall:
         for key in ("error", "text"):
             if getattr(self, key) is not None and not isinstance(getattr(self, key), str):
                 raise InvalidMessageError(f"A tool call's {key} must be a str, got {type(getattr(self, key)).__name__}.")
-        try:  # the template renders the arguments and a saved session writes them: JSON-ready data only
-            arguments = json.dumps(self.arguments, ensure_ascii=False)
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise InvalidMessageError(f"Tool call arguments must be JSON data (str keys, no cycles): {exc}.") from None
-        for what, text in (("id", self.id), ("name", self.name), ("arguments", arguments), ("text", self.text or "")):
+        check_json("Tool call arguments", self.arguments)  # the template renders them, a saved session writes them
+        for what, text in (("id", self.id), ("name", self.name), ("text", self.text or "")):
             check_text(f"Tool call {what}", text)
 
     def to_dict(self) -> dict[str, Any]:
@@ -141,7 +138,7 @@ class ChatMessage:
         calls = self.tool_calls or ()
         if not isinstance(calls, (list, tuple)) or not all(isinstance(c, ToolCall) for c in calls):
             raise InvalidMessageError("Message tool_calls must be a list of chatkit.ToolCall.")
-        object.__setattr__(self, "tool_calls", tuple(calls or ()))
+        object.__setattr__(self, "tool_calls", tuple(calls))
         if self.tool_calls and self.role is not Role.ASSISTANT:
             raise InvalidMessageError("Only an assistant message can hold tool_calls.")
         for key, text in (("content", self.content), ("name", self.name or ""), ("reasoning", self.reasoning or "")):
@@ -232,6 +229,16 @@ def check_text(what: str, text: str, error: type[ChatKitError] = InvalidMessageE
         ) from None
 
 
+def check_json(what: str, value: Any, error: type[ChatKitError] = InvalidMessageError) -> None:
+    """``error`` unless ``value`` is JSON data whose text a tokenizer takes (str keys, no cycles or
+    sets, no lone surrogates): what a template renders into the prompt and a saved file holds."""
+    try:
+        text = json.dumps(value, ensure_ascii=False)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise error(f"{what} must be JSON data (str keys, no sets, bytes or cycles): {exc}.") from None
+    check_text(what, text, error)
+
+
 MessageLike = ChatMessage | Mapping[str, Any]
 
 
@@ -271,6 +278,7 @@ __all__ = [
     "as_message",
     "as_messages",
     "check_instructions",
+    "check_json",
     "check_text",
     "new_tool_call_id",
 ]

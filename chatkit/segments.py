@@ -220,6 +220,7 @@ def parse_tool_calls(parser: Callable[..., Any] | None, text: str, tools: Sequen
     except Exception as exc:  # each format's parser raises its own errors (json, ValueError, ...)
         return [ToolCall(new_id(0), _guess_name(text), {}, error=f"The tool call is not valid: {exc}. It was: {text.strip()}",
                          text=text)]
+
     def unread(index: int, call_id: str, name: str, error: str) -> ToolCall:
         try:
             return ToolCall(call_id, name, {}, error=error, text=text)

@@ -128,7 +128,7 @@ def output_spec(
         adapter = _adapter(output)
         try:
             raw = adapter.json_schema()
-        except (PydanticUserError, AssertionError) as e:  # pydantic asserts on some types (Literal[()])
+        except PydanticUserError as e:
             raise InvalidOutputSpecError(f"No JSON Schema for output={output!r}: {e}. {_SUPPORTED}") from e
         schema = strict_schema(raw)
         spec = OutputSpec("json", _json_grammar(schema), output, schema, adapter)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidParamsError, ToolExecutionError
-from ..messages import ChatMessage, ToolCall
+from ..messages import ChatMessage, ToolCall, check_json
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,7 @@ def as_tool(item: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
 
 def _json_ready(schema: dict[str, Any]) -> dict[str, Any]:
     """``schema``, checked to be JSON text a tokenizer takes (the template renders it into the prompt)."""
-    name = schema["function"]["name"]
-    try:
-        json.dumps(schema, ensure_ascii=False).encode("utf-8")
-    except (TypeError, ValueError, RecursionError) as exc:  # a set, a cycle, a lone surrogate ("\ud800")
-        raise InvalidParamsError(f"Tool {name!r}: its schema is not JSON text ({exc}): give str keys and values.") from None
+    check_json(f"The schema of tool {schema['function']['name']!r}", schema, InvalidParamsError)
     return schema
 
 
