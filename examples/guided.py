@@ -4,7 +4,7 @@ Run: python examples/guided.py [--model demo|ID|PATH]
 
 1. output=Person: a message becomes a validated Person. The JSON Schema is described at the end of
    the message (the demo was trained on that description) and the reply is constrained token by
-   token, so it parses whatever the model would have written. (The demo fills forms right about 60 %
+   token, so it parses whatever the model would have written. (The demo fills forms right 67 %
    of the time on held-out dialogues, see docs/demo.md: the value is always valid, not always right.)
 2. Streamed: the form fills in field by field (stream.partial); stream.value is the final object.
 3. A regex sent without its description (include_schema=False: the demo never saw a regex described,

@@ -101,7 +101,7 @@ def parser() -> argparse.ArgumentParser:
     chat.add_argument("--draft", metavar="ID|PATH|demo|prompt_lookup",
                       help="speculative decoding: a smaller model sharing the tokenizer, or 'prompt_lookup' (drafts "
                            "from the conversation itself, no model) (default: none). "
-                           "With the demo pair on a CPU it is hardly faster than without it (0.98-1.02x, "
+                           "With the demo pair on a CPU it is no faster than without it (0.98-1.02x, "
                            "measured): a draft pays off only when it is much cheaper than the "
                            "model and agrees with it. Cannot be combined with --max-kv-size or --kv-bits")
     chat.add_argument("--num-draft", type=_num_draft, default="auto", metavar="auto|N",
