@@ -52,12 +52,22 @@ class Conversation:
         m = self._messages
         return len(m) >= 2 and m[-1].role is Role.ASSISTANT and m[-2].role is not Role.ASSISTANT
 
-    def exchange_start(self, tool_rounds: bool) -> int:
-        """Where the last exchange starts: its prompt (call only if :meth:`ends_with_exchange`). With
-        ``tool_rounds`` (an automatic tool loop answered it) the exchange reaches back over its tool
-        calls and their results to the prompt that started the loop."""
+    def ends_with_tool_round(self) -> bool:
+        """Whether the history ends with tool results answering the assistant's calls before them: a
+        tool loop that stopped (closed, or failed) after its tools ran, before the model answered."""
         m = self._messages
-        start = len(m) - 2
+        call = len(m) - 1
+        while call > 0 and m[call].role is Role.TOOL:
+            call -= 1
+        return call < len(m) - 1 and call > 0 and m[call].role is Role.ASSISTANT and bool(m[call].tool_calls)
+
+    def exchange_start(self, tool_rounds: bool) -> int:
+        """Where the last exchange starts: its prompt (call only if :meth:`ends_with_exchange`, or with
+        ``tool_rounds`` if :meth:`ends_with_tool_round`). With ``tool_rounds`` (an automatic tool loop
+        answered it) the exchange reaches back over its tool calls and their results to the prompt
+        that started the loop."""
+        m = self._messages
+        start = len(m) - 2 if m[-1].role is Role.ASSISTANT else len(m) - 1
         while tool_rounds and m[start].role is Role.TOOL:
             call = start
             while call > 0 and m[call].role is Role.TOOL:

@@ -94,6 +94,7 @@ class ChatSession:
         self._conversation = Conversation(history, self._new_cache(cache_options))
         self._progress = prefill_progress
         self._turn = threading.Lock()  # held from the start of a turn until it commits or aborts
+        self._loop: _LoopHold | None = None  # an open tool loop holds the conversation between its rounds too
         self._async_stop: threading.Event | None = None  # set once the last async turn was told to stop
         self._last_stats: TurnStats | None = None
 
@@ -171,8 +172,8 @@ class ChatSession:
 
     @property
     def busy(self) -> bool:
-        """Whether a turn is in progress (a stream is open)."""
-        return self._turn.locked()
+        """Whether a turn is in progress (a stream is open; with tools, until its last round ends)."""
+        return self._turn.locked() or self._loop is not None
 
     def clear(self) -> None:
         """Forget the history and the cache (the instructions stay)."""
@@ -251,12 +252,14 @@ class ChatSession:
     # -- editing --------------------------------------------------------------------------------
     def undo(self) -> list[ChatMessage]:
         """Drop the last exchange (the prompt and its reply; with automatic tools, the tool calls and
-        results in between too), rewind the cache to match, and return it."""
+        results in between too, also of a tool loop that stopped before its answer), rewind the cache
+        to match, and return it."""
         with self._idle("undo"):
             conversation = self._conversation
-            if not conversation.ends_with_exchange():
+            tools = self._runs_tools()
+            if not (conversation.ends_with_exchange() or tools and conversation.ends_with_tool_round()):
                 raise NothingToUndoError("There is no exchange to undo: the history does not end with a reply.")
-            start = conversation.exchange_start(self._runs_tools())
+            start = conversation.exchange_start(tools)
             kept, dropped = conversation.messages[:start], list(conversation.messages[start:])
             try:
                 ids = self._rendered_ids(kept)
@@ -270,7 +273,8 @@ class ChatSession:
 
         After an automatic tool loop the last prompt is the last tool result: only the final answer is
         generated again, from the same results (no tool runs again, and a call in the new reply is not
-        run). To redo the whole exchange, ``undo()`` then ``respond()`` the prompt again.
+        run). To redo the whole exchange, ``undo()`` then ``respond()`` the prompt again. After a tool
+        loop that stopped once its tools ran (closed, or failed), it answers their results.
         """
         with self.stream_regenerate() as stream:
             for _ in stream:
@@ -279,7 +283,10 @@ class ChatSession:
 
     def stream_regenerate(self) -> ResponseStream:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
-        return self._open_turn(None, regenerate=True, strict=self._tool_options.strict and self._tools is not None)
+        strict = self._tool_options.strict and self._tools is not None
+        if self._runs_tools() and self._conversation.ends_with_tool_round():
+            return self._open_turn(None, strict=strict)  # the history's last message, a tool result, is answered
+        return self._open_turn(None, regenerate=True, strict=strict)
 
     def fork(self) -> ChatSession:
         """An independent session with the same conversation, settings and a copy of the cache.
@@ -418,19 +425,19 @@ class ChatSession:
 
     def _open_turn(
         self, message: ChatMessage | None, *, regenerate: bool = False, constraint: LogitsProcessor | None = None,
-        strict: bool = False,
+        strict: bool = False, loop: _LoopHold | None = None,
     ) -> ResponseStream:
         """Take the turn and prepare it: answer ``message`` after the history, or (``None``) the
         history's last message (a tool round), or (``regenerate``) the last prompt again; ``constraint``
         (guided output) masks every step after the session's own processors; ``strict`` constrains the
         reply's tool calls (after every other processor). The turn is held until the stream commits or
-        aborts."""
+        aborts. ``loop``: the tool loop this turn is a round of."""
         params = self._params.copy()
         if constraint is not None:
             params = params.copy(logits_processors=[*params.logits_processors, constraint])
         params.validate(_vocab_size(self._lm, self._speculative))
         constraints = [self._strict_constraint(params)] if strict and self._tools is not None else []
-        if not self._take_turn():
+        if not self._take_turn(loop):
             raise SessionBusyError("This session already has a turn in progress: finish or close its stream first.")
         try:
             base = self._conversation.messages
@@ -473,22 +480,27 @@ class ChatSession:
         if strict and self._tools is not None:
             self._strict_grammar()  # before anything changes: a format or schema that cannot be constrained
         waiting = [c for c in pending_calls(self._conversation.messages) if c.id != message.tool_call_id]
-        generate = not (message.role is Role.TOOL and waiting)
-        if not generate:
+        if message.role is Role.TOOL and waiting:  # more results to come: nothing to generate yet
             self._append([message])
+            return ToolLoopStream(self._open_turn, self._append, tools, message, generate=False)
+        hold = _LoopHold()
+        with self._idle("start a reply"):
+            self._loop = hold
 
-        def open_round(m: ChatMessage | None) -> ResponseStream:
-            return self._open_turn(m, strict=strict)
+        def end() -> None:
+            if self._loop is hold:
+                self._loop = None
+            hold.ended.set()
 
         return ToolLoopStream(
-            open_round, self._append, tools, message,
-            execute=self._runs_tools(),
-            max_rounds=options.max_rounds, raise_errors=options.errors == "raise", generate=generate,
+            lambda m: self._open_turn(m, strict=strict, loop=hold), lambda ms: self._append(ms, loop=hold),
+            tools, message, execute=self._runs_tools(), max_rounds=options.max_rounds,
+            raise_errors=options.errors == "raise", on_end=end,
         )
 
-    def _append(self, messages: Sequence[ChatMessage]) -> None:
+    def _append(self, messages: Sequence[ChatMessage], loop: _LoopHold | None = None) -> None:
         """Tool results enter the history (the next round prefills them)."""
-        with self._idle("add tool results"):
+        with _Idle(self, "add tool results", loop):
             self._conversation.record([*self._conversation.messages, *messages], [])
 
     # -- internals ------------------------------------------------------------------------------
@@ -538,26 +550,40 @@ class ChatSession:
         """The engine's shared prefix cache, when the session runs on a ``BatchEngine`` that has one."""
         return None if self._engine is None else self._engine.prefix_cache
 
-    def _take_turn(self) -> bool:
-        """Take the turn lock. An async turn that was told to stop (cancelled, closed, or its stream
-        dropped) commits on its worker within a decode step: wait for that rather than fail."""
-        if self._turn.acquire(blocking=False):
-            return True
+    def _take_turn(self, loop: _LoopHold | None = None) -> bool:
+        """Take the turn lock, unless a tool loop other than ``loop`` holds the conversation. An async
+        turn that was told to stop (cancelled, closed, or its stream dropped) commits on its worker
+        within a decode step, and its tool loop ends after that round: wait for that rather than fail."""
         stop = self._async_stop
-        return stop is not None and stop.is_set() and self._turn.acquire(timeout=STOPPING_TURN_WAIT)
+        stopping = stop is not None and stop.is_set()
+        if not self._turn.acquire(blocking=False) and not (stopping and self._turn.acquire(timeout=STOPPING_TURN_WAIT)):
+            return False
+        holder = self._loop
+        if holder is None or holder is loop:
+            return True
+        self._turn.release()
+        return stopping and holder.ended.wait(STOPPING_TURN_WAIT) and self._take_turn(loop)
 
     def _idle(self, action: str) -> _Idle:
         return _Idle(self, action)
 
 
-class _Idle:
-    """Holds the turn lock for a short edit; ``SessionBusyError`` while a stream is open."""
+class _LoopHold:
+    """An open tool loop's hold on its session; ``ended`` is set once the loop is over."""
 
-    def __init__(self, session: ChatSession, action: str) -> None:
-        self._session, self._action = session, action
+    def __init__(self) -> None:
+        self.ended = threading.Event()
+
+
+class _Idle:
+    """Holds the turn lock for a short edit; ``SessionBusyError`` while a stream is open (``loop``: the
+    tool loop making the edit, which holds the session)."""
+
+    def __init__(self, session: ChatSession, action: str, loop: _LoopHold | None = None) -> None:
+        self._session, self._action, self._loop = session, action, loop
 
     def __enter__(self) -> None:
-        if not self._session._take_turn():
+        if not self._session._take_turn(self._loop):
             raise SessionBusyError(f"Cannot {self._action} while a reply is streaming: close the stream first.")
 
     def __exit__(self, *exc_info: object) -> None:

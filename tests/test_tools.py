@@ -4,6 +4,7 @@ output is forced with a script (random weights cannot write a tool call)."""
 
 import asyncio
 import json
+import threading
 
 from chatkit import (
     ChatMessage,
@@ -12,6 +13,7 @@ from chatkit import (
     InvalidMessageError,
     InvalidParamsError,
     Role,
+    SessionBusyError,
     ToolExecutionError,
     ToolLoopLimitError,
 )
@@ -220,6 +222,94 @@ def test_undo_drops_the_whole_exchange_of_a_tool_loop_and_one_prompt_in_manual_m
     manual.respond("sunny", role=Role.TOOL, tool_call_id=pending.id)
     dropped = manual.undo()  # the app sent the result as a prompt: undo drops that prompt and its reply
     assert [m.role for m in dropped] == [Role.TOOL, Role.ASSISTANT] and manual.pending_tool_calls == [pending]
+
+
+def test_a_tool_loop_holds_the_session_between_its_rounds_while_its_tool_runs(lm, tmp_path):
+    """A slow tool (or an app holding the stream after a tool result) must not let another turn or an
+    edit in between the rounds: the results would land after an unrelated exchange."""
+    entered, go_on = threading.Event(), threading.Event()
+
+    def slow(city: str) -> str:
+        """A slow lookup.
+
+        Args:
+            city: The city.
+        """
+        entered.set()
+        assert go_on.wait(30)
+        return "sunny"
+
+    session, _ = scripted(lm, [call("slow", city="Paris"), "Sunny.", call("slow", city="Rome"), "Rainy."], tools=[slow])
+    go_on.set()  # first the app holds the stream after a tool result; then (asyncio) the tool is slow
+    stream = session.stream_respond("Weather in Paris?")
+    assert session.busy  # from the start, as a plain turn
+    for chunk in stream:
+        if chunk.kind == "tool_result":
+            break  # between the rounds, the stream open
+    edits = [lambda: session.respond("Hello"), session.clear, session.undo, session.fork, session.regenerate,
+             lambda: session.save_cache(tmp_path / "c.safetensors"), lambda: setattr(session, "instructions", "x")]
+    for edit in edits:
+        with pytest.raises(SessionBusyError):
+            edit()
+    assert session.busy and [m.role for m in session.history] == [Role.USER, Role.ASSISTANT, Role.TOOL]
+    assert [c.text for c in stream][-1] == "" and stream.text == "Sunny." and not session.busy
+    assert [m.content for m in session.history] == ["Weather in Paris?", "", "sunny", "Sunny."]
+
+    async def two_turns():  # the same from asyncio: the second turn waits for nothing and is refused
+        entered.clear()
+        go_on.clear()
+        session.clear()
+        first = asyncio.create_task(session.arespond("Weather in Rome?"))
+        await asyncio.to_thread(entered.wait, 30)
+        assert session.busy
+        with pytest.raises(SessionBusyError):
+            await session.arespond("Hello")
+        go_on.set()
+        return await first
+
+    assert asyncio.run(two_turns()) == "Rainy."
+    assert [m.content for m in session.history] == ["Weather in Rome?", "", "sunny", "Rainy."]
+    assert_ledger_matches_cache(session)
+
+
+def test_a_tool_loop_stopped_after_its_tool_ran_can_be_undone_or_answered(lm):
+    session, _ = scripted(lm, ["Hi.", call("get_weather", city="Paris"), "Sunny."])
+    session.respond("Hello")
+    with session.stream_respond("Weather in Paris?") as stream:
+        for chunk in stream:
+            if chunk.kind == "tool_result":
+                break  # Stop pressed once the tool ran: the call and its result stay
+    assert [m.role for m in session.history][-3:] == [Role.USER, Role.ASSISTANT, Role.TOOL] and not session.busy
+    assert session.regenerate() == "Sunny."  # answers the results
+    assert [m.role for m in session.history][-4:] == [Role.USER, Role.ASSISTANT, Role.TOOL, Role.ASSISTANT]
+    assert_ledger_matches_cache(session)
+
+    session, _ = scripted(lm, ["Hi.", call("get_weather", city="Paris"), "Sunny."])
+    session.respond("Hello")
+    with session.stream_respond("Weather in Paris?") as stream:
+        for chunk in stream:
+            if chunk.kind == "tool_result":
+                break
+    dropped = session.undo()  # the prompt, the call and its result: the way out of a stuck loop
+    assert [m.role for m in dropped] == [Role.USER, Role.ASSISTANT, Role.TOOL]
+    assert [m.content for m in session.history] == ["Hello", "Hi."]
+    assert_ledger_matches_cache(session)
+
+
+def test_an_async_stream_tells_what_a_tool_loop_stream_tells(lm):
+    session, _ = scripted(lm, [f"<think>\nLook it up.\n</think>\n\n{call('get_weather', city='Paris')}", "Sunny."])
+
+    async def run():
+        async with session.astream_respond("Weather in Paris?") as stream:
+            async for _ in stream:
+                pass
+        return stream
+
+    stream = asyncio.run(run())
+    sync = session.history
+    assert stream.text == "Sunny." and stream.finish_reason == "stop" and stream.rounds == 2
+    assert [c.name for c in stream.tool_calls] == ["get_weather"] and stream.tool_results == [sync[2]]
+    assert stream.reasoning == "" and sync[1].reasoning == "Look it up."  # the last round's, as synchronously
 
 
 TYPED_USE = '''

@@ -10,7 +10,7 @@ callables it is given.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
 
 from ..errors import InvalidParamsError, ToolLoopLimitError
@@ -62,6 +62,10 @@ def pending_calls(history: Sequence[ChatMessage]) -> list[ToolCall]:
     return []
 
 
+def _no_chunks() -> Generator[StreamChunk, None, None]:
+    yield from ()
+
+
 class ToolLoopStream:
     """What ``session.stream_respond`` returns when the session has tools (or the prompt is a tool
     result): a reply that may take several rounds, streamed: the chunks of every round, with a chunk of kind
@@ -84,8 +88,12 @@ class ToolLoopStream:
         max_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
         raise_errors: bool = False,
         generate: bool = True,
+        on_end: Callable[[], None] | None = None,
     ) -> None:
+        """``on_end`` runs once when the loop is over (answered, failed or closed): the session holds
+        the conversation for the loop until then, also between rounds, while a tool runs."""
         self._open, self._append, self._tools = open_round, append, list(tools)
+        self._on_end = on_end
         self._execute, self._max_rounds, self._raise = execute, max_rounds, raise_errors
         self._round: ResponseStream | None = None
         self._calls: list[ToolCall] = []
@@ -93,7 +101,7 @@ class ToolLoopStream:
         self._rounds = 0
         self._stopped = threading.Event()
         self._done = not generate
-        self._chunks: Iterator[StreamChunk] = self._run(first) if generate else iter(())
+        self._chunks = self._run(first) if generate else _no_chunks()
 
     # -- what a ResponseStream offers -------------------------------------------------------------
     @property
@@ -145,12 +153,15 @@ class ToolLoopStream:
         return self
 
     def __next__(self) -> StreamChunk:
-        if self._done:
+        if self._done:  # closed from another thread while this one ran the loop: it ends here
+            self._chunks.close()
+            self._end()
             raise StopIteration
         try:
             return next(self._chunks)
         except BaseException:
             self._done = True
+            self._end()
             raise
 
     def close(self) -> None:
@@ -158,11 +169,12 @@ class ToolLoopStream:
         self._stopped.set()
         if self._round is not None:
             self._round.close()
-        try:
-            self._chunks.close()  # type: ignore[attr-defined]
-        except (ValueError, AttributeError):  # running on another thread: it sees the stop flag
-            pass
         self._done = True
+        try:
+            self._chunks.close()
+        except ValueError:  # running on another thread: it sees the stop flag, and its next step ends the loop
+            return
+        self._end()
 
     def __enter__(self) -> ToolLoopStream:
         return self
@@ -176,8 +188,13 @@ class ToolLoopStream:
         except Exception:
             pass
 
+    def _end(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+
     # -- the loop -----------------------------------------------------------------------------------
-    def _run(self, first: ChatMessage | None) -> Iterator[StreamChunk]:
+    def _run(self, first: ChatMessage | None) -> Generator[StreamChunk, None, None]:
         message: ChatMessage | None = first
         while not self._stopped.is_set():
             if self._round is not None:
