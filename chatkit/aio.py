@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .messages import ChatMessage, ToolCall
 from .stream import GuidedStream, ResponseStream, StreamChunk, TurnStats
 from .tools.loop import ToolLoopStream
 
@@ -88,6 +89,28 @@ class AsyncResponseStream:
     @property
     def tokens(self) -> list[int]:
         return self._stream.tokens
+
+    @property
+    def reasoning(self) -> str:
+        return self._stream.reasoning
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self._stream.tool_calls
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._stream.finish_reason
+
+    @property
+    def rounds(self) -> int:
+        """With tools, how many replies the model has given in this loop (else 1)."""
+        return self._stream.rounds if isinstance(self._stream, ToolLoopStream) else 1
+
+    @property
+    def tool_results(self) -> list[ChatMessage]:
+        """With tools, the tool messages chatkit added to the history (else none)."""
+        return self._stream.tool_results if isinstance(self._stream, ToolLoopStream) else []
 
     @property
     def stats(self) -> TurnStats | None:

@@ -86,7 +86,7 @@ class ToolLoopLimitError(ChatKitError):
 
 class ToolExecutionError(ChatKitError):
     """A tool call could not run (unknown tool, bad arguments, the tool raised) and the session was built
-    with ``tool_errors="raise"``; ``call`` is the ``ToolCall``."""
+    with ``builder.tools(..., errors="raise")``; ``call`` is the ``ToolCall``."""
 
     def __init__(self, message: str, call: object) -> None:
         super().__init__(message)

@@ -96,7 +96,7 @@ def call_tool(tools: Sequence[Tool], call: ToolCall, *, raise_errors: bool = Fal
 
     def fail(text: str, cause: BaseException | None = None) -> ChatMessage:
         if raise_errors:
-            raise ToolExecutionError(f"{text} (raised because the session was built with tool_errors='raise')", call) from cause
+            raise ToolExecutionError(f"{text} (raised because the session's tools were set with errors='raise')", call) from cause
         return answer(f"Error: {text}")
 
     if call.error is not None:
