@@ -97,6 +97,7 @@ class ChatSession:
         self._loop: _LoopHold | None = None  # an open tool loop holds the conversation between its rounds too
         self._async_stop: threading.Event | None = None  # set once the last async turn was told to stop
         self._last_stats: TurnStats | None = None
+        self._guided: tuple[ChatMessage, dict[str, Any]] | None = None  # the last guided prompt and its spec
 
     @staticmethod
     def builder(model: LoadedModel | Any, tokenizer: Any = None) -> ChatSessionBuilder:
@@ -268,8 +269,9 @@ class ChatSession:
             conversation.rewind(kept, ids)
             return dropped
 
-    def regenerate(self) -> str:
-        """Answer the last prompt again, replacing the last reply; returns the new reply.
+    def regenerate(self) -> Any:
+        """Answer the last prompt again, replacing the last reply; returns the new reply. A guided
+        reply (``respond(..., output=...)``) is answered with the same spec again and its value returned.
 
         After an automatic tool loop the last prompt is the last tool result: only the final answer is
         generated again, from the same results (no tool runs again, and a call in the new reply is not
@@ -279,13 +281,21 @@ class ChatSession:
         with self.stream_regenerate() as stream:
             for _ in stream:
                 pass
-        return stream.text
+        return stream.value if isinstance(stream, GuidedStream) else stream.text
 
-    def stream_regenerate(self) -> ResponseStream:
+    def stream_regenerate(self) -> ResponseStream | GuidedStream:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
         strict = self._tool_options.strict and self._tools is not None
         if self._runs_tools() and self._conversation.ends_with_tool_round():
             return self._open_turn(None, strict=strict)  # the history's last message, a tool result, is answered
+        history = self._conversation.messages
+        if self._guided is not None and len(history) >= 2 and self._guided[0] == history[-2]:
+            from .guided.turn import guide  # the guided extra
+
+            prompt, spec = self._guided  # the message as sent (its description appended already)
+            _, constraint = guide(prompt, self.model.tokenizer, lambda m: self._prompting().text([*history[:-2], m], self._params),
+                                  **spec, include_schema=False)
+            return GuidedStream(self._open_turn(None, regenerate=True, constraint=constraint), constraint)
         return self._open_turn(None, regenerate=True, strict=strict)
 
     def fork(self) -> ChatSession:
@@ -310,6 +320,7 @@ class ChatSession:
             )
             other._conversation = self._conversation.copy()
             other._last_stats = self._last_stats
+            other._guided = self._guided
             return other
 
     # -- turns --------------------------------------------------------------------------------
@@ -382,7 +393,9 @@ class ChatSession:
                 message, self.model.tokenizer, self.render, output=output, regex=regex, grammar=grammar,
                 include_schema=include_schema,
             )
-            return GuidedStream(self._open_turn(message, constraint=constraint), constraint)
+            stream = GuidedStream(self._open_turn(message, constraint=constraint), constraint)
+            self._guided = (message, {"output": output, "regex": regex, "grammar": grammar})
+            return stream
         if self._tools is None and message.role is not Role.TOOL:
             return self._open_turn(message)
         return self._tool_loop(message, strict=strict)

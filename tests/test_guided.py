@@ -598,6 +598,25 @@ def test_a_guided_turn_commits_its_text_and_the_next_turn_reuses_the_cache(tiny,
     assert session.last_stats.reused_tokens > 0
 
 
+def test_regenerate_answers_a_guided_reply_with_the_same_spec(tiny):
+    from conftest import assert_ledger_matches_cache
+
+    lm = tiny("qwen3", "bpe")
+    session = guided_session(lm, generate_params=GenerateParams(max_tokens=120, temperature=1.0, seed=3))
+    first = session.respond(PROMPTS[0], output=Person)
+    again = session.regenerate()  # a Person again, not free text (random weights never write one unguided)
+    check_person(again)
+    assert Person.model_validate_json(session.history[-1].content) == again and len(session.history) == 2
+    check_person(first)
+    day = session.respond("When?", regex=r"20\d\d-\d\d-\d\d")
+    assert re.fullmatch(r"20\d\d-\d\d-\d\d", session.regenerate()) and re.fullmatch(r"20\d\d-\d\d-\d\d", day)
+    fork = session.fork()
+    assert re.fullmatch(r"20\d\d-\d\d-\d\d", fork.regenerate())
+    session.respond("And then?")  # a free reply: regenerate is free again
+    assert not isinstance(session.regenerate(), BaseModel)
+    assert_ledger_matches_cache(session)
+
+
 @pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
 def test_guided_turns_with_speculative_decoding_equal_standard_ones(tiny, drafter):
     lm = tiny("qwen3", "bpe")
