@@ -194,6 +194,8 @@ class ResponseStream:
                 self._abort(None)  # nothing was generated: the session stays as it was
             else:
                 self._finish = self._finish or "cancelled"
+                if self._segments.state == "tool":  # cut inside a call: kept as far as written, unread
+                    self._take_pieces(final=True)
                 self._commit()
 
     def __enter__(self) -> ResponseStream:

@@ -312,6 +312,20 @@ def test_an_async_stream_tells_what_a_tool_loop_stream_tells(lm):
     assert stream.reasoning == "" and sync[1].reasoning == "Look it up."  # the last round's, as synchronously
 
 
+def test_a_stream_closed_inside_a_tool_call_keeps_the_call_as_far_as_written(lm):
+    session, _ = scripted(lm, [call("get_weather", city="Paris")])
+    with session.stream_respond("Weather in Paris?") as stream:
+        shown = ""
+        for chunk in stream:
+            shown += chunk.text
+            if '"arguments"' in shown:
+                break  # Stop pressed in the middle of the call
+    (cut,) = session.history[-1].tool_calls  # as a max_tokens cut keeps it: unread, with its text
+    assert cut.error is not None and cut.text == shown and cut.arguments == {}
+    assert not session.busy and stream.tool_results == []  # an unread call is not run
+    assert_ledger_matches_cache(session)
+
+
 TYPED_USE = '''
 from chatkit import ChatSession, StreamChunk, ToolCall, ToolLoopStream
 
