@@ -253,8 +253,8 @@ def test_a_client_that_disconnects_stops_generation_and_the_turn_commits(lm):
                 break
             except openai.NotFoundError:
                 time.sleep(0.1)
-        assert stored.output_text.startswith(received)
-        assert stored.usage.output_tokens < 400
+        assert stored.output_text.startswith(received) and stored.status == "cancelled"
+        assert stored.usage.output_tokens < 400 and stored.incomplete_details is None
         more = c.responses.create(model="any", input="And then?", instructions=SYSTEM, previous_response_id=rid,
                                   max_output_tokens=5)
         assert more.usage.input_tokens_details.cached_tokens > stored.usage.input_tokens

@@ -181,10 +181,12 @@ def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette
                 incomplete=finish == "length",
             )
 
-        def keep(finish: str | None) -> dict[str, Any]:
+        def keep(finish: str | None, ended: str = "done") -> dict[str, Any]:
+            """The response as stored; ``ended``: "done", or "cancelled" (the client went away) or
+            "failed" (an error mid-stream), each stored as far as the turn got."""
             reply = _reply(lease)
-            obj = response("incomplete" if finish == "length" else "completed", items.of(reply, finish == "length"),
-                           finish)
+            status = ended if ended != "done" else "incomplete" if finish == "length" else "completed"
+            obj = response(status, items.of(reply, status != "completed"), finish)
             if req.store and lease.reply() is not None:  # committed
                 store.add(obj, added, reply)
             return obj
@@ -254,7 +256,7 @@ def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette
                 elif value:
                     yield event("response.output_text.delta", item_id=items.id("message"), **where, logprobs=[])
 
-            finish, kept = None, {}
+            finish, kept, ended = None, {}, "cancelled"  # until the stream ends or fails
             try:
                 async with _settled(lease, release):
                     try:
@@ -269,11 +271,13 @@ def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette
                         for kind, value in deltas.end():
                             for text in pieces(kind, value):
                                 yield text
+                        ended = "done"
                     except Exception as exc:
+                        ended = "failed"
                         yield event("error", **error_body(exc)[1]["error"])
                         return
             finally:  # also when the client went away: the turn committed as far as it got, so is stored
-                kept.update(keep(finish))
+                kept.update(keep(finish, ended))
             if not any(k != "reasoning" for k in kinds):  # an empty answer still has its message item
                 for text in pieces("text", ""):
                     yield text
