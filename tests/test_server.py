@@ -332,6 +332,23 @@ def test_response_format_json_schema_gives_valid_json(server):
     assert set(json.loads(text)) == {"name", "age"}
 
 
+def test_a_conversation_with_response_format_continues_its_session(server):
+    """The session holds a guided prompt with its schema's description appended; the client re-sends it
+    without: the next turn still continues that session and prefills only the new message."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}}, "required": ["name"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    messages, usages = [user("I'm Kenji.")], []
+    for nxt in ("Again.", "Once more."):
+        status, data = post(server, "/chat/completions", {"messages": messages, "response_format": fmt, "max_tokens": 40})
+        assert status == 200, data
+        usages.append(data["usage"])
+        messages += [data["choices"][0]["message"], user(nxt)]
+    status, data = post(server, "/chat/completions", {"messages": messages, "response_format": fmt, "max_tokens": 40})
+    usages.append(data["usage"])
+    for before, after in zip(usages, usages[1:]):  # the last turn's prompt is reused (and its reply, as far
+        assert after["prompt_tokens_details"]["cached_tokens"] >= before["prompt_tokens"]  # as it re-encodes alike)
+
+
 def test_unknown_response_ids_are_404(server):
     status, data = post(server, "/responses", {"input": "hi", "previous_response_id": "resp_nope"})
     assert status == 404 and data["error"]["code"] == "response_not_found"

@@ -43,20 +43,29 @@ MANIFEST = "conversations.json"
 
 
 Tools = Sequence[Mapping[str, Any]] | None
+AS_SENT_LIMIT = 4096  # guided prompts remembered as clients send them (older ones: their turns prefill again)
 
 
-def prefix_keys(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None) -> list[str]:
+def prefix_keys(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None,
+                as_sent: Mapping[str, str] | None = None) -> list[str]:
     """The index keys of a conversation's prefixes: ``keys[k]`` hashes the instructions, the tools
     and the first ``k`` messages (a hash chain, so all of them cost one pass). The tools are part of
-    the root: the same messages with other tools render another prompt, so another conversation."""
+    the root: the same messages with other tools render another prompt, so another conversation.
+    ``as_sent``: a message's JSON as the session holds it -> as the client sent it (a guided prompt
+    holds its schema's description; the client re-sends it without)."""
     root = json.dumps(instructions) if not tools else json.dumps([instructions, list(tools)], sort_keys=True)
     digest = hashlib.sha256(root.encode("utf-8")).hexdigest()
     keys = [digest]
     for m in history:
-        data = digest + json.dumps(m.to_dict(), ensure_ascii=False, sort_keys=True)
+        text = _json(m)
+        data = digest + (as_sent.get(text, text) if as_sent else text)
         digest = hashlib.sha256(data.encode("utf-8")).hexdigest()
         keys.append(digest)
     return keys
+
+
+def _json(message: ChatMessage) -> str:
+    return json.dumps(message.to_dict(), ensure_ascii=False, sort_keys=True)
 
 
 def conversation_key(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None) -> str:
@@ -74,6 +83,7 @@ class Lease:
     conv: str | None
     base: int  # messages the session held when the turn started
     replaces: bool = False
+    asked: ChatMessage | None = None  # the prompt as the client sent it, when the session holds it changed
 
     def reply(self) -> ChatMessage | None:
         """The assistant message the turn committed (``None`` before it committed, or if it never did)."""
@@ -117,6 +127,7 @@ class Conversations:
         self._tools: dict[str, tuple[Mapping[str, Any], ...]] = {}  # pool key -> its tools, when it has some
         self._dormant: dict[str, tuple[str | None, tuple[ChatMessage, ...]]] = {}  # saved by an earlier run
         self._leased: set[str] = set()
+        self._as_sent: dict[str, str] = {}  # guided prompts: as the sessions hold them -> as clients send them
         self._lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="chatkit-server")
         if persist:
@@ -177,7 +188,7 @@ class Conversations:
                 raise
             if conv is not None:
                 self._leased.add(conv)
-            return Lease(session, stream, conv, base, replaces)
+            return Lease(session, stream, conv, base, replaces, asked=added[-1] if schema is not None else None)
 
     async def finish(self, lease: Lease) -> None:
         """After the lease's stream is closed (its turn committed or aborted): index the conversation
@@ -194,8 +205,12 @@ class Conversations:
                     return  # the copy never got its reply: the pooled conversation stays as it was
                 await self._run(self.pool.add, conv, lease.session)
             session = lease.session
-            self._remember(conv, prefix_keys(session.instructions, session.history, self._tools.get(conv)),
-                           self._tools.get(conv))
+            if lease.asked is not None and len(session.history) > lease.base:  # re-sent without the description
+                self._as_sent[_json(session.history[lease.base])] = _json(lease.asked)
+                while len(self._as_sent) > AS_SENT_LIMIT:
+                    del self._as_sent[next(iter(self._as_sent))]  # the oldest
+            self._remember(conv, prefix_keys(session.instructions, session.history, self._tools.get(conv),
+                                             self._as_sent), self._tools.get(conv))
             await self._run(self.pool.enforce_budget)
             self._trim()
 
