@@ -293,8 +293,8 @@ class ChatSession:
             from .guided.turn import guide  # the guided extra
 
             prompt, spec = self._guided  # the message as sent (its description appended already)
-            _, constraint = guide(prompt, self.model.tokenizer, lambda m: self._prompting().text([*history[:-2], m], self._params),
-                                  **spec, include_schema=False)
+            render = lambda m: self._prompting().text([*history[:-2], m], self._params)  # noqa: E731
+            _, constraint = guide(prompt, self.model.tokenizer, render, **spec, include_schema=False)
             return GuidedStream(self._open_turn(None, regenerate=True, constraint=constraint), constraint)
         return self._open_turn(None, regenerate=True, strict=strict)
 
