@@ -50,8 +50,8 @@ STOPPING_TURN_WAIT = 60.0  # seconds; a stopping async turn may still be finishi
 class ChatSession:
     """A stateful conversation with one model. Build it with :meth:`ChatSession.builder`.
 
-    One turn at a time: while a stream is open, starting another turn, ``clear()`` or editing the
-    conversation raises ``SessionBusyError`` and changes nothing.
+    One turn at a time: while a stream is open (with tools, until the loop's answer), starting another
+    turn, ``clear()`` or editing the conversation raises ``SessionBusyError`` and changes nothing.
     """
 
     def __init__(
@@ -396,9 +396,10 @@ class ChatSession:
             stream = GuidedStream(self._open_turn(message, constraint=constraint), constraint)
             self._guided = (message, {"output": output, "regex": regex, "grammar": grammar})
             return stream
-        if self._tools is None and message.role is not Role.TOOL:
-            return self._open_turn(message)
-        return self._tool_loop(message, strict=strict)
+        plain = self._open_turn(message) if self._tools is None and message.role is not Role.TOOL else None
+        opened = plain if plain is not None else self._tool_loop(message, strict=strict)
+        self._guided = None  # the last reply is not guided: regenerate() answers it freely, even to the same text
+        return opened
 
     def astream_respond(
         self, prompt: str | MessageLike, *, role: Role | str = Role.USER, tool_call_id: str | None = None,

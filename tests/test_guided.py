@@ -614,6 +614,10 @@ def test_regenerate_answers_a_guided_reply_with_the_same_spec(tiny):
     assert re.fullmatch(r"20\d\d-\d\d-\d\d", fork.regenerate())
     session.respond("And then?")  # a free reply: regenerate is free again
     assert not isinstance(session.regenerate(), BaseModel)
+    year = r"20[0-9][0-9]"  # ASCII digits: llguidance's \d takes digits Python's re does not
+    assert re.fullmatch(year, session.respond("When?", regex=year, include_schema=False))
+    session.respond("When?")  # the same text, unguided this time: its regenerate is free too
+    assert not re.fullmatch(year, session.regenerate())
     assert_ledger_matches_cache(session)
 
 

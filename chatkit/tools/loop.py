@@ -154,7 +154,10 @@ class ToolLoopStream:
 
     def __next__(self) -> StreamChunk:
         if self._done:  # closed from another thread while this one ran the loop: it ends here
-            self._chunks.close()
+            try:
+                self._chunks.close()
+            except ValueError:  # still running on that thread: its own next step ends the loop
+                raise StopIteration from None
             self._end()
             raise StopIteration
         try:
