@@ -51,7 +51,8 @@ LONG_PROMPT = " ".join(QUESTIONS)
 
 def variants(reps: int) -> list[str]:
     lines = ["| weights | convert (first load) | load (cached) | prefill tok/s | decode tok/s |", "|---|---|---|---|---|"]
-    from chatkit import gguf, models
+    from chatkit.model import gguf
+    from chatkit.model import names as models
 
     path = models.smollm2_path()
     for dequantize in (False, True):

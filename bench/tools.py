@@ -29,11 +29,11 @@ import argparse
 import gc
 import time
 
-import chatkit.turn
+import chatkit.session.turn
 from chatkit import ChatSession, GenerateParams, Role
-from chatkit.segments import Piece, Segmenter
 from chatkit.testing import Scripted
 from chatkit.testing.templates import QWEN3
+from chatkit.text.reply import Piece, Segmenter
 
 import mlx.core as mx
 from _common import OtherLoad, clone, describe, load_model, median, wait_until_quiet
@@ -108,7 +108,7 @@ def decode_case(lm, n_tokens: int):
     prompt = "Tell me a long story about a dragon who guards a castle in the mountains."
 
     def run(segmenter):
-        chatkit.turn.Segmenter = segmenter  # the class a Turn builds its segmenter from
+        chatkit.session.turn.Segmenter = segmenter  # the class a Turn builds its segmenter from
         try:
             session.clear()
             stamps = []
@@ -120,7 +120,7 @@ def decode_case(lm, n_tokens: int):
             times = [t for _, t in stamps]
             return (len(times) - 1) / (times[-1] - times[0])
         finally:
-            chatkit.turn.Segmenter = Segmenter
+            chatkit.session.turn.Segmenter = Segmenter
 
     return (lambda: run(Segmenter)), (lambda: run(Uncut))
 
@@ -129,7 +129,7 @@ def isolated_cost(lm, reps: int = 7) -> tuple[int, float]:
     """Segmenting alone, without the model: the detokenized text of a reasoning-then-answer reply fed
     through a Segmenter (stop string included) against handing the same text out uncut, token by token.
     (tokens, median extra microseconds per token)."""
-    from chatkit import _tokenizer
+    from chatkit.model import tokenizer as _tokenizer
 
     tok = lm.tokenizer
     text = ("<think>\n" + "The user asks about a dragon who guards a castle, and I should think about it. " * 20

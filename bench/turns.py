@@ -457,8 +457,8 @@ def main() -> None:
 def prompt_work(sizes=(2000, 8000, 32000), turns: int = 9) -> None:
     """Median per-turn render and encode times as the history grows (no model runs)."""
     from chatkit import ChatMessage
-    from chatkit.template import ChatTemplate
-    from chatkit.turn import Prompting
+    from chatkit.session.turn import Prompting
+    from chatkit.text.template import ChatTemplate
 
     lm = load_model("bpe")
     rng = random.Random(7)

@@ -22,12 +22,11 @@ from . import (
     _blas,  # noqa: F401  (must run before mlx is imported)
     demo,  # noqa: F401  (chatkit.demo.path() after a plain import)
 )
-from .aio import AsyncResponseStream
-from .builder import ChatSessionBuilder
 from .cache.state import CacheInfo, CacheOptions
 from .cache.store import CacheFileInfo
 from .cache.store import inspect as inspect_cache
-from .engine.batch import BatchEngine
+from .decode.batch import BatchEngine
+from .decode.speculative import SpeculativeConfig
 from .errors import (
     CacheError,
     CacheFileError,
@@ -52,14 +51,16 @@ from .errors import (
     ToolExecutionError,
     ToolLoopLimitError,
 )
-from .loading import LoadedModel, load
 from .messages import ChatMessage, Role, ToolCall
+from .model.load import load
+from .model.loaded import LoadedModel
 from .params import GenerateParams
-from .pool import SessionPool
-from .session import ChatSession
-from .speculative import SpeculativeConfig
-from .stream import ResponseStream, StreamChunk, TurnStats
-from .tools import ToolLoopStream
+from .session.aio import AsyncResponseStream
+from .session.builder import ChatSessionBuilder
+from .session.pool import SessionPool
+from .session.session import ChatSession
+from .session.streams import ResponseStream, StreamChunk, TurnStats
+from .session.tool_loop import ToolLoopStream
 
 __version__ = "0.1.0"
 

@@ -42,7 +42,7 @@ async def ui() -> None:
     except asyncio.CancelledError:
         pass
     # The history keeps the reply as far as it was generated: what was shown, plus at most the two
-    # chunks the worker may compute ahead of the UI (chatkit.aio.LOOKAHEAD).
+    # chunks the worker may compute ahead of the UI (chatkit.session.aio.LOOKAHEAD).
     kept = session.history[-1].content
     print(f"stopped after {len(shown)} chunks ({ticks} UI ticks); shown: {''.join(shown)!r}; kept: {kept!r}")
     print("bot>", await session.arespond("What is my name?"))

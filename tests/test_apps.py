@@ -62,7 +62,7 @@ def test_cancelling_the_task_stops_within_a_decode_step_and_commits(tiny):
 
 
 def test_the_worker_stays_a_few_chunks_ahead_of_a_slow_consumer(tiny):
-    from chatkit.aio import LOOKAHEAD
+    from chatkit.session.aio import LOOKAHEAD
 
     lm = tiny()
     session = session_for(lm, params=endless(lm))

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import chatkit
 from chatkit import ChatSession, GenerateParams, InvalidParamsError, ModelLoadError
-from chatkit.engine import source_for
-from chatkit.engine.distributed import Group, shard_path
-from chatkit.engine.local import LocalSource
+from chatkit.decode.local import LocalSource
+from chatkit.decode.sources import source_for
+from chatkit.distributed import Group, shard_path
 from chatkit.testing import tiny_model_path
 from chatkit.testing.launch import free_ring_port, ring_launch
 

@@ -3,9 +3,8 @@
 import random
 
 from chatkit import SpeculativeConfig
-from chatkit.errors import InvalidParamsError
-from chatkit.speculative import NgramIndex, new_policy
-from chatkit.speculative.policy import (
+from chatkit.decode.speculative import NgramIndex, new_policy
+from chatkit.decode.speculative.policy import (
     AUTO_MAX,
     PROBE_MAX,
     choose,
@@ -15,6 +14,7 @@ from chatkit.speculative.policy import (
     record_miss,
     record_plain,
 )
+from chatkit.errors import InvalidParamsError
 
 import pytest
 from hypothesis import given

@@ -7,7 +7,9 @@ import zipfile
 from pathlib import Path
 
 import chatkit
-from chatkit import ChatSession, GenerateParams, ModelLoadError, cli, gguf, models
+from chatkit import ChatSession, GenerateParams, ModelLoadError, cli
+from chatkit.model import gguf
+from chatkit.model import names as models
 from chatkit.testing import tiny_model_path
 
 import mlx.core as mx
@@ -433,7 +435,7 @@ def _llama_meta(head_dim=64):
 
 
 def test_llama3_rope_scaling_is_recovered_from_rope_freqs():
-    from chatkit.gguf.arch import model_config
+    from chatkit.model.gguf.arch import model_config
 
     tensors = {"token_embd.weight": mx.zeros((128, 8)), "blk.0.attn_q.weight": mx.zeros((2048, 8))}
     # Llama 3.2 1B's rope scaling.

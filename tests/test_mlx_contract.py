@@ -1,4 +1,4 @@
-"""What chatkit assumes about mlx-lm's insides (chatkit/cache/_mlx.py, chatkit/_tokenizer.py), checked
+"""What chatkit assumes about mlx-lm's insides (chatkit/cache/_mlx.py, chatkit/model/tokenizer.py), checked
 against the installed mlx-lm: an upgrade that changes one of these fails here, loudly, instead of
 corrupting caches or text. pyproject pins the mlx-lm range these pass on."""
 

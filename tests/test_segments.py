@@ -4,9 +4,9 @@ switch and budget, and the history fields they fill."""
 from types import SimpleNamespace
 
 from chatkit import ChatMessage, ChatSession, GenerateParams, InvalidMessageError, ToolCall
-from chatkit.segments import Segmenter, parse_tool_calls
 from chatkit.testing import Scripted
 from chatkit.testing.templates import QWEN3
+from chatkit.text.reply import Segmenter, parse_tool_calls
 
 import mlx.core as mx
 import pytest
@@ -286,7 +286,7 @@ def fresh_reply_tool(session, lm):
     return s.tokens
 
 
-# -- formats mlx-lm does not parse (chatkit/formats.py), each as its family's model writes it ------------
+# -- formats mlx-lm does not parse (chatkit/text/formats/), each as its family's model writes it ------------
 def family(*specials, thinking=False):
     return SimpleNamespace(
         has_thinking=thinking, think_start="<think>" if thinking else None, think_end="</think>" if thinking else None,

@@ -1,8 +1,8 @@
 """ResponseStream on its own, over a scripted token source: text, stop strings, commit exactly once."""
 
-from chatkit.engine import DraftCount
-from chatkit.segments import Segmenter
-from chatkit.stream import ResponseStream
+from chatkit.decode import DraftCount
+from chatkit.session.streams import ResponseStream
+from chatkit.text.reply import Segmenter
 
 import mlx.core as mx
 import pytest
@@ -35,7 +35,7 @@ def make_stream(pieces, tokens, stop=(), max_tokens=100, fail_at=None):
             yield t, mx.array([0.0]), False
 
     class ScriptedTurn:
-        """A stand-in for chatkit.turn.Turn: the steps a stream drives, recorded."""
+        """A stand-in for chatkit.session.turn.Turn: the steps a stream drives, recorded."""
 
         prompt_tokens, drafts = 10, DraftCount()
         eos_token_ids = frozenset([EOS])

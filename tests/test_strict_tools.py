@@ -1,4 +1,4 @@
-"""strict_tools: tool calls constrained to the tools' schemas (chatkit.guided.tools).
+"""strict_tools: tool calls constrained to the tools' schemas (chatkit.guided.call_grammar).
 
 Random-weight models write garbage. A scripted processor opens a tool call (forces the format's start
 marker, as a model that decided to call a tool would) and then lets the model go on: with strict_tools
@@ -11,7 +11,7 @@ import json
 from chatkit import ChatMessage, ChatSession, GenerateParams, Role, SpeculativeConfig, ToolCall
 from chatkit.errors import ChatKitError, InvalidOutputSpecError, InvalidParamsError
 from chatkit.guided import ToolCallConstraint, tool_call_grammar
-from chatkit.segments import Segmenter
+from chatkit.text.reply import Segmenter
 from chatkit.tools import Tool, check_arguments
 
 import mlx.core as mx
@@ -138,7 +138,7 @@ def generate(lm, prompt, processors, max_tokens=150):
 
 
 def calls_of(lm, prompt, tokens):
-    """The reply's tool calls, read as a session reads them (chatkit.segments over the decoded text)."""
+    """The reply's tool calls, read as a session reads them (chatkit.text.reply over the decoded text)."""
     tok = lm.tokenizer
     seg = Segmenter(tok, prompt=prompt, tools=SCHEMAS)
     seg.feed(tok.decode([t for t in tokens if t not in tok.eos_token_ids]), final=True)
@@ -404,7 +404,7 @@ def test_a_bad_schema_or_an_unsupported_format_is_refused_before_anything_change
 def test_formats_whose_calls_are_not_json_are_refused():
     from types import SimpleNamespace
 
-    from chatkit.guided.tools import call_shape
+    from chatkit.guided.call_grammar import call_shape
 
     harmony = SimpleNamespace(has_tool_calling=False, get_vocab=lambda: {s: i for i, s in enumerate(
         ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>"])})
@@ -416,7 +416,7 @@ def test_formats_whose_calls_are_not_json_are_refused():
         call_shape(pythonic)
 
 
-# -- the other JSON formats (chatkit/formats.py): a random walk over the mask -------------------------------
+# -- the other JSON formats (chatkit/text/formats/): a random walk over the mask -------------------------------
 
 
 FAMILIES = {

@@ -13,7 +13,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import chatkit  # noqa: E402, F401  (first: it loads OpenBLAS before mlx is imported)
 from chatkit.errors import InvalidParamsError  # noqa: E402
-from chatkit.loading import LoadedModel, load  # noqa: E402
+from chatkit.model.load import load  # noqa: E402
+from chatkit.model.loaded import LoadedModel
 from chatkit.testing import ARCHS, TOKENIZERS, tiny_model, tiny_model_path  # noqa: E402
 
 import mlx.core as mx  # noqa: E402

@@ -5,8 +5,9 @@ import gc
 import threading
 
 from chatkit import ChatMessage, ChatSession, GenerateParams, Role
-from chatkit._tokenizer import PromptEncoder, hf_tokenizer
-from chatkit.template import ChatTemplate
+from chatkit.model.tokenizer import hf_tokenizer
+from chatkit.text.encoder import PromptEncoder
+from chatkit.text.template import ChatTemplate
 
 import pytest
 from conftest import assert_ledger_matches_cache, cache_state, fresh_reply, session_for

@@ -60,7 +60,7 @@ def _serve(argv: Sequence[str]) -> int:
 
 def list_models(out: Any = None) -> int:
     """``chatkit models``: one line per model that ``--model NAME`` accepts."""
-    from ..models import list_models as found
+    from ..model.names import list_models as found
 
     out = out or sys.stdout
     for e in found():

@@ -24,7 +24,7 @@ def inspect(path: str, out: Any = sys.stdout, *, show_all: bool = False, model: 
             f"{path!r} could not be read ({type(exc).__name__}: {exc}): it is damaged or not a chatkit file."
         ) from exc
     if model is not None:
-        from ..loading import load
+        from ..model.load import load
 
         lm = load(model)
         if info.kind == "chatkit":

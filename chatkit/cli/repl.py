@@ -45,9 +45,9 @@ class Repl:
     # -- building the session ---------------------------------------------------------------------
     def _build(self, resume: str | None = None):
         """A session from the flags, or from a saved file with the flags given explicitly on top."""
+        from ..decode.speculative import SpeculativeConfig
         from ..params import GenerateParams
-        from ..session import ChatSession
-        from ..speculative import SpeculativeConfig
+        from ..session.session import ChatSession
 
         a = self.args
         builder = ChatSession.builder(self.lm).prefill_progress(self._progress)
@@ -158,7 +158,7 @@ class Repl:
         """The next input line; over a sharded model rank 0 reads it and every rank gets it."""
         if self.group is None:
             return read()
-        from ..engine.distributed import broadcast_text
+        from ..distributed import broadcast_text
 
         line: str | None = None
         if self.group.leader:
@@ -206,7 +206,7 @@ class Repl:
 
     def _too_long(self, exc: ContextWindowExceededError, message: str) -> str:
         """Whether /undo or /clear can help: not when the message (with the system prompt) alone is too long."""
-        from ..session import ChatSession
+        from ..session.session import ChatSession
 
         s = self.session
         alone = ChatSession.builder(s.model).instructions(s.instructions).generate_params(s.generate_params.copy()).build()
@@ -364,7 +364,7 @@ def _need(value: str, usage: str) -> str:
 
 
 def _load_model(name: str | None, draft: bool = False, **options: Any):
-    from ..loading import load
+    from ..model.load import load
 
     name = name or "demo"
     return load("demo-draft" if draft and name == "demo" else name, **options)

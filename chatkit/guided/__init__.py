@@ -21,18 +21,16 @@ try:
 except ImportError as e:  # an optional extra: say how to get it
     raise ImportError(f"chatkit.guided needs the guided extra: pip install 'chatkit[guided]' ({e}).") from e
 
-from ..stream import GuidedStream
+from .call_grammar import ToolCallConstraint, ToolCallGrammar, tool_call_grammar
 from .constraint import Constraint, constraint
 from .describe import instructions, response_format
+from .guide import guide, respond, stream_respond
 from .partial import partial_json
 from .spec import OutputSpec, matches, output_spec, strict_schema
 from .tokenizer import llg_tokenizer
-from .tools import ToolCallConstraint, ToolCallGrammar, tool_call_grammar
-from .turn import guide, respond, stream_respond
 
 __all__ = [
     "Constraint",
-    "GuidedStream",
     "guide",
     "OutputSpec",
     "constraint",

@@ -1,5 +1,5 @@
 """The HTTP face: a Starlette app serving OpenAI's chat completions, responses and models endpoints
-over chatkit's pooled sessions (``Conversations``)."""
+over chatkit's pooled sessions (``SessionIndex``)."""
 
 from __future__ import annotations
 
@@ -22,16 +22,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .. import segments
-from ..engine.batch import BatchEngine
+from ..decode.batch import BatchEngine
+from ..decode.speculative import SpeculativeConfig
 from ..errors import ChatKitError
-from ..loading import LoadedModel
 from ..messages import ChatMessage
+from ..model.loaded import LoadedModel
 from ..params import GenerateParams
-from ..speculative import SpeculativeConfig
+from ..text import reply as segments
 from . import protocol as wire
-from .conversations import Conversations, Lease, ResponseStore
 from .errors import BadRequestError, OverloadedError, UnauthorizedError, error_body
+from .session_index import Lease, ResponseStore, SessionIndex
 
 log = logging.getLogger("chatkit.server")
 
@@ -96,7 +96,7 @@ def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette
                 engine = BatchEngine(lm, max_batch=config.parallel)
                 stack.callback(engine.close)
             app.state.engine = engine  # what RunningServer.engine shows
-            state["conversations"] = convs = Conversations(
+            state["conversations"] = convs = SessionIndex(
                 lm, folder=root, max_cache_bytes=config.max_cache_bytes, max_conversations=config.max_conversations,
                 defaults=config.defaults, speculative=config.speculative, persist=config.store is not None,
                 engine=engine,

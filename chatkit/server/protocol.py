@@ -24,8 +24,8 @@ from typing import Any
 from ..errors import ChatKitError
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
-from ..segments import REASONING, TEXT, TOOL_CALL
-from ..stream import StreamChunk, TurnStats
+from ..session.streams import StreamChunk, TurnStats
+from ..text.reply import REASONING, TEXT, TOOL_CALL
 from .errors import BadRequestError
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", None: "stop"}

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 import uvicorn
 from starlette.applications import Starlette
 
-from ..engine.batch import BatchEngine
+from ..decode.batch import BatchEngine
 from ..errors import ChatKitError
-from ..loading import LoadedModel
+from ..model.loaded import LoadedModel
 from ..params import GenerateParams
 from .app import ServerConfig, create_app
 
@@ -94,8 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``chatkit serve ...``: load the model(s) and serve until Ctrl-C."""
     args = parser().parse_args(argv)
     try:
-        from ..loading import load
-        from ..speculative import SpeculativeConfig
+        from ..decode.speculative import SpeculativeConfig
+        from ..model.load import load
 
         lm = load(args.model)
         speculative = None

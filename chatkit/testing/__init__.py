@@ -2,7 +2,7 @@
 
     from chatkit.testing import tiny_model, tiny_model_path, ARCHS, TOKENIZERS
 
-    lm = tiny_model(arch="qwen3", tokenizer="bpe", seed=0)      # a chatkit.loading.LoadedModel
+    lm = tiny_model(arch="qwen3", tokenizer="bpe", seed=0)      # a chatkit.model.loaded.LoadedModel
     path = tiny_model_path(arch="gemma3_text", tokenizer="gemma")  # a folder mlx_lm.load reads
 
 ARCHS are mlx-lm architectures ("llama", "qwen3", "gemma3_text" with sliding-window layers,

@@ -28,7 +28,7 @@ from ..errors import InvalidParamsError
 from .tokenizers import FAMILIES, TOKENIZERS, TokenizerFiles, tokenizer_files
 
 if TYPE_CHECKING:
-    from ..loading import LoadedModel
+    from ..model.loaded import LoadedModel
 
 ARCHS: tuple[str, ...] = ("llama", "qwen3", "gemma3_text", "qwen3_5")
 
@@ -263,7 +263,7 @@ def _model_path(
 def _model(
     arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...] = (), chat_template: str | None = None
 ) -> LoadedModel:
-    from ..loading import load
+    from ..model.load import load
 
     path = _model_path(arch, tokenizer, seed, overrides, chat_template)
     with _lock, _keep_mlx_random_state():
@@ -284,7 +284,7 @@ def tiny_model_path(
     ``config_overrides`` set integer entries of the model's config (see :func:`overridable_keys`),
     e.g. ``hidden_size=512, num_hidden_layers=8, intermediate_size=1536`` for a ~30M model.
     Built once per process (per arguments) into a temporary directory (removed at exit);
-    ``mlx_lm.load`` and ``chatkit.loading.load`` read it. The same arguments give identical files
+    ``mlx_lm.load`` and ``chatkit.model.load.load`` read it. The same arguments give identical files
     in any process.
     """
     _check(arch, tokenizer, seed)
@@ -301,7 +301,7 @@ def tiny_model(
     chat_template: str | os.PathLike[str] | None = None,
     **config_overrides: int,
 ) -> LoadedModel:
-    """The :class:`chatkit.loading.LoadedModel` of :func:`tiny_model_path`, loaded once per process.
+    """The :class:`chatkit.model.loaded.LoadedModel` of :func:`tiny_model_path`, loaded once per process.
 
     The instance is shared between callers: sessions may share it, but don't modify its weights.
     """
@@ -314,7 +314,7 @@ def tiny_model(
 def _template_text(source: str | os.PathLike[str] | None) -> str | None:
     if source is None:
         return None
-    from ..template import read_template
+    from ..text.template import read_template
 
     return read_template(source)
 

@@ -1,17 +1,15 @@
-"""Tools for a session: schemas from Python callables or dicts (``schema.py``) and the automatic tool
-loop (``loop.py``)."""
+"""Tools for a session: schemas from Python callables or dicts, calling them (``schema.py``), and how a
+session uses them (``options.py``). The automatic tool loop is a session's: ``chatkit.session.tool_loop``."""
 
-from .loop import DEFAULT_MAX_TOOL_ROUNDS, ToolLoopStream, ToolOptions, pending_calls
+from .options import DEFAULT_MAX_TOOL_ROUNDS, ToolOptions
 from .schema import Tool, as_tool, as_tools, call_tool, check_arguments
 
 __all__ = [
     "DEFAULT_MAX_TOOL_ROUNDS",
     "Tool",
-    "ToolLoopStream",
     "ToolOptions",
     "as_tool",
     "as_tools",
     "call_tool",
     "check_arguments",
-    "pending_calls",
 ]

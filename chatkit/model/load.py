@@ -1,0 +1,103 @@
+"""``load()``: a model and its tokenizer through mlx-lm, from a name, a Hugging Face repo id or a folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelLoadError
+from . import tokenizer as _tokenizer
+from .loaded import LoadedModel
+
+
+def load(
+    path_or_repo: str | os.PathLike[str],
+    *,
+    tokenizer: str | os.PathLike[str] | None = None,
+    dequantize: bool | None = None,
+    distributed: str | None = None,
+    distributed_timeout: float = 120.0,
+    **tokenizer_config: Any,
+) -> LoadedModel:
+    """Load a model and tokenizer with ``mlx_lm.load``.
+
+    ``path_or_repo`` is a local folder (``config.json``, ``*.safetensors`` and tokenizer files), a
+    Hugging Face repo id, downloaded on first use (set ``HF_HUB_OFFLINE=1`` to forbid downloads),
+    ``"demo"`` / ``"demo-draft"`` for the small chat model and draft that ship with chatkit, a GGUF
+    file (converted once into chatkit's cache), ``"ollama:NAME"``, ``"lmstudio:PUBLISHER/MODEL"`` or
+    ``"smollm2"`` (see :mod:`chatkit.model.names`). For GGUF files, ``tokenizer`` is a folder of tokenizer
+    files to use instead of the file's own, and ``dequantize`` True/False forces float32 / packed
+    weights (default: float32 on machines without Metal). Extra keyword arguments go to the
+    tokenizer's config (e.g. ``eos_token``).
+
+    ``distributed="tensor" | "pipeline" | "auto"`` joins MLX's distributed world (start the program
+    with ``mlx.launch``) and loads this rank's shard with mlx-lm's ``sharded_load``; sessions over it
+    run in lockstep on every rank (docs/distributed.md). ``distributed_timeout`` bounds, in seconds,
+    how long a rank waits for the others inside one step. In a world of one rank it loads as usual.
+    """
+    from mlx_lm import load as mlx_load  # imported here: mlx_lm costs about a second to import
+
+    try:
+        source = os.fspath(path_or_repo)
+    except TypeError:
+        raise ModelLoadError(
+            f"load() takes a Hugging Face repo id or a local folder, got {type(path_or_repo).__name__}."
+        ) from None
+    if isinstance(source, bytes):
+        source = os.fsdecode(source)
+    if not source.strip():
+        raise ModelLoadError("load() needs a Hugging Face repo id or a local model folder, got ''.")
+    from .names import resolve  # demo, smollm2, ollama:, lmstudio:, GGUF files -> a model folder
+
+    source = _local_or_repo(resolve(source, tokenizer=tokenizer, dequantize=dequantize))
+    group = None
+    if distributed is not None:
+        from .. import distributed as dist
+
+        mx_group, rank, size = dist.init(distributed, distributed_timeout)
+        if size > 1:
+            model, tok, config, used = dist.load_sharded(source, distributed, mx_group, tokenizer_config or None)
+            _tokenizer.silence_length_warning(tok)
+            group = dist.Group(mx_group, used, rank, size, float(distributed_timeout))
+            return LoadedModel(model=model, tokenizer=tok, config=config, source=source, distributed=group)
+        group = dist.Group(mx_group, distributed, rank, size, float(distributed_timeout))
+    try:
+        model, tok, config = mlx_load(  # type: ignore[misc]  # 3 values with return_config
+            source, tokenizer_config=tokenizer_config or None, return_config=True
+        )
+    except Exception as exc:  # mlx-lm raises many kinds: missing files, hub errors, bad configs
+        hint = (
+            "check the folder holds config.json, weights and tokenizer files"
+            if Path(source).exists()
+            else "check the repo id, or pass a local folder (offline? set HF_HUB_OFFLINE=1 and use a path)"
+        )
+        raise ModelLoadError(f"Could not load model {source!r}: {exc} ({hint}).") from exc
+    _tokenizer.silence_length_warning(tok)
+    return LoadedModel(model=model, tokenizer=tok, config=dict(config), source=source, distributed=group)
+
+
+def _local_or_repo(source: str) -> str:
+    """``source`` with ``~`` expanded if it names a local path; ``ModelLoadError`` for a path that
+    does not exist (rather than a Hugging Face error about a repo id that is not one)."""
+    expanded = os.path.expanduser(source)
+    if os.path.exists(expanded):
+        if not os.path.isdir(expanded):
+            raise ModelLoadError(
+                f"{source!r} is a file: pass the model's folder (holding config.json, weights and tokenizer files)."
+            )
+        return expanded
+    # A Hugging Face repo id is "name" or "owner/name": no leading ".", "/" or "~", one "/" at most.
+    looks_like_path = (
+        source.startswith((".", "/", "~", "\\"))
+        or source.endswith(("/", "\\"))
+        or source.count("/") > 1
+        or "\\" in source
+        or (len(source) > 1 and source[1] == ":")  # C:...
+    )
+    if looks_like_path:
+        raise ModelLoadError(f"No model folder at {expanded!r}: check the path.")
+    return source
+
+
+__all__ = ["load"]

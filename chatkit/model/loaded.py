@@ -1,0 +1,117 @@
+"""Loading a model and its tokenizer through mlx-lm, from a Hugging Face repo id or a local folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from . import tokenizer as _tokenizer
+
+if TYPE_CHECKING:
+    from ..distributed import Group
+
+# Config keys that name a model's context window, most specific first.
+_CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
+
+
+@dataclass(frozen=True, eq=False)
+class LoadedModel:
+    """A model with its tokenizer and config, as returned by :func:`load`.
+
+    Sessions over the same ``LoadedModel`` share its weights; nothing here is per conversation.
+    """
+
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    config: Mapping[str, Any] = field(default_factory=dict)
+    source: str = ""
+    distributed: Group | None = None
+    """The ``mx.distributed`` group this model is sharded over (``load(..., distributed=...)``)."""
+
+    @property
+    def context_length(self) -> int | None:
+        """The model's context window in tokens, when its config states one."""
+        for key in _CONTEXT_KEYS:
+            value = self.config.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+        text_config = self.config.get("text_config")
+        if isinstance(text_config, Mapping):
+            return LoadedModel(self.model, self.tokenizer, text_config).context_length
+        return None
+
+    @property
+    def head_dim(self) -> int | None:
+        """The attention head size: mlx-lm's model args first (they hold defaults a config may omit,
+        e.g. Gemma 3's 256), then the config, then hidden size / heads; ``None`` when nothing says."""
+        config = self.config.get("text_config", self.config)
+        for value in (getattr(getattr(self.model, "args", None), "head_dim", None), config.get("head_dim")):
+            if isinstance(value, int):
+                return value
+        hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+        return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+
+    @cached_property
+    def vocab_size(self) -> int:
+        """How many logits the model produces per token (token ids are below this)."""
+        for config in (self.config, self.config.get("text_config"), getattr(getattr(self.model, "args", None), "__dict__", None)):
+            value = config.get("vocab_size") if isinstance(config, Mapping) else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        from mlx_lm.models.cache import make_prompt_cache
+
+        # No config says it: one token through the model shows the width of its logits.
+        logits = self.model(mx.array([[0]]), cache=make_prompt_cache(self.model))
+        return int(logits.shape[-1])
+
+    @cached_property
+    def fingerprint(self) -> dict[str, str]:
+        """What identifies this model for saved caches: see :func:`fingerprint`; a GGUF conversion's also
+        names its file, a sharded model's its strategy, world size and rank (a cache shard fits only
+        the same layout)."""
+        found = fingerprint(self.model, self.tokenizer)
+        if isinstance(gguf := self.config.get("chatkit_gguf"), Mapping):  # converted from a GGUF file
+            found["file"] = str(gguf.get("sha256", ""))[:16]
+        if self.distributed is not None and self.distributed.sharded:
+            from ..distributed import fingerprint_entry
+
+            found["distributed"] = fingerprint_entry(self.distributed)
+        return found
+
+
+def _digest(value: Any) -> str:
+    data = json.dumps(value, sort_keys=True, default=str, ensure_ascii=False).encode("utf-8")
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
+    """Short hashes that tell whether a saved KV cache belongs to this model and tokenizer.
+
+    ``architecture``: the model class and its args; ``parameters``: every parameter's name, shape and
+    dtype; ``weights``: a sample of the first values of each parameter (tells apart two models of the
+    same shapes); ``vocabulary`` and ``chat_template``: the tokenizer's.
+    """
+    args = getattr(model, "args", None)
+    arch_args = vars(args) if args is not None and hasattr(args, "__dict__") else {}
+    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    samples = [p.reshape(-1)[:8].astype(mx.float32) for _, p in params]
+    mx.eval(samples)
+    return {
+        "architecture": _digest([type(model).__module__, type(model).__name__, arch_args]),
+        "parameters": _digest([(name, list(p.shape), str(p.dtype)) for name, p in params]),
+        "weights": _digest([[round(float(v), 5) for v in s.tolist()] for s in samples]),  # type: ignore[union-attr,arg-type]
+        "vocabulary": _digest(sorted(_tokenizer.vocabulary(tokenizer).items(), key=lambda kv: kv[1])),
+        "chat_template": _digest(_tokenizer.chat_template(tokenizer) or ""),
+    }
+
+
+__all__ = ["LoadedModel", "fingerprint"]

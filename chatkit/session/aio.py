@@ -1,0 +1,214 @@
+"""Async streaming: a turn's MLX work runs on a worker thread of its own; chunks reach the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+
+from ..messages import ChatMessage, ToolCall
+from .streams import GuidedStream, ResponseStream, StreamChunk, TurnStats
+from .tool_loop import ToolLoopStream
+
+END = object()  # what pump() hands over after the last chunk
+LOOKAHEAD = 2  # chunks a worker may compute before the consumer takes them
+
+
+class Failure:
+    """What pump() hands over when the turn raised; the turn is rolled back already."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def pump(
+    stream: ResponseStream | ToolLoopStream,
+    put: Callable[[Any], None],
+    cancel: threading.Event,
+    credits: threading.Semaphore,
+    consumer_alive: Callable[[], bool],
+) -> None:
+    """Iterate ``stream`` on this (worker) thread, handing each chunk to ``put``, then ``END`` or a
+    ``Failure``. Each chunk waits for one of ``credits`` (the consumer gives one back per chunk it
+    takes), so the turn never runs more than that many chunks ahead of what was shown. Setting
+    ``cancel`` (and releasing ``credits``), or the consumer going away, stops it before the next
+    token; the turn commits."""
+    try:
+        chunks = iter(stream)
+        while not cancel.is_set():
+            if not _may_go_on(credits, cancel, consumer_alive):
+                break
+            chunk = next(chunks, None)
+            if chunk is None:
+                break
+            put(chunk)
+    except BaseException as exc:
+        put(Failure(exc))
+        return
+    finally:
+        stream.close()
+    put(END)
+
+
+def _may_go_on(credits: threading.Semaphore, cancel: threading.Event, consumer_alive: Callable[[], bool]) -> bool:
+    """Wait for a credit; False once cancelled or once nobody will ever take another chunk."""
+    while not credits.acquire(timeout=0.1):
+        if cancel.is_set() or not consumer_alive():
+            return False
+    return not cancel.is_set()
+
+
+class AsyncResponseStream:
+    """The reply of one turn for ``async for`` (with tools, of every round: it wraps the session's
+    ``ToolLoopStream``); use it as an async context manager.
+
+    Generation runs on a worker thread started for the turn (all of its MLX work on that thread) and
+    never blocks the event loop; it stays at most ``LOOKAHEAD`` chunks ahead of the consumer.
+    Cancelling the consuming task, ``await stream.aclose()`` or leaving the ``async with`` block stops
+    generation within one decode step and commits the reply as far as it got: what the consumer
+    took, plus at most those few chunks.
+    """
+
+    def __init__(self, stream: ResponseStream | ToolLoopStream, stop: threading.Event | None = None) -> None:
+        """``stop``: an event to set when the turn is told to stop (the session waits on its commit)."""
+        self._stream = stream
+        self._cancel = stop if stop is not None else threading.Event()
+        self._credits = threading.Semaphore(LOOKAHEAD)
+        self._queue: asyncio.Queue[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._done: asyncio.Future[None] | None = None
+        self._ended = False  # END or a failure was handed out: iteration is over
+
+    @property
+    def text(self) -> str:
+        return self._stream.text
+
+    @property
+    def tokens(self) -> list[int]:
+        return self._stream.tokens
+
+    @property
+    def reasoning(self) -> str:
+        return self._stream.reasoning
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self._stream.tool_calls
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._stream.finish_reason
+
+    @property
+    def rounds(self) -> int:
+        """With tools, how many replies the model has given in this loop (else 1)."""
+        return self._stream.rounds if isinstance(self._stream, ToolLoopStream) else 1
+
+    @property
+    def tool_results(self) -> list[ChatMessage]:
+        """With tools, the tool messages chatkit added to the history (else none)."""
+        return self._stream.tool_results if isinstance(self._stream, ToolLoopStream) else []
+
+    @property
+    def stats(self) -> TurnStats | None:
+        return self._stream.stats
+
+    @property
+    def closed(self) -> bool:
+        return self._stream.closed
+
+    def __aiter__(self) -> AsyncResponseStream:
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        if self._ended:
+            raise StopAsyncIteration
+        if self._queue is None:
+            self._start()
+        assert self._queue is not None
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:
+            self._stop()  # the worker stops after the token it is computing
+            raise
+        self._credits.release()
+        if item is END:
+            self._ended = True
+            raise StopAsyncIteration
+        if isinstance(item, Failure):
+            self._ended = True
+            raise item.exc
+        return item
+
+    async def aclose(self) -> None:
+        """Stop generating and commit what was produced; returns once the turn is committed."""
+        self._stop()
+        if self._done is None:
+            self._stream.close()  # never started: no MLX work to move to the worker
+            return
+        await asyncio.shield(self._done)
+
+    async def __aenter__(self) -> AsyncResponseStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    def __del__(self) -> None:
+        # Dropped without aclose() (e.g. a `break` outside `async with`): the worker, which holds no
+        # reference to this object, stops and the turn commits, as a dropped ResponseStream does.
+        self._stop()
+
+    def _stop(self) -> None:
+        self._cancel.set()
+        self._credits.release()  # wakes a worker waiting for the consumer
+
+    def _start(self) -> None:
+        self._loop = loop = asyncio.get_running_loop()
+        self._queue = asyncio.Queue()
+        self._done = loop.create_future()
+        args = (self._stream, loop, self._queue, self._done, self._cancel, self._credits)
+        threading.Thread(target=_work, args=args, name="chatkit-turn", daemon=False).start()
+
+
+def _work(stream: ResponseStream | ToolLoopStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, done: asyncio.Future,
+          cancel: threading.Event, credits: threading.Semaphore) -> None:
+    """A turn's worker thread: pump the stream into the event loop's queue, then resolve ``done``."""
+    try:
+        # A closed event loop takes no more chunks (e.g. asyncio.run() returned while a stream was
+        # still referenced): the turn stops and commits instead of blocking the process's exit.
+        # So does the main thread's end (the interpreter then joins this thread before anything else).
+        pump(stream, lambda item: _call(loop, queue.put_nowait, item), cancel, credits,
+             lambda: not loop.is_closed() and threading.main_thread().is_alive())
+    finally:
+        mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
+        _call(loop, done.set_result, None)
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, arg)
+    except RuntimeError:
+        pass  # the event loop is gone; the turn is committed anyway
+
+
+class AsyncGuidedStream(AsyncResponseStream):
+    """An :class:`AsyncResponseStream` over a guided reply: ``partial`` and ``value`` too."""
+
+    def __init__(self, stream: GuidedStream, stop: threading.Event | None = None) -> None:
+        super().__init__(stream.stream, stop=stop)
+        self._guided = stream
+
+    @property
+    def partial(self) -> Any:
+        return self._guided.partial
+
+    @property
+    def value(self) -> Any:
+        return self._guided.value
+
+
+__all__ = ["AsyncGuidedStream", "AsyncResponseStream"]

@@ -1,0 +1,282 @@
+"""``ChatSessionBuilder``: a session's settings, checked at ``build()``, including a cache to restore."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from .. import distributed
+from ..cache import store
+from ..cache._mlx import copy_layer, layer_offset
+from ..cache.ledger import Ledger
+from ..cache.state import CacheOptions, CacheState
+from ..decode.speculative import SpeculativeConfig, check_draft
+from ..errors import InvalidMessageError, InvalidParamsError, SpeculativeCacheRestoreError
+from ..messages import ChatMessage, MessageLike, Role, as_messages, check_instructions
+from ..model import tokenizer as _tokenizer
+from ..model.loaded import LoadedModel
+from ..params import GenerateParams
+from ..text.template import read_template
+from ..tools import as_tools
+from ..tools.options import DEFAULT_MAX_TOOL_ROUNDS, ToolOptions
+from .session import ChatSession, ProgressCallback, strict_grammar
+
+CacheSource = "str | os.PathLike[str] | Sequence[Any]"
+
+
+def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
+    if isinstance(model, LoadedModel):
+        if tokenizer is not None:
+            raise InvalidParamsError("Pass a LoadedModel alone, or a model and its tokenizer, not both.")
+        return model
+    if isinstance(model, tuple) and len(model) == 2 and tokenizer is None:
+        model, tokenizer = model  # what mlx_lm.load returns
+    if tokenizer is None or not callable(model):
+        raise InvalidParamsError(
+            "builder() takes chatkit.load(...)'s result, or an mlx-lm model and its tokenizer."
+        )
+    if not all(callable(getattr(tokenizer, name, None)) for name in ("encode", "decode")):
+        raise InvalidParamsError(
+            f"builder() takes an mlx-lm model and its tokenizer; got a {type(tokenizer).__name__} as the tokenizer."
+        )
+    tokenizer = _tokenizer.wrap(tokenizer)
+    args = getattr(model, "args", None)
+    config = dict(vars(args)) if args is not None and hasattr(args, "__dict__") else {}
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, source="")
+
+
+class ChatSessionBuilder:
+    """Collects a session's settings; :meth:`build` checks them and returns the ``ChatSession``.
+
+    A sharded model needs no builder option: the sharding belongs to the loaded weights, so
+    ``chatkit.load(path, distributed="tensor" | "pipeline" | "auto")`` is the option, and a builder
+    over that ``LoadedModel`` makes a session that runs in lockstep on every rank (docs/distributed.md).
+    """
+
+    def __init__(self, model: LoadedModel | Any, tokenizer: Any = None) -> None:
+        self._lm = _as_loaded(model, tokenizer)
+        self._instructions: str | None = None
+        self._history: list[ChatMessage] = []
+        self._params: GenerateParams | None = None
+        self._template: str | None = None
+        self._tools: Sequence[Any] | None = None
+        self._tool_options = ToolOptions()
+        self._cache_options: dict[str, Any] = {}
+        self._progress: ProgressCallback | None = None
+        self._restore: tuple[Any, bool] | None = None
+        self._speculative: SpeculativeConfig | None = None
+        self._allow_special = False
+        self._engine: Any = None
+
+    def instructions(self, text: str | None) -> ChatSessionBuilder:
+        """The system prompt."""
+        self._instructions = check_instructions(text)
+        return self
+
+    def history(self, messages: Iterable[MessageLike]) -> ChatSessionBuilder:
+        """Earlier messages to continue from. A leading system message becomes the instructions."""
+        self._history = as_messages(messages)
+        return self
+
+    def generate_params(self, params: GenerateParams) -> ChatSessionBuilder:
+        if not isinstance(params, GenerateParams):
+            raise InvalidParamsError(f"generate_params takes a GenerateParams, got {type(params).__name__}.")
+        self._params = params
+        return self
+
+    def chat_template(self, template: str | os.PathLike[str]) -> ChatSessionBuilder:
+        """Use this jinja template (its text or a file path) instead of the tokenizer's own."""
+        self._template = read_template(template)
+        return self
+
+    def tools(
+        self,
+        tools: Sequence[Any] | None,
+        *,
+        tool_execution: str = "auto",
+        max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
+        errors: str = "return",
+        strict_tools: bool = False,
+    ) -> ChatSessionBuilder:
+        """Tools the model may call: Python functions (sync or async; the schema from the signature,
+        type hints and docstring) or OpenAI-style JSON schema dicts, passed to the template as ``tools``.
+
+        With ``tool_execution="auto"`` ``respond`` calls them and gives the results back to the model until
+        it answers without calls (at most ``max_tool_rounds`` rounds of results, then ``ToolLoopLimitError``);
+        ``"manual"`` leaves the calls to the app (``session.pending_tool_calls``). A failing call is told
+        to the model as its result unless ``errors="raise"`` (``ToolExecutionError``).
+
+        ``strict_tools=True`` constrains every tool call to the tools' schemas (the guided extra): text
+        and reasoning stay free, but once the model opens a call its JSON must name one of the tools and
+        fit that tool's parameters (closed objects), so a malformed call cannot be produced.
+        ``InvalidOutputSpecError`` here for a tool-call format or a schema that cannot be constrained.
+        """
+        options = ToolOptions(tool_execution, max_tool_rounds, errors, strict_tools)
+        options.validate()
+        checked = as_tools(tools)
+        if strict_tools and checked is not None:
+            strict_grammar(self._lm.tokenizer, checked)
+        self._tools, self._tool_options = checked, options
+        return self
+
+    def max_kv_size(self, tokens: int | None) -> ChatSessionBuilder:
+        """Keep at most this many tokens in a rotating KV cache."""
+        self._cache_options["max_kv_size"] = tokens
+        return self
+
+    def kv_bits(self, bits: int | None, *, group_size: int = 64, start: int = 0) -> ChatSessionBuilder:
+        """Quantize the KV cache to ``bits`` once it holds ``start`` tokens."""
+        self._cache_options.update(kv_bits=bits, kv_group_size=group_size, quantized_kv_start=start)
+        return self
+
+    def prefill_step_size(self, tokens: int) -> ChatSessionBuilder:
+        """Process prompts in chunks of this many tokens."""
+        self._cache_options["prefill_step_size"] = tokens
+        return self
+
+    def prefill_progress(self, callback: ProgressCallback | None) -> ChatSessionBuilder:
+        """Called as ``callback(done, total)`` while a prompt is prefilled."""
+        if callback is not None and not callable(callback):
+            raise InvalidParamsError(f"prefill_progress() takes a callable (done, total) or None, got {type(callback).__name__}.")
+        self._progress = callback
+        return self
+
+    def cache(self, source: str | os.PathLike[str] | Sequence[Any], *, verify: bool = True) -> ChatSessionBuilder:
+        """Restore a saved cache: a file from ``save_cache`` (conversation and cache) or a raw mlx-lm
+        prompt cache (a file from ``save_prompt_cache`` or a list of cache layers).
+
+        A raw cache becomes an opaque prefix: turns render the instructions and the session's messages
+        after it. The layers are checked against the model, and a file's tensors against their
+        checksums, unless ``verify=False``; chatkit files are always checked against the model's
+        fingerprint. Settings given to this builder win over the
+        file's (the transcript is the truth; the cache only saves work).
+        """
+        if not isinstance(source, (str, os.PathLike)) and not _is_layer_list(source):
+            raise InvalidParamsError("cache() takes a file path or a list of mlx-lm cache layers.")
+        if not isinstance(verify, bool):
+            raise InvalidParamsError(f"cache(verify=...) takes True or False, got {verify!r}.")
+        self._restore = (source, verify)
+        return self
+
+    def speculative(self, config: SpeculativeConfig | None) -> ChatSessionBuilder:
+        """Decode speculatively (``None`` turns it off). A draft model cannot be combined with
+        :meth:`cache`; prompt lookup can."""
+        if config is not None and not isinstance(config, SpeculativeConfig):
+            raise InvalidParamsError(f"speculative() takes a SpeculativeConfig, got {type(config).__name__}.")
+        self._speculative = config
+        return self
+
+    def allow_special_in_content(self, allow: bool = True) -> ChatSessionBuilder:
+        """Read special-token strings inside message content as the special tokens they name.
+
+        Off by default: content is text, so a message holding e.g. ``<|im_end|>`` cannot forge a turn.
+        Turn it on only for content the app itself writes and trusts.
+        """
+        if not isinstance(allow, bool):
+            raise InvalidParamsError(f"allow_special_in_content takes a bool, got {type(allow).__name__}.")
+        self._allow_special = allow
+        return self
+
+    def engine(self, engine: Any) -> ChatSessionBuilder:
+        """Decode this session's turns on a shared ``chatkit.BatchEngine`` (built over the same model),
+        together with the other sessions' turns running at the same time; ``None``: alone."""
+        self._engine = engine
+        return self
+
+    def build(self) -> ChatSession:
+        """Check the settings (and load the cache to restore) and return the session."""
+        instructions, history = self._instructions, list(self._history)
+        if history and history[0].role is Role.SYSTEM:
+            if instructions is not None:
+                raise InvalidMessageError(
+                    "Both instructions() and a leading system message in history(): give the system prompt once."
+                )
+            instructions, history = history[0].content, history[1:]
+        if self._speculative is not None and self._speculative.draft_model is not None and self._restore is not None:
+            # A draft model's cache is not in the file and cannot be rebuilt for a raw cache's opaque
+            # prefix; prompt lookup has no cache of its own, so it restores like standard decoding.
+            raise SpeculativeCacheRestoreError(
+                "Speculative decoding with a draft model cannot start from a restored cache: drop "
+                ".speculative(...) or .cache(...), or use SpeculativeConfig(draft=\"prompt_lookup\")."
+            )
+        if self._speculative is not None:
+            check_draft(self._lm, self._speculative)
+        options = CacheOptions(**self._cache_options)
+        options.validate(self._lm.head_dim)
+        params = self._params.copy() if self._params is not None else None
+        if params is not None:
+            params.validate()
+        cache = None
+        if self._restore is not None:
+            source, verify = self._restore
+            if isinstance(source, (str, os.PathLike)):  # over a sharded model: this rank's file, all ranks agree
+                saved = distributed.restore(self._lm.distributed, source, lambda file: self._load_cache(file, verify))
+            else:
+                saved = self._load_cache(source, verify)
+            info = saved.info
+            if info.kind == "chatkit":
+                if self._instructions is None and not self._history:
+                    instructions = info.instructions
+                if not self._history:
+                    history = [ChatMessage.from_dict(m) for m in info.messages]
+                if params is None and info.generate_params is not None:
+                    params = GenerateParams.from_dict(info.generate_params)
+                if info.cache_options:
+                    known = {k: v for k, v in info.cache_options.items() if k in CacheOptions.__dataclass_fields__}
+                    options = CacheOptions(**{**known, **self._cache_options})
+                    options.validate(self._lm.head_dim)
+                    if options.max_kv_size != known.get("max_kv_size"):
+                        # The layers are what they were saved as: a rotating cache cannot become unbounded
+                        # or change its window, so such a restore would silently keep the saved kind.
+                        raise InvalidParamsError(
+                            f"This file's cache was made with max_kv_size={known.get('max_kv_size')}, not "
+                            f"{options.max_kv_size}: restore it without .max_kv_size(...) (or with the same "
+                            "value), or start from its transcript with .history(...) instead of .cache(...)."
+                        )
+            cache = CacheState.restored(self._lm.model, options, saved.layers, saved.ledger, saved.checkpoints)
+        session = ChatSession(
+            self._lm,
+            instructions=instructions,
+            history=history,
+            generate_params=params,
+            chat_template=self._template,
+            tools=self._tools,
+            tool_options=self._tool_options,
+            cache_options=options,
+            prefill_progress=self._progress,
+            speculative=self._speculative,
+            allow_special_in_content=self._allow_special,
+            engine=self._engine,
+        )
+        if cache is not None:
+            session._use_cache(cache)
+        return session
+
+    def _load_cache(self, source: Any, verify: bool) -> store.LoadedCache:
+        if isinstance(source, (str, os.PathLike)):
+            saved = store.load(source, verify=verify)
+            where = repr(str(source))
+        else:
+            layers = [copy_layer(c) for c in source]
+            offset = layer_offset(layers)
+            if offset is None:
+                raise InvalidParamsError("The cache layers disagree on how many tokens they hold: pass one model's cache.")
+            info = store.CacheFileInfo(
+                path="", kind="mlx-lm", format_version=None, tokens=offset, opaque_tokens=offset,
+                layer_classes=tuple(type(c).__name__ for c in layers), file_bytes=0, tensor_bytes=0,
+            )
+            saved = store.LoadedCache(layers, Ledger((), offset), info)
+            where = "The cache passed to cache()"
+        if saved.info.kind == "chatkit":
+            store.check_fingerprint(self._lm.fingerprint, saved.info.fingerprint, where)
+        if verify:
+            store.check_layers(self._lm.model, saved, where)
+        return saved
+
+
+def _is_layer_list(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(hasattr(c, "state") for c in value)
+
+
+__all__ = ["ChatSessionBuilder"]

@@ -1,0 +1,95 @@
+"""``Conversation``: a session's messages and the KV cache that holds their tokens, changed together."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..cache.state import CacheState
+from ..messages import ChatMessage, Role, ToolCall
+
+
+class Conversation:
+    """The messages so far (without the instructions) and the cache state whose ledger names the
+    tokens it holds. Messages change only through :meth:`record` / :meth:`rewind` / :meth:`clear`,
+    each of which settles the cache in the same call, so the two cannot drift apart."""
+
+    def __init__(self, messages: Sequence[ChatMessage], cache: CacheState) -> None:
+        self._messages = tuple(messages)
+        self.cache = cache
+
+    @property
+    def messages(self) -> tuple[ChatMessage, ...]:
+        return self._messages
+
+    def record(self, messages: Sequence[ChatMessage], fed: Sequence[int]) -> None:
+        """A turn fed ``fed`` into the cache on top of its ledger and the conversation is now ``messages``."""
+        self.cache.record(fed)
+        self._messages = tuple(messages)
+
+    def keep_cache(self, fed: Sequence[int]) -> None:
+        """A turn that fed ``fed`` failed or was closed before a reply: the messages stay, the cache
+        keeps what it provably holds."""
+        if fed:
+            self.cache.record(fed)
+
+    def rewind(self, messages: Sequence[ChatMessage], ids: Sequence[int]) -> None:
+        """The conversation is now the shorter ``messages``, whose rendering is ``ids``: rewind the cache
+        to the longest prefix of ``ids`` it can come back to (or drop it)."""
+        self._messages = tuple(messages)
+        self.cache.rewind(ids)
+
+    def clear(self) -> None:
+        """No messages, no cache."""
+        self._messages = ()
+        self.cache.reset()
+
+    def copy(self) -> Conversation:
+        """An independent copy (for a fork): the cache layers share memory until one side writes."""
+        return Conversation(self._messages, self.cache.copy())
+
+    def ends_with_exchange(self) -> bool:
+        """Whether the last two messages are a prompt and the assistant's reply to it."""
+        m = self._messages
+        return len(m) >= 2 and m[-1].role is Role.ASSISTANT and m[-2].role is not Role.ASSISTANT
+
+    def ends_with_tool_round(self) -> bool:
+        """Whether the history ends with tool results answering the assistant's calls before them: a
+        tool loop that stopped (closed, or failed) after its tools ran, before the model answered."""
+        m = self._messages
+        call = len(m) - 1
+        while call > 0 and m[call].role is Role.TOOL:
+            call -= 1
+        return call < len(m) - 1 and call > 0 and m[call].role is Role.ASSISTANT and bool(m[call].tool_calls)
+
+    def exchange_start(self, tool_rounds: bool) -> int:
+        """Where the last exchange starts: its prompt (call only if :meth:`ends_with_exchange`, or with
+        ``tool_rounds`` if :meth:`ends_with_tool_round`). With ``tool_rounds`` (an automatic tool loop
+        answered it) the exchange reaches back over its tool calls and their results to the prompt
+        that started the loop."""
+        m = self._messages
+        start = len(m) - 2 if m[-1].role is Role.ASSISTANT else len(m) - 1
+        while tool_rounds and m[start].role is Role.TOOL:
+            call = start
+            while call > 0 and m[call].role is Role.TOOL:
+                call -= 1
+            if call == 0 or m[call].role is not Role.ASSISTANT or not m[call].tool_calls:
+                break  # tool results the app sent as a prompt, not a round of the loop
+            start = call - 1
+        return start
+
+
+def pending_calls(history: Sequence[ChatMessage]) -> list[ToolCall]:
+    """The calls of the last assistant message that no tool message after it answers yet."""
+    answered: set[str] = set()
+    for message in reversed(history):
+        if message.role is Role.TOOL:
+            if message.tool_call_id is not None:
+                answered.add(message.tool_call_id)
+            continue
+        if message.role is Role.ASSISTANT:
+            return [c for c in message.tool_calls if c.id not in answered]
+        return []
+    return []
+
+
+__all__ = ["Conversation", "pending_calls"]

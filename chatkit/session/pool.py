@@ -1,0 +1,183 @@
+"""``SessionPool``: many conversations over one loaded model, their KV caches kept under a byte budget."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from .. import distributed
+from ..cache import store
+from ..decode.batch import BatchEngine, check_engine
+from ..errors import CacheFileError, ChatKitError, InvalidParamsError, SessionBusyError
+from ..model.loaded import LoadedModel
+from .builder import ChatSessionBuilder
+from .session import ChatSession
+
+Configure = Callable[[ChatSessionBuilder], ChatSessionBuilder]
+
+
+class SessionPool:
+    """Sessions by key over one model. When their caches pass ``max_cache_bytes``, the least recently
+    used caches are saved to ``folder`` and released; a session gets its cache back when next used.
+
+    ``configure`` sets up each new session's builder (instructions, params, ...). Get the session
+    from the pool for each use (``pool.session(key)``), so the pool knows what is in use. A session
+    built elsewhere (with a history, a restored cache, a fork) joins the pool with ``add``; ``get``
+    looks one up without using it. With ``engine`` (a ``chatkit.BatchEngine`` over ``lm``) the
+    sessions' concurrent turns decode together.
+
+    Over a sharded model every rank makes the same pool calls; the budget applies to the rank whose
+    caches are largest, so that every rank evicts the same sessions (each saves its own shard).
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        *,
+        folder: str | os.PathLike[str],
+        max_cache_bytes: int,
+        configure: Configure | None = None,
+        engine: BatchEngine | None = None,
+    ) -> None:
+        if isinstance(max_cache_bytes, bool) or not isinstance(max_cache_bytes, int) or max_cache_bytes < 0:
+            raise InvalidParamsError(f"max_cache_bytes={max_cache_bytes!r}: must be an int >= 0.")
+        self._lm = lm
+        self._folder = Path(os.path.expanduser(os.fspath(folder)))
+        try:
+            self._folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheFileError(
+                f"SessionPool cannot use the folder {str(self._folder)!r}: {exc.strerror or exc}. "
+                "Pass a folder it can create and write."
+            ) from exc
+        store.remove_stale_temps(self._folder)  # left by a process killed while it evicted
+        self._budget = max_cache_bytes
+        self._configure = configure
+        check_engine(engine, lm.model if isinstance(lm, LoadedModel) else None)
+        self._engine = engine
+        self._sessions: OrderedDict[str, ChatSession] = OrderedDict()  # least recently used first
+        self._evicted: set[str] = set()
+        self._lock = threading.RLock()
+
+    def session(self, key: str) -> ChatSession:
+        """The session for ``key``, created on first use, its cache restored if it was evicted."""
+        if not isinstance(key, str) or not key:
+            raise InvalidParamsError("A session key is a non-empty str.")
+        with self._lock:
+            session = self._sessions.get(key)
+            if session is None:
+                builder = ChatSession.builder(self._lm).engine(self._engine)
+                session = (self._configure(builder) if self._configure else builder).build()
+                self._sessions[key] = session
+            self._sessions.move_to_end(key)
+            if key in self._evicted:
+                self._evicted.discard(key)
+                try:
+                    session.restore_cache(self.path(key))
+                except ChatKitError:
+                    pass  # file gone or damaged: the transcript is the truth, the next turn re-prefills
+            self.enforce_budget(keep=key)
+            return session
+
+    def get(self, key: str) -> ChatSession | None:
+        """The session for ``key`` as it is (``None`` if there is none), to look at: it is neither
+        created, nor marked as used, nor given back an evicted cache. Use ``session(key)`` to use it."""
+        with self._lock:
+            return self._sessions.get(key)
+
+    def add(self, key: str, session: ChatSession) -> ChatSession:
+        """Put ``session`` (built by the caller over the pool's model) in the pool under ``key`` as the
+        most recently used, replacing the session there; returns it. ``SessionBusyError`` if the
+        session it would replace is generating; ``InvalidParamsError`` for a session over another model."""
+        if not isinstance(key, str) or not key:
+            raise InvalidParamsError("A session key is a non-empty str.")
+        if not isinstance(session, ChatSession) or session.model is not self._lm:
+            raise InvalidParamsError("SessionPool.add takes a ChatSession built over the pool's own model.")
+        with self._lock:
+            old = self._sessions.get(key)
+            if old is not None and old is not session and old.busy:
+                raise SessionBusyError(f"The session {key!r} is generating a reply: replace it once its stream is closed.")
+            self._sessions[key] = session
+            self._sessions.move_to_end(key)
+            self._evicted.discard(key)  # the new session's cache is in memory; a saved file is stale
+            self.enforce_budget(keep=key)
+            return session
+
+    def enforce_budget(self, keep: str | None = None) -> list[str]:
+        """Evict least recently used caches until the total fits the budget; returns the keys evicted.
+
+        Busy sessions and ``keep`` are never evicted.
+        """
+        evicted = []
+        with self._lock:
+            for key, session in list(self._sessions.items()):
+                if self.cache_bytes() <= self._budget:
+                    break
+                if key == keep or session.busy or _bytes(session) == 0:
+                    continue
+                try:
+                    self._folder.mkdir(parents=True, exist_ok=True)  # it may have been removed
+                except OSError:
+                    pass  # then saving fails below, with a CacheFileError
+                try:
+                    session.save_cache(self.path(key))
+                    self._evicted.add(key)
+                except CacheFileError:
+                    pass  # the disk failed us: still free the memory; the transcript rebuilds the cache
+                except ChatKitError:
+                    continue  # busy meanwhile, or nothing to save: try the next one
+                try:
+                    session.release_cache()
+                except ChatKitError:
+                    self._evicted.discard(key)
+                    continue  # a turn started meanwhile
+                evicted.append(key)
+        return evicted
+
+    def cache_bytes(self) -> int:
+        """Bytes held by the caches of the sessions in memory (checkpoints included); over a sharded
+        model, the largest rank's (every rank must call this)."""
+        with self._lock:
+            local = sum(_bytes(s) for s in self._sessions.values())
+        return distributed.largest(self._lm.distributed, local)
+
+    def evicted(self, key: str) -> bool:
+        """Whether ``key``'s cache is on disk rather than in memory."""
+        return key in self._evicted
+
+    def remove(self, key: str) -> None:
+        """Forget a conversation and delete its saved cache."""
+        with self._lock:
+            self._sessions.pop(key, None)
+            self._evicted.discard(key)
+            try:
+                Path(distributed.shard_path(self._lm.distributed, self.path(key))).unlink(missing_ok=True)
+            except OSError as exc:
+                raise CacheFileError(
+                    f"Could not delete {str(self.path(key))!r}: {exc.strerror or exc}. Delete it by hand."
+                ) from exc
+
+    def path(self, key: str) -> Path:
+        """Where ``key``'s cache is saved when evicted."""
+        return self._folder / f"{hashlib.sha256(key.encode('utf-8')).hexdigest()[:32]}.safetensors"
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._sessions))
+
+
+def _bytes(session: ChatSession) -> int:
+    info = session.cache_info()
+    return info.nbytes + info.checkpoint_bytes
+
+
+__all__ = ["SessionPool"]

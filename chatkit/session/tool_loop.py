@@ -1,0 +1,189 @@
+"""The tool loop: the model calls tools, chatkit calls them, the results go back, the model goes on.
+
+Each round is one ordinary turn (``chatkit.session.turn.Turn`` through a ``ResponseStream``) that commits
+the reply as it completes; the tool messages answering its calls (``tool_call_id`` and ``name`` set,
+in the order of the calls) enter the history before the next round starts, so each round prefills
+only the tool results and the template's glue. The loop knows the session only through the two
+callables it is given.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import replace
+
+from ..errors import ToolLoopLimitError
+from ..messages import ChatMessage, ToolCall
+from ..text.reply import TOOL_RESULT
+from ..tools.options import DEFAULT_MAX_TOOL_ROUNDS
+from ..tools.schema import Tool, call_tool
+from .streams import ResponseStream, StreamChunk, TurnStats
+
+OpenRound = Callable[[ChatMessage | None], ResponseStream]  # a turn answering the message (None: the history's last)
+Append = Callable[[Sequence[ChatMessage]], None]  # tool results enter the history
+
+def _no_chunks() -> Generator[StreamChunk, None, None]:
+    yield from ()
+
+
+class ToolLoopStream:
+    """What ``session.stream_respond`` returns when the session has tools (or the prompt is a tool
+    result): a reply that may take several rounds, streamed: the chunks of every round, with a chunk of kind
+    ``"tool_result"`` per tool result between rounds (``chunk.tool_call`` is the call it answers,
+    ``chunk.token`` is -1). A round that ends by calling tools ends with ``finish_reason="tool_calls"``.
+
+    Iterate it, or use it as a context manager, as a ``ResponseStream``; ``close()`` stops the current
+    round (which commits what it produced) and starts no other. ``ToolLoopLimitError`` when the model
+    still calls tools after ``max_rounds`` rounds of results.
+    """
+
+    def __init__(
+        self,
+        open_round: OpenRound,
+        append: Append,
+        tools: Sequence[Tool],
+        first: ChatMessage | None,
+        *,
+        execute: bool = True,
+        max_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
+        raise_errors: bool = False,
+        generate: bool = True,
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
+        """``on_end`` runs once when the loop is over (answered, failed or closed): the session holds
+        the conversation for the loop until then, also between rounds, while a tool runs."""
+        self._open, self._append, self._tools = open_round, append, list(tools)
+        self._on_end = on_end
+        self._execute, self._max_rounds, self._raise = execute, max_rounds, raise_errors
+        self._round: ResponseStream | None = None
+        self._calls: list[ToolCall] = []
+        self._results: list[ChatMessage] = []
+        self._rounds = 0
+        self._stopped = threading.Event()
+        self._done = not generate
+        self._chunks = self._run(first) if generate else _no_chunks()
+
+    # -- what a ResponseStream offers -------------------------------------------------------------
+    @property
+    def text(self) -> str:
+        """The answer of the last round (the final answer once the loop ended)."""
+        return self._round.text if self._round is not None else ""
+
+    @property
+    def reasoning(self) -> str:
+        """The reasoning of the last round."""
+        return self._round.reasoning if self._round is not None else ""
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        """Every tool call of every round so far, in order."""
+        return list(self._calls) + (self._round.tool_calls if self._round is not None else [])
+
+    @property
+    def tool_results(self) -> list[ChatMessage]:
+        """The tool messages chatkit added to the history, in order."""
+        return list(self._results)
+
+    @property
+    def rounds(self) -> int:
+        """How many replies the model has given (or is giving) in this loop."""
+        return self._rounds
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens of the last round."""
+        return self._round.tokens if self._round is not None else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        """As a ``ResponseStream``'s, but ``"tool_calls"`` when the last round ended by calling tools."""
+        finish = self._round.finish_reason if self._round is not None else None
+        return "tool_calls" if finish == "stop" and self._round is not None and self._round.tool_calls else finish
+
+    @property
+    def stats(self) -> TurnStats | None:
+        """``TurnStats`` of the last round (each round's stats are also ``session.last_stats`` as it ends)."""
+        return self._round.stats if self._round is not None else None
+
+    @property
+    def closed(self) -> bool:
+        return self._done
+
+    def __iter__(self) -> ToolLoopStream:
+        return self
+
+    def __next__(self) -> StreamChunk:
+        if self._done:  # closed from another thread while this one ran the loop: it ends here
+            try:
+                self._chunks.close()
+            except ValueError:  # still running on that thread: its own next step ends the loop
+                raise StopIteration from None
+            self._end()
+            raise StopIteration
+        try:
+            return next(self._chunks)
+        except BaseException:
+            self._done = True
+            self._end()
+            raise
+
+    def close(self) -> None:
+        """Stop: the current round commits what it produced; no further round starts."""
+        self._stopped.set()
+        if self._round is not None:
+            self._round.close()
+        self._done = True
+        try:
+            self._chunks.close()
+        except ValueError:  # running on another thread: it sees the stop flag, and its next step ends the loop
+            return
+        self._end()
+
+    def __enter__(self) -> ToolLoopStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _end(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def _run(self, first: ChatMessage | None) -> Generator[StreamChunk, None, None]:
+        message: ChatMessage | None = first
+        while not self._stopped.is_set():
+            if self._round is not None:
+                self._calls.extend(self._round.tool_calls)
+            self._round = stream = self._open(message)
+            self._rounds += 1
+            for chunk in stream:
+                if chunk.finish_reason == "stop" and stream.tool_calls:
+                    chunk = replace(chunk, finish_reason="tool_calls")
+                yield chunk
+            calls = stream.tool_calls
+            if not calls or not self._execute or stream.finish_reason != "stop" or self._stopped.is_set():
+                return
+            if self._rounds > self._max_rounds:
+                raise ToolLoopLimitError(
+                    f"The model still called tools after {self._max_rounds} rounds of results "
+                    f"({', '.join(c.name for c in calls)}); its calls are in the history, unanswered. Raise "
+                    "max_tool_rounds on the builder, or answer them with respond(result, role=Role.TOOL, tool_call_id=...)."
+                )
+            results = [call_tool(self._tools, call, raise_errors=self._raise) for call in calls]
+            self._append(results)
+            self._results.extend(results)
+            for call, result in zip(calls, results, strict=True):
+                yield StreamChunk(result.content, -1, kind=TOOL_RESULT, tool_call=call)
+            message = None
+
+
+__all__ = ["ToolLoopStream"]

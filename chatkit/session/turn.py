@@ -1,0 +1,160 @@
+"""``Turn``: one turn of a session, as explicit steps.
+
+    prepare   render the conversation + the new message to ids; check the context window
+    start     plan the cache's reuse, prefill the suffix and generate, through a token source
+    commit    the conversation takes the message and the reply, the cache what it was fed
+    abort     nothing changes but what the cache provably holds
+
+A :class:`~chatkit.session.streams.ResponseStream` drives the last three and calls exactly one of commit or
+abort; ``settle`` hands the turn back to its session either way. A tool round is one more turn.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from ..cache.planner import Plan
+from ..decode import DraftCount, ProgressCallback, Request, Token, TokenSource
+from ..errors import ContextWindowExceededError
+from ..messages import ChatMessage
+from ..params import GenerateParams, LogitsProcessor
+from ..text.reply import Segmenter
+from ..text.template import ChatTemplate
+from ..text.thinking import ThinkingBudget
+from .conversation import Conversation
+from .streams import TurnResult
+
+
+@dataclass(frozen=True)
+class Prompting:
+    """How a session renders: its template, instructions and tools."""
+
+    template: ChatTemplate
+    instructions: str | None
+    tools: Sequence[Mapping[str, Any]] | None
+
+    def ids(self, messages: Sequence[ChatMessage], params: GenerateParams, *, add_generation_prompt: bool = True) -> list[int]:
+        """The prompt ids of ``messages`` after the instructions."""
+        return self.template.encode(
+            self._with_system(messages), tools=self.tools, add_generation_prompt=add_generation_prompt,
+            template_kwargs=params.chat_template_kwargs(),
+        )
+
+    def text(self, messages: Sequence[ChatMessage], params: GenerateParams, *, add_generation_prompt: bool = True) -> str:
+        """The prompt text of ``messages`` after the instructions."""
+        return self.template.render(
+            self._with_system(messages), tools=self.tools, add_generation_prompt=add_generation_prompt,
+            template_kwargs=params.chat_template_kwargs(),
+        )
+
+    def _with_system(self, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+        system = [ChatMessage.system(self.instructions)] if self.instructions is not None else []
+        return [*system, *messages]
+
+
+@dataclass
+class Turn:
+    """One prepared turn: answer ``message`` after ``base`` (see the module docstring)."""
+
+    conversation: Conversation
+    source: TokenSource
+    base: tuple[ChatMessage, ...]
+    message: ChatMessage
+    params: GenerateParams
+    prompt: list[int]  # the rendered prompt's ids, after the cache's opaque prefix
+    prompt_tokens: int  # what the model sees: opaque prefix + prompt
+    max_tokens: int
+    settle: Callable[[TurnResult | None], None]
+    progress: ProgressCallback | None
+    detokenizer: Any
+    eos_token_ids: frozenset[int]
+    segmenter: Segmenter
+    stop: Sequence[str] = ()
+    constraints: Sequence[LogitsProcessor] = ()  # applied last, after the thinking budget (strict tool calls)
+    drafts: DraftCount = field(default_factory=DraftCount)  # what a speculative source drafted
+    plan: Plan | None = None
+    fed: list[int] = field(default_factory=list)
+
+    @classmethod
+    def prepare(
+        cls,
+        prompting: Prompting,
+        conversation: Conversation,
+        base: Sequence[ChatMessage],
+        message: ChatMessage,
+        params: GenerateParams,
+        *,
+        context_length: int | None,
+        **rest: Any,
+    ) -> Turn:
+        """Render and check the prompt; ``ContextWindowExceededError`` if it does not fit."""
+        prompt = prompting.ids([*base, message], params)
+        needed = conversation.cache.ledger.opaque + len(prompt)  # a restored raw cache stays in front
+        if context_length is not None and needed >= context_length:
+            raise ContextWindowExceededError(
+                f"The prompt is {needed} tokens but the model's context window is {context_length}: "
+                "shorten the conversation (e.g. clear() or start a new session with less history).",
+                prompt_tokens=needed,
+                context_length=context_length,
+            )
+        room = params.max_tokens if context_length is None else min(params.max_tokens, context_length - needed)
+        segmenter = Segmenter(prompting.template.tokenizer, stop=params.stop, prompt=prompt, tools=prompting.tools)
+        return cls(
+            conversation, base=tuple(base), message=message, params=params, prompt=prompt,
+            prompt_tokens=needed, max_tokens=room, stop=tuple(params.stop), segmenter=segmenter, **rest,
+        )
+
+    def start(self) -> tuple[int, Iterator[Token]]:
+        """Plan reuse, then prefill and generate through the token source; (tokens prefilled, tokens)."""
+        if self.params.seed is not None:
+            mx.random.seed(self.params.seed)
+        cache = self.conversation.cache
+        self.plan = cache.prepare(self.prompt)
+        self.fed.extend(self.plan.suffix)
+        request = Request(
+            suffix=self.plan.suffix,
+            context=cache.ledger.tokens,
+            max_tokens=self.max_tokens,
+            sampler=self.params.make_sampler(),
+            logits_processors=[*self.params.make_logits_processors(), *self._thinking_budget(), *self.constraints],
+            options=cache.options,
+            progress=self._on_progress,
+            drafts=self.drafts,
+        )
+        return len(self.plan.suffix), self.source.generate(cache, request)
+
+    def commit(self, result: TurnResult) -> None:
+        """The conversation takes the message and the reply; the cache what was fed and generated."""
+        try:
+            reply = ChatMessage.assistant(result.text, reasoning=result.reasoning, tool_calls=result.tool_calls)
+            self.conversation.record([*self.base, self.message, reply], [*self.fed, *result.tokens])
+        finally:
+            self.settle(result)
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Nothing changes but the cache, which keeps what it provably holds (or is dropped)."""
+        try:
+            self.conversation.keep_cache(self.fed)
+        finally:
+            self.settle(None)
+
+    def _thinking_budget(self) -> list[ThinkingBudget]:
+        """The end-of-thinking forcer when ``max_thinking_tokens`` is set and the model thinks."""
+        budget, tokenizer = self.params.max_thinking_tokens, self.segmenter.tokenizer
+        if budget is None or not getattr(tokenizer, "has_thinking", False) or not tokenizer.think_end_tokens:
+            return []
+        return [ThinkingBudget(tokenizer, budget, start_in_reasoning=self.segmenter.state == "reasoning",
+                               prompt_length=len(self.prompt))]
+
+    def _on_progress(self, done: int, total: int) -> None:
+        if done == total - 1:  # the whole prompt but its last token is in: a rewind point
+            self.conversation.cache.checkpoint()
+        if self.progress is not None:
+            self.progress(done, total)
+
+
+__all__ = ["Prompting", "Turn"]
