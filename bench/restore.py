@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 from chatkit import ChatSession, GenerateParams, Role, inspect_cache
-from chatkit.cache import store
+from chatkit.cache import file as cache_file
 from chatkit.testing import tiny_model
 
 from _common import MODEL_CONFIG, OtherLoad, describe, median, wait_until_quiet
@@ -228,9 +228,9 @@ def main() -> int:
         cold_load.append(load), cold_ttft.append(ttft)
         gc.collect()
         unverified_load.append(restore(False, verify=False)[0])
-        loaded = store.load(path, verify=False).layers
+        loaded = cache_file.load(path, verify=False).layers
         t = time.perf_counter()
-        store._state_digest(loaded)  # what verification adds: a CRC-32 of every tensor's bytes
+        cache_file._state_digest(loaded)  # what verification adds: a CRC-32 of every tensor's bytes
         digest_s.append(time.perf_counter() - t)
         del loaded
         gc.collect()

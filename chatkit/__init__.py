@@ -22,9 +22,8 @@ from . import (
     _blas,  # noqa: F401  (must run before mlx is imported)
     demo,  # noqa: F401  (chatkit.demo.path() after a plain import)
 )
+from .cache.file import CacheFileInfo
 from .cache.state import CacheInfo, CacheOptions
-from .cache.store import CacheFileInfo
-from .cache.store import inspect as inspect_cache
 from .decode.batch import BatchEngine
 from .decode.speculative import SpeculativeConfig
 from .errors import (
@@ -58,6 +57,7 @@ from .params import GenerateParams
 from .session.aio import AsyncResponseStream
 from .session.builder import ChatSessionBuilder
 from .session.pool import SessionPool
+from .session.saved import inspect as inspect_cache
 from .session.session import ChatSession
 from .session.streams import ResponseStream, StreamChunk, TurnStats
 from .session.tool_loop import ToolLoopStream

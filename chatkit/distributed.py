@@ -324,7 +324,7 @@ def agree(group: Group | None, action: str, run: Callable[[], T], digest: Callab
 
 
 def restore(group: Group | None, path: str | os.PathLike[str], read: Callable[[str | os.PathLike[str]], T]) -> T:
-    """``read`` this rank's file of ``path`` (a ``store.LoadedCache``) on every rank: all ranks fail if
+    """``read`` this rank's file of ``path`` (a ``cache.file.LoadedCache``) on every rank: all ranks fail if
     one does, and all must have restored the same conversation (their ledgers are compared)."""
     def digest(saved: Any) -> list[int]:
         return digest_ints([saved.ledger.opaque, *saved.ledger.tokens])

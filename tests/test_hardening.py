@@ -31,7 +31,8 @@ from chatkit import (
     ToolCall,
     cli,
 )
-from chatkit.cache import store
+from chatkit.cache import atomic
+from chatkit.cache import file as cache_file
 from chatkit.testing import Scripted
 
 import pytest
@@ -88,7 +89,7 @@ def test_creating_the_temporary_file_fails_with_a_cache_file_error(tiny, tmp_pat
     def refuse(*args, **kwargs):
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(store.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(atomic.tempfile, "mkstemp", refuse)
     with pytest.raises(CacheFileError, match=words) as err:
         session.save_cache(target)
     assert str(target) in str(err.value)
@@ -173,7 +174,7 @@ def test_temporary_files_of_killed_saves_are_removed_live_ones_kept(tiny, tmp_pa
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # as a save in progress holds it
         session.save_cache(target)
         assert sorted(p.name for p in tmp_path.iterdir()) == sorted([target.name, live.name, other.name])
-    assert store.remove_stale_temps(tmp_path) == [live.name]
+    assert atomic.remove_stale_temps(tmp_path) == [live.name]
 
 
 def test_a_failed_save_cleans_up_its_own_temporary_file(tiny, tmp_path, monkeypatch):
@@ -184,7 +185,7 @@ def test_a_failed_save_cleans_up_its_own_temporary_file(tiny, tmp_path, monkeypa
             f.write(b"partial")
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(store, "save_prompt_cache", crash)
+    monkeypatch.setattr(cache_file, "save_prompt_cache", crash)
     with pytest.raises(CacheFileError, match="Input/output error"):
         session.save_cache(tmp_path / "chat.safetensors")
     assert list(tmp_path.iterdir()) == []
@@ -317,7 +318,7 @@ def test_edited_metadata_without_a_new_checksum_is_refused(saved, tmp_path):
 def test_a_newer_format_asks_for_an_upgrade(saved, tmp_path):
     lm, good = saved
     path = tmp_path / "newer.safetensors"
-    rewrite_meta(good, path, lambda m: {**m, "format_version": store.FORMAT_VERSION + 1})
+    rewrite_meta(good, path, lambda m: {**m, "format_version": cache_file.FORMAT_VERSION + 1})
     with pytest.raises(CacheFileError, match="newer chatkit"):
         ChatSession.builder(lm).cache(path).build()
 
@@ -420,7 +421,7 @@ def test_importing_mlx_first_warns_once_that_openblas_is_skipped():
             if sys.argv[1] == "mlx-first":
                 import mlx.core
             import chatkit
-            import chatkit.cache.store
+            import chatkit.cache.file
         print(json.dumps([chatkit._blas.BLAS, [str(w.message) for w in seen if w.category is RuntimeWarning]]))
         """
     )

@@ -16,7 +16,8 @@ from chatkit import (
     NoCacheAvailableError,
     SessionBusyError,
 )
-from chatkit.cache import store
+from chatkit.cache import atomic
+from chatkit.cache import file as cache_file
 
 import mlx.core as mx
 import pytest
@@ -108,7 +109,7 @@ def test_inspect_reads_the_header(tiny, tmp_path):
     path = tmp_path / "chat.safetensors"
     session.save_cache(path)
     info = chatkit.inspect_cache(path)
-    assert info.kind == "chatkit" and info.format_version == store.FORMAT_VERSION
+    assert info.kind == "chatkit" and info.format_version == cache_file.FORMAT_VERSION
     assert info.tokens == session.cache_info().tokens and info.opaque_tokens == 0
     assert info.turns == 2 and info.messages[0]["content"] == "My name is Ada and I live in Lyon."
     assert info.fingerprint == lm.fingerprint and info.instructions == "Be brief."
@@ -209,7 +210,7 @@ def test_bad_files_raise_cache_file_error_and_build_nothing(tiny, tmp_path, monk
     lm = tiny()
     good = tmp_path / "good.safetensors"
     two_turns(lm).save_cache(good)
-    monkeypatch.setattr(store, "FORMAT_VERSION", 99)
+    monkeypatch.setattr(cache_file, "FORMAT_VERSION", 99)
     newer = tmp_path / "newer.safetensors"
     two_turns(lm).save_cache(newer)
     monkeypatch.undo()
@@ -251,7 +252,7 @@ def test_a_failed_write_leaves_the_previous_file_intact(tiny, tmp_path, monkeypa
     run(session, "One more turn so the file would change.")
 
     if fail_in == "write":
-        real = store.save_prompt_cache
+        real = cache_file.save_prompt_cache
 
         def half_then_crash(file_name, cache, metadata=None):
             real(file_name, cache, metadata)
@@ -259,13 +260,13 @@ def test_a_failed_write_leaves_the_previous_file_intact(tiny, tmp_path, monkeypa
                 f.truncate(100)
             raise OSError(28, "No space left on device")
 
-        monkeypatch.setattr(store, "save_prompt_cache", half_then_crash)
+        monkeypatch.setattr(cache_file, "save_prompt_cache", half_then_crash)
     else:
 
         def refuse(src, dst):
             raise PermissionError(13, "Permission denied")
 
-        monkeypatch.setattr(store.os, "replace", refuse)
+        monkeypatch.setattr(atomic.os, "replace", refuse)
     with pytest.raises(CacheFileError, match="intact"):
         session.save_cache(path)
     monkeypatch.undo()

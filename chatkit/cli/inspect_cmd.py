@@ -10,9 +10,9 @@ SHOWN = 6  # messages shown without --all
 
 def inspect(path: str, out: Any = sys.stdout, *, show_all: bool = False, model: str | None = None) -> int:
     """Print the header of ``path``; with ``model``, also whether the file fits that model."""
-    from ..cache.store import check_fingerprint
-    from ..cache.store import inspect as inspect_file
+    from ..cache.file import check_fingerprint
     from ..errors import CacheFileError, ChatKitError
+    from ..session.saved import inspect as inspect_file
 
     try:
         info = inspect_file(path)

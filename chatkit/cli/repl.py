@@ -96,7 +96,7 @@ class Repl:
     def _transcript_only(self, path: str) -> str:
         """Why the saved cache cannot be restored with these flags ('' when it can): the transcript is
         the truth, so the conversation is restored from it and prefilled anew."""
-        from ..cache.store import inspect as inspect_file
+        from ..session.saved import inspect as inspect_file
 
         if self.draft is not None and self.draft != "prompt_lookup":  # a draft model's cache would have to match
             return "with --draft the saved cache is not restored"
@@ -320,18 +320,17 @@ def _unreadable_as_file_error(action: Callable[[], Any], path: str) -> Any:
 
 def _from_transcript(builder: Any, path: str, keep_instructions: bool) -> Any:
     """``builder`` with the saved file's transcript and settings, without its cache."""
-    from ..cache.store import inspect as inspect_file
-    from ..messages import ChatMessage
-    from ..params import GenerateParams
+    from ..session.saved import SavedConversation, inspect
 
-    info = inspect_file(path)
+    info = inspect(path)
     if info.kind != "chatkit":
         raise UsageError(f"--resume {path}: a raw mlx-lm cache has no conversation to continue with --draft; drop --draft.")
-    builder = builder.history([ChatMessage.from_dict(m) for m in info.messages])
-    if keep_instructions and info.instructions is not None:
-        builder = builder.instructions(info.instructions)
-    if info.generate_params is not None:
-        builder = builder.generate_params(GenerateParams.from_dict(info.generate_params))
+    saved = SavedConversation.of(info)
+    builder = builder.history(saved.messages)
+    if keep_instructions and saved.instructions is not None:
+        builder = builder.instructions(saved.instructions)
+    if saved.generate_params is not None:
+        builder = builder.generate_params(saved.generate_params)
     return builder
 
 

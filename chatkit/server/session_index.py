@@ -25,13 +25,13 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
-from ..cache.store import inspect as inspect_cache
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig
 from ..errors import ChatKitError, ContextWindowExceededError, SessionBusyError
 from ..messages import ChatMessage, Role, saved_dict
 from ..model.loaded import LoadedModel
 from ..params import GenerateParams
+from ..session import saved
 from ..session.aio import AsyncResponseStream
 from ..session.pool import SessionPool
 from ..session.session import ChatSession
@@ -254,14 +254,14 @@ class SessionIndex:
             return
         for conv in convs:
             try:
-                info = inspect_cache(self.pool.path(conv))
-                history = tuple(ChatMessage.from_dict(m) for m in info.messages)
+                conversation = saved.read(self.pool.path(conv))
             except ChatKitError as exc:
                 log.warning("conversation %s cannot be restored (%s): it starts over", conv, exc)
                 continue
             conv_tools = tuple(tools[conv]) if tools.get(conv) else None
-            self._remember(conv, prefix_keys(info.instructions, history, conv_tools), conv_tools)
-            self._dormant[conv] = (info.instructions, history)
+            instructions, history = conversation.instructions, conversation.messages
+            self._remember(conv, prefix_keys(instructions, history, conv_tools), conv_tools)
+            self._dormant[conv] = (instructions, history)
 
     # -- internals (on the worker thread) ---------------------------------------------------------
     def _session(self, conv: str) -> ChatSession:

@@ -9,9 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..messages import ChatMessage, ToolCall
-from .streams import GuidedStream, ResponseStream, StreamChunk, TurnStats
-from .tool_loop import ToolLoopStream
+from .streams import GuidedStream, ReplyStream, StreamChunk
 
 END = object()  # what pump() hands over after the last chunk
 LOOKAHEAD = 2  # chunks a worker may compute before the consumer takes them
@@ -25,7 +23,7 @@ class Failure:
 
 
 def pump(
-    stream: ResponseStream | ToolLoopStream,
+    stream: ReplyStream,
     put: Callable[[Any], None],
     cancel: threading.Event,
     credits: threading.Semaphore,
@@ -72,7 +70,7 @@ class AsyncResponseStream:
     took, plus at most those few chunks.
     """
 
-    def __init__(self, stream: ResponseStream | ToolLoopStream, stop: threading.Event | None = None) -> None:
+    def __init__(self, stream: ReplyStream, stop: threading.Event | None = None) -> None:
         """``stop``: an event to set when the turn is told to stop (the session waits on its commit)."""
         self._stream = stream
         self._cancel = stop if stop is not None else threading.Event()
@@ -82,43 +80,20 @@ class AsyncResponseStream:
         self._done: asyncio.Future[None] | None = None
         self._ended = False  # END or a failure was handed out: iteration is over
 
-    @property
-    def text(self) -> str:
-        return self._stream.text
+    # The surface every stream has (``ReplyStream``), read from the stream the worker iterates.
+    text = property(lambda self: self._stream.text, doc="The answer so far (see ``ReplyStream``).")
+    reasoning = property(lambda self: self._stream.reasoning, doc="The reasoning so far.")
+    tool_calls = property(lambda self: self._stream.tool_calls, doc="The tool calls completed so far.")
+    tokens = property(lambda self: self._stream.tokens, doc="Token ids generated so far.")
+    finish_reason = property(lambda self: self._stream.finish_reason, doc="Why the reply ended, once it has.")
+    stats = property(lambda self: self._stream.stats, doc="The turn's ``TurnStats`` once closed.")
+    closed = property(lambda self: self._stream.closed, doc="Whether the reply has ended.")
+    rounds = property(lambda self: self._stream.rounds, doc="With tools, how many replies the model has given (else 1).")
+    tool_results = property(lambda self: self._stream.tool_results, doc="With tools, the tool messages chatkit added.")
 
-    @property
-    def tokens(self) -> list[int]:
-        return self._stream.tokens
-
-    @property
-    def reasoning(self) -> str:
-        return self._stream.reasoning
-
-    @property
-    def tool_calls(self) -> list[ToolCall]:
-        return self._stream.tool_calls
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self._stream.finish_reason
-
-    @property
-    def rounds(self) -> int:
-        """With tools, how many replies the model has given in this loop (else 1)."""
-        return self._stream.rounds if isinstance(self._stream, ToolLoopStream) else 1
-
-    @property
-    def tool_results(self) -> list[ChatMessage]:
-        """With tools, the tool messages chatkit added to the history (else none)."""
-        return self._stream.tool_results if isinstance(self._stream, ToolLoopStream) else []
-
-    @property
-    def stats(self) -> TurnStats | None:
-        return self._stream.stats
-
-    @property
-    def closed(self) -> bool:
-        return self._stream.closed
+    def result(self) -> Any:
+        """The reply's result once it has ended: its text (a guided reply: its value)."""
+        return self._stream.result()
 
     def __aiter__(self) -> AsyncResponseStream:
         return self
@@ -174,7 +149,7 @@ class AsyncResponseStream:
         threading.Thread(target=_work, args=args, name="chatkit-turn", daemon=False).start()
 
 
-def _work(stream: ResponseStream | ToolLoopStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, done: asyncio.Future,
+def _work(stream: ReplyStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, done: asyncio.Future,
           cancel: threading.Event, credits: threading.Semaphore) -> None:
     """A turn's worker thread: pump the stream into the event loop's queue, then resolve ``done``."""
     try:
@@ -199,15 +174,17 @@ class AsyncGuidedStream(AsyncResponseStream):
     """An :class:`AsyncResponseStream` over a guided reply: ``partial`` and ``value`` too."""
 
     def __init__(self, stream: GuidedStream, stop: threading.Event | None = None) -> None:
-        super().__init__(stream.stream, stop=stop)
+        super().__init__(stream, stop=stop)
         self._guided = stream
 
     @property
     def partial(self) -> Any:
+        """The latest partial value (see ``GuidedStream.partial``)."""
         return self._guided.partial
 
     @property
     def value(self) -> Any:
+        """The final value once the stream has ended (see ``GuidedStream.value``)."""
         return self._guided.value
 
 

@@ -1,16 +1,18 @@
-"""``ChatSessionBuilder``: a session's settings, checked at ``build()``, including a cache to restore."""
+"""``ChatSessionBuilder``: a session's settings, checked at ``build()``, including a cache to restore.
+
+The builder knows the session only through the factory ``ChatSession.builder`` hands it: it collects
+:class:`SessionSettings` (plain data) and the factory makes the session from them.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Generic, TypeVar
 
-from .. import distributed
-from ..cache import store
-from ..cache._mlx import copy_layer, layer_offset
-from ..cache.ledger import Ledger
 from ..cache.state import CacheOptions, CacheState
+from ..decode import ProgressCallback
 from ..decode.speculative import SpeculativeConfig, check_draft
 from ..errors import InvalidMessageError, InvalidParamsError, SpeculativeCacheRestoreError
 from ..messages import ChatMessage, MessageLike, Role, as_messages, check_instructions
@@ -20,9 +22,30 @@ from ..params import GenerateParams
 from ..text.template import read_template
 from ..tools import as_tools
 from ..tools.options import DEFAULT_MAX_TOOL_ROUNDS, ToolOptions
-from .session import ChatSession, ProgressCallback, strict_grammar
+from . import saved
+from .tool_loop import strict_grammar
 
-CacheSource = "str | os.PathLike[str] | Sequence[Any]"
+S = TypeVar("S")
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """Everything a session is made from: what a builder collected and checked (``cache``: a restored
+    cache to start from)."""
+
+    lm: LoadedModel
+    instructions: str | None = None
+    history: tuple[ChatMessage, ...] = ()
+    generate_params: GenerateParams | None = None
+    chat_template: str | None = None
+    tools: Sequence[Any] | None = None
+    tool_options: ToolOptions = ToolOptions()
+    cache_options: CacheOptions = CacheOptions()
+    prefill_progress: ProgressCallback | None = None
+    speculative: SpeculativeConfig | None = None
+    allow_special_in_content: bool = False
+    engine: Any = None
+    cache: CacheState | None = None
 
 
 def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
@@ -46,7 +69,7 @@ def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, source="")
 
 
-class ChatSessionBuilder:
+class ChatSessionBuilder(Generic[S]):
     """Collects a session's settings; :meth:`build` checks them and returns the ``ChatSession``.
 
     A sharded model needs no builder option: the sharding belongs to the loaded weights, so
@@ -54,7 +77,9 @@ class ChatSessionBuilder:
     over that ``LoadedModel`` makes a session that runs in lockstep on every rank (docs/distributed.md).
     """
 
-    def __init__(self, model: LoadedModel | Any, tokenizer: Any = None) -> None:
+    def __init__(self, model: LoadedModel | Any, tokenizer: Any = None, *, factory: Callable[[SessionSettings], S]) -> None:
+        """Prefer ``ChatSession.builder(model)``, which hands the builder its factory."""
+        self._factory = factory
         self._lm = _as_loaded(model, tokenizer)
         self._instructions: str | None = None
         self._history: list[ChatMessage] = []
@@ -69,23 +94,23 @@ class ChatSessionBuilder:
         self._allow_special = False
         self._engine: Any = None
 
-    def instructions(self, text: str | None) -> ChatSessionBuilder:
+    def instructions(self, text: str | None) -> ChatSessionBuilder[S]:
         """The system prompt."""
         self._instructions = check_instructions(text)
         return self
 
-    def history(self, messages: Iterable[MessageLike]) -> ChatSessionBuilder:
+    def history(self, messages: Iterable[MessageLike]) -> ChatSessionBuilder[S]:
         """Earlier messages to continue from. A leading system message becomes the instructions."""
         self._history = as_messages(messages)
         return self
 
-    def generate_params(self, params: GenerateParams) -> ChatSessionBuilder:
+    def generate_params(self, params: GenerateParams) -> ChatSessionBuilder[S]:
         if not isinstance(params, GenerateParams):
             raise InvalidParamsError(f"generate_params takes a GenerateParams, got {type(params).__name__}.")
         self._params = params
         return self
 
-    def chat_template(self, template: str | os.PathLike[str]) -> ChatSessionBuilder:
+    def chat_template(self, template: str | os.PathLike[str]) -> ChatSessionBuilder[S]:
         """Use this jinja template (its text or a file path) instead of the tokenizer's own."""
         self._template = read_template(template)
         return self
@@ -98,7 +123,7 @@ class ChatSessionBuilder:
         max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
         errors: str = "return",
         strict_tools: bool = False,
-    ) -> ChatSessionBuilder:
+    ) -> ChatSessionBuilder[S]:
         """Tools the model may call: Python functions (sync or async; the schema from the signature,
         type hints and docstring) or OpenAI-style JSON schema dicts, passed to the template as ``tools``.
 
@@ -120,29 +145,29 @@ class ChatSessionBuilder:
         self._tools, self._tool_options = checked, options
         return self
 
-    def max_kv_size(self, tokens: int | None) -> ChatSessionBuilder:
+    def max_kv_size(self, tokens: int | None) -> ChatSessionBuilder[S]:
         """Keep at most this many tokens in a rotating KV cache."""
         self._cache_options["max_kv_size"] = tokens
         return self
 
-    def kv_bits(self, bits: int | None, *, group_size: int = 64, start: int = 0) -> ChatSessionBuilder:
+    def kv_bits(self, bits: int | None, *, group_size: int = 64, start: int = 0) -> ChatSessionBuilder[S]:
         """Quantize the KV cache to ``bits`` once it holds ``start`` tokens."""
         self._cache_options.update(kv_bits=bits, kv_group_size=group_size, quantized_kv_start=start)
         return self
 
-    def prefill_step_size(self, tokens: int) -> ChatSessionBuilder:
+    def prefill_step_size(self, tokens: int) -> ChatSessionBuilder[S]:
         """Process prompts in chunks of this many tokens."""
         self._cache_options["prefill_step_size"] = tokens
         return self
 
-    def prefill_progress(self, callback: ProgressCallback | None) -> ChatSessionBuilder:
+    def prefill_progress(self, callback: ProgressCallback | None) -> ChatSessionBuilder[S]:
         """Called as ``callback(done, total)`` while a prompt is prefilled."""
         if callback is not None and not callable(callback):
             raise InvalidParamsError(f"prefill_progress() takes a callable (done, total) or None, got {type(callback).__name__}.")
         self._progress = callback
         return self
 
-    def cache(self, source: str | os.PathLike[str] | Sequence[Any], *, verify: bool = True) -> ChatSessionBuilder:
+    def cache(self, source: str | os.PathLike[str] | Sequence[Any], *, verify: bool = True) -> ChatSessionBuilder[S]:
         """Restore a saved cache: a file from ``save_cache`` (conversation and cache) or a raw mlx-lm
         prompt cache (a file from ``save_prompt_cache`` or a list of cache layers).
 
@@ -159,7 +184,7 @@ class ChatSessionBuilder:
         self._restore = (source, verify)
         return self
 
-    def speculative(self, config: SpeculativeConfig | None) -> ChatSessionBuilder:
+    def speculative(self, config: SpeculativeConfig | None) -> ChatSessionBuilder[S]:
         """Decode speculatively (``None`` turns it off). A draft model cannot be combined with
         :meth:`cache`; prompt lookup can."""
         if config is not None and not isinstance(config, SpeculativeConfig):
@@ -167,7 +192,7 @@ class ChatSessionBuilder:
         self._speculative = config
         return self
 
-    def allow_special_in_content(self, allow: bool = True) -> ChatSessionBuilder:
+    def allow_special_in_content(self, allow: bool = True) -> ChatSessionBuilder[S]:
         """Read special-token strings inside message content as the special tokens they name.
 
         Off by default: content is text, so a message holding e.g. ``<|im_end|>`` cannot forge a turn.
@@ -178,13 +203,13 @@ class ChatSessionBuilder:
         self._allow_special = allow
         return self
 
-    def engine(self, engine: Any) -> ChatSessionBuilder:
+    def engine(self, engine: Any) -> ChatSessionBuilder[S]:
         """Decode this session's turns on a shared ``chatkit.BatchEngine`` (built over the same model),
         together with the other sessions' turns running at the same time; ``None``: alone."""
         self._engine = engine
         return self
 
-    def build(self) -> ChatSession:
+    def build(self) -> S:
         """Check the settings (and load the cache to restore) and return the session."""
         instructions, history = self._instructions, list(self._history)
         if history and history[0].role is Role.SYSTEM:
@@ -207,76 +232,50 @@ class ChatSessionBuilder:
         params = self._params.copy() if self._params is not None else None
         if params is not None:
             params.validate()
-        cache = None
-        if self._restore is not None:
-            source, verify = self._restore
-            if isinstance(source, (str, os.PathLike)):  # over a sharded model: this rank's file, all ranks agree
-                saved = distributed.restore(self._lm.distributed, source, lambda file: self._load_cache(file, verify))
-            else:
-                saved = self._load_cache(source, verify)
-            info = saved.info
-            if info.kind == "chatkit":
-                if self._instructions is None and not self._history:
-                    instructions = info.instructions
-                if not self._history:
-                    history = [ChatMessage.from_dict(m) for m in info.messages]
-                if params is None and info.generate_params is not None:
-                    params = GenerateParams.from_dict(info.generate_params)
-                if info.cache_options:
-                    known = {k: v for k, v in info.cache_options.items() if k in CacheOptions.__dataclass_fields__}
-                    options = CacheOptions(**{**known, **self._cache_options})
-                    options.validate(self._lm.head_dim)
-                    if options.max_kv_size != known.get("max_kv_size"):
-                        # The layers are what they were saved as: a rotating cache cannot become unbounded
-                        # or change its window, so such a restore would silently keep the saved kind.
-                        raise InvalidParamsError(
-                            f"This file's cache was made with max_kv_size={known.get('max_kv_size')}, not "
-                            f"{options.max_kv_size}: restore it without .max_kv_size(...) (or with the same "
-                            "value), or start from its transcript with .history(...) instead of .cache(...)."
-                        )
-            cache = CacheState.restored(self._lm.model, options, saved.layers, saved.ledger, saved.checkpoints)
-        session = ChatSession(
-            self._lm,
-            instructions=instructions,
-            history=history,
-            generate_params=params,
-            chat_template=self._template,
-            tools=self._tools,
-            tool_options=self._tool_options,
-            cache_options=options,
-            prefill_progress=self._progress,
-            speculative=self._speculative,
-            allow_special_in_content=self._allow_special,
-            engine=self._engine,
+        settings = SessionSettings(
+            self._lm, instructions, tuple(history), params, self._template, self._tools, self._tool_options, options,
+            self._progress, self._speculative, self._allow_special, self._engine,
         )
-        if cache is not None:
-            session._use_cache(cache)
-        return session
+        return self._factory(settings if self._restore is None else self._restored(settings))
 
-    def _load_cache(self, source: Any, verify: bool) -> store.LoadedCache:
-        if isinstance(source, (str, os.PathLike)):
-            saved = store.load(source, verify=verify)
-            where = repr(str(source))
-        else:
-            layers = [copy_layer(c) for c in source]
-            offset = layer_offset(layers)
-            if offset is None:
-                raise InvalidParamsError("The cache layers disagree on how many tokens they hold: pass one model's cache.")
-            info = store.CacheFileInfo(
-                path="", kind="mlx-lm", format_version=None, tokens=offset, opaque_tokens=offset,
-                layer_classes=tuple(type(c).__name__ for c in layers), file_bytes=0, tensor_bytes=0,
+    def _restored(self, settings: SessionSettings) -> SessionSettings:
+        """``settings`` with the cache to restore, and the file's conversation and settings where the
+        builder was given none (the builder's win: the transcript is the truth, the cache only saves work)."""
+        source, verify = self._restore  # type: ignore[misc]
+        loaded = saved.load(self._lm, source, verify=verify)
+        options = settings.cache_options
+        if loaded.info.kind == "chatkit":
+            conversation = saved.SavedConversation.of(loaded.info)
+            if self._instructions is None and not self._history:
+                settings = replace(settings, instructions=conversation.instructions)
+            if not self._history:
+                settings = replace(settings, history=conversation.messages)
+            if settings.generate_params is None and conversation.generate_params is not None:
+                settings = replace(settings, generate_params=conversation.generate_params)
+            options = self._saved_options(conversation.cache_options, options)
+        cache = CacheState.restored(self._lm.model, options, loaded.layers, loaded.ledger, loaded.checkpoints)
+        return replace(settings, cache_options=options, cache=cache)
+
+    def _saved_options(self, saved_options: Any, options: CacheOptions) -> CacheOptions:
+        """The file's cache options under the builder's; a rotating cache keeps its window."""
+        if not saved_options:
+            return options
+        known = {k: v for k, v in saved_options.items() if k in CacheOptions.__dataclass_fields__}
+        options = CacheOptions(**{**known, **self._cache_options})
+        options.validate(self._lm.head_dim)
+        if options.max_kv_size != known.get("max_kv_size"):
+            # The layers are what they were saved as: a rotating cache cannot become unbounded
+            # or change its window, so such a restore would silently keep the saved kind.
+            raise InvalidParamsError(
+                f"This file's cache was made with max_kv_size={known.get('max_kv_size')}, not "
+                f"{options.max_kv_size}: restore it without .max_kv_size(...) (or with the same "
+                "value), or start from its transcript with .history(...) instead of .cache(...)."
             )
-            saved = store.LoadedCache(layers, Ledger((), offset), info)
-            where = "The cache passed to cache()"
-        if saved.info.kind == "chatkit":
-            store.check_fingerprint(self._lm.fingerprint, saved.info.fingerprint, where)
-        if verify:
-            store.check_layers(self._lm.model, saved, where)
-        return saved
+        return options
 
 
 def _is_layer_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(hasattr(c, "state") for c in value)
 
 
-__all__ = ["ChatSessionBuilder"]
+__all__ = ["ChatSessionBuilder", "SessionSettings"]

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..cache.state import CacheState
+from ..errors import ChatKitError, NothingToRegenerateError, NothingToUndoError
 from ..messages import ChatMessage, Role, ToolCall
 
 
@@ -60,6 +61,36 @@ class Conversation:
         while call > 0 and m[call].role is Role.TOOL:
             call -= 1
         return call < len(m) - 1 and call > 0 and m[call].role is Role.ASSISTANT and bool(m[call].tool_calls)
+
+    def prompt_of(self, message: ChatMessage | None, regenerate: bool) -> tuple[tuple[ChatMessage, ...], ChatMessage]:
+        """(the messages before a turn's prompt, the prompt): ``message`` after the history, or (``None``)
+        the history's last message (a tool round), or (``regenerate``) the last prompt again;
+        ``NothingToRegenerateError`` when there is nothing to answer."""
+        base = self._messages
+        if message is not None:
+            return base, message
+        if not regenerate:
+            if not base or base[-1].role is Role.ASSISTANT:
+                raise NothingToRegenerateError("There is no message to answer: send a prompt.")
+            return base[:-1], base[-1]
+        if not self.ends_with_exchange():
+            raise NothingToRegenerateError("There is no reply to regenerate: the history does not end with a reply.")
+        return base[:-2], base[-2]
+
+    def undo(self, tool_rounds: bool, ids_of: Callable[[Sequence[ChatMessage]], list[int]]) -> list[ChatMessage]:
+        """Drop the last exchange (with ``tool_rounds``, over its tool rounds, also of a loop that stopped
+        before its answer) and rewind the cache to the rendering ``ids_of`` gives what is left; returns
+        the dropped messages. ``NothingToUndoError`` when the history does not end with one."""
+        if not (self.ends_with_exchange() or tool_rounds and self.ends_with_tool_round()):
+            raise NothingToUndoError("There is no exchange to undo: the history does not end with a reply.")
+        start = self.exchange_start(tool_rounds)
+        kept, dropped = self._messages[:start], list(self._messages[start:])
+        try:
+            ids = ids_of(kept)
+        except ChatKitError:
+            ids = []  # cannot render what is left: the cache rewinds as far as it can
+        self.rewind(kept, ids)
+        return dropped
 
     def exchange_start(self, tool_rounds: bool) -> int:
         """Where the last exchange starts: its prompt (call only if :meth:`ends_with_exchange`, or with

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from .. import distributed
-from ..cache import store
+from ..cache import atomic
 from ..decode.batch import BatchEngine, check_engine
 from ..errors import CacheFileError, ChatKitError, InvalidParamsError, SessionBusyError
 from ..model.loaded import LoadedModel
@@ -54,7 +54,7 @@ class SessionPool:
                 f"SessionPool cannot use the folder {str(self._folder)!r}: {exc.strerror or exc}. "
                 "Pass a folder it can create and write."
             ) from exc
-        store.remove_stale_temps(self._folder)  # left by a process killed while it evicted
+        atomic.remove_stale_temps(self._folder)  # left by a process killed while it evicted
         self._budget = max_cache_bytes
         self._configure = configure
         check_engine(engine, lm.model if isinstance(lm, LoadedModel) else None)

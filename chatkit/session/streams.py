@@ -1,9 +1,15 @@
-"""``ResponseStream``: a reply as an iterator of text chunks that commits its turn exactly once."""
+"""Reply streams: one surface (:class:`ReplyStream`) for every kind of reply.
+
+``ResponseStream`` is one turn streamed, committing exactly once; ``GuidedStream`` is a turn whose reply
+is a value; the tool loop's stream (``tool_loop.ToolLoopStream``) and the async streams (``aio``) offer
+the same surface.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -12,7 +18,7 @@ import mlx.core as mx
 
 from ..decode import DraftCount, Token
 from ..errors import ChatKitError
-from ..messages import ToolCall
+from ..messages import ChatMessage, ToolCall
 from ..text.reply import Piece, Segmenter
 
 
@@ -101,7 +107,97 @@ class TurnSteps(Protocol):
         ...
 
 
-class ResponseStream:
+class ReplyStream(ABC):
+    """What every reply stream offers: iterate it for ``StreamChunk`` s, or use it as a context manager.
+
+    ``text``, ``reasoning``, ``tool_calls`` and ``tokens`` grow as it streams; ``finish_reason`` and
+    ``stats`` are set once it has ended; ``result()`` is the reply's result (the text, or a guided
+    reply's value). Closing it (``close()``, leaving the ``with`` block, or dropping it) commits the
+    turn as far as it went. ``rounds`` and ``tool_results`` tell what a tool loop did (one round and
+    none for a plain reply).
+    """
+
+    @property
+    @abstractmethod
+    def text(self) -> str:
+        """The answer so far (no reasoning, no tool calls); after the end, as committed."""
+
+    @property
+    @abstractmethod
+    def reasoning(self) -> str:
+        """The reasoning so far (``""`` if the model did not reason)."""
+
+    @property
+    @abstractmethod
+    def tool_calls(self) -> list[ToolCall]:
+        """The tool calls completed so far."""
+
+    @property
+    @abstractmethod
+    def tokens(self) -> list[int]:
+        """Token ids generated so far (end-of-turn token included)."""
+
+    @property
+    @abstractmethod
+    def finish_reason(self) -> str | None:
+        """Why the reply ended: ``"stop"``, ``"length"``, ``"cancelled"`` (or ``"tool_calls"`` in a loop)."""
+
+    @property
+    @abstractmethod
+    def stats(self) -> TurnStats | None:
+        """The turn's ``TurnStats`` once the stream is closed; ``None`` before."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """Whether the reply has ended (and its turn committed)."""
+
+    @property
+    def rounds(self) -> int:
+        """How many replies the model has given (a tool loop gives one per round)."""
+        return 1
+
+    @property
+    def tool_results(self) -> list[ChatMessage]:
+        """The tool messages chatkit added to the history (a tool loop's results)."""
+        return []
+
+    def result(self) -> Any:
+        """The reply's result once it has ended: its text (a guided reply: its value)."""
+        return self.text
+
+    @abstractmethod
+    def __next__(self) -> StreamChunk: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop generating and commit what was produced. Safe to call more than once."""
+
+    def __iter__(self) -> ReplyStream:
+        return self
+
+    def __enter__(self) -> ReplyStream:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass  # never raise from the garbage collector
+
+
+def drain(stream: ReplyStream) -> Any:
+    """Run ``stream`` to its end and return its result (what ``respond`` returns)."""
+    with stream:
+        for _ in stream:
+            pass
+    return stream.result()
+
+
+class ResponseStream(ReplyStream):
     """The reply of one turn, streamed. Iterate it for ``StreamChunk`` s; use it as a context manager.
 
     The turn commits exactly once: at the end of the reply, on ``close()``, on leaving the ``with``
@@ -157,6 +253,7 @@ class ResponseStream:
 
     @property
     def finish_reason(self) -> str | None:
+        """``"stop"``, ``"length"`` or ``"cancelled"`` once the reply has ended."""
         return self._finish
 
     @property
@@ -166,10 +263,8 @@ class ResponseStream:
 
     @property
     def closed(self) -> bool:
+        """Whether the reply has ended (and its turn committed)."""
         return self._done
-
-    def __iter__(self) -> ResponseStream:
-        return self
 
     def __next__(self) -> StreamChunk:
         with self._lock:
@@ -197,18 +292,6 @@ class ResponseStream:
                 if self._segments.state == "tool":  # cut inside a call: kept as far as written, unread
                     self._take_pieces(final=True)
                 self._commit()
-
-    def __enter__(self) -> ResponseStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass  # never raise from the garbage collector
 
     # -- internals ----------------------------------------------------------------------------
     def _next_chunk(self) -> StreamChunk:
@@ -311,9 +394,9 @@ class ValueReader(Protocol):
     def finish(self, tokens: Sequence[int] | None = None) -> Any: ...
 
 
-class GuidedStream:
+class GuidedStream(ReplyStream):
     """A :class:`ResponseStream` whose reply is a value (guided generation): ``partial`` while it
-    streams, ``value`` once it has ended; the rest is the stream's."""
+    streams, ``value`` (and ``result()``) once it has ended; the rest is the stream's."""
 
     def __init__(self, stream: ResponseStream, reader: ValueReader) -> None:
         self.stream = stream
@@ -333,14 +416,17 @@ class GuidedStream:
             raise ChatKitError("The stream has not ended yet: iterate it to the end (or close it) first.")
         return self.constraint.finish(self.stream.tokens)
 
-    text = property(lambda self: self.stream.text, doc="The reply's text so far (the value's JSON or text).")
-    tokens = property(lambda self: self.stream.tokens, doc="Token ids generated so far.")
-    finish_reason = property(lambda self: self.stream.finish_reason)
-    stats = property(lambda self: self.stream.stats, doc="The turn's ``TurnStats`` once closed.")
-    closed = property(lambda self: self.stream.closed)
+    def result(self) -> Any:
+        """The value (see :attr:`value`)."""
+        return self.value
 
-    def __iter__(self) -> GuidedStream:
-        return self
+    text = property(lambda self: self.stream.text, doc="The reply's text so far (the value's JSON or text).")
+    reasoning = property(lambda self: self.stream.reasoning, doc="The reasoning before the value, if any.")
+    tool_calls = property(lambda self: self.stream.tool_calls, doc="Always empty: a guided reply calls no tools.")
+    tokens = property(lambda self: self.stream.tokens, doc="Token ids generated so far.")
+    finish_reason = property(lambda self: self.stream.finish_reason, doc="As the stream's.")
+    stats = property(lambda self: self.stream.stats, doc="The turn's ``TurnStats`` once closed.")
+    closed = property(lambda self: self.stream.closed, doc="Whether the reply has ended.")
 
     def __next__(self) -> StreamChunk:
         return next(self.stream)
@@ -348,12 +434,8 @@ class GuidedStream:
     def close(self) -> None:
         self.stream.close()
 
-    def __enter__(self) -> GuidedStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stream.close()
-
+    def __del__(self) -> None:
+        pass  # the inner stream closes itself when it is dropped
 
 
 def _plan_name(plan: Any) -> str | None:
@@ -361,4 +443,4 @@ def _plan_name(plan: Any) -> str | None:
     return None if action is None else str(getattr(action, "value", action))
 
 
-__all__ = ["GuidedStream", "ResponseStream", "StreamChunk", "TurnResult", "TurnStats", "TurnSteps", "ValueReader"]
+__all__ = ["GuidedStream", "ReplyStream", "ResponseStream", "drain", "StreamChunk", "TurnResult", "TurnStats", "TurnSteps", "ValueReader"]

@@ -12,13 +12,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import replace
+from typing import Any
 
-from ..errors import ToolLoopLimitError
+from ..errors import MissingDependencyError, ToolLoopLimitError
 from ..messages import ChatMessage, ToolCall
+from ..params import LogitsProcessor
 from ..text.reply import TOOL_RESULT
 from ..tools.options import DEFAULT_MAX_TOOL_ROUNDS
 from ..tools.schema import Tool, call_tool
-from .streams import ResponseStream, StreamChunk, TurnStats
+from .streams import ReplyStream, ResponseStream, StreamChunk, TurnStats
 
 OpenRound = Callable[[ChatMessage | None], ResponseStream]  # a turn answering the message (None: the history's last)
 Append = Callable[[Sequence[ChatMessage]], None]  # tool results enter the history
@@ -27,7 +29,7 @@ def _no_chunks() -> Generator[StreamChunk, None, None]:
     yield from ()
 
 
-class ToolLoopStream:
+class ToolLoopStream(ReplyStream):
     """What ``session.stream_respond`` returns when the session has tools (or the prompt is a tool
     result): a reply that may take several rounds, streamed: the chunks of every round, with a chunk of kind
     ``"tool_result"`` per tool result between rounds (``chunk.tool_call`` is the call it answers,
@@ -108,10 +110,8 @@ class ToolLoopStream:
 
     @property
     def closed(self) -> bool:
+        """Whether the loop is over (answered, failed or closed)."""
         return self._done
-
-    def __iter__(self) -> ToolLoopStream:
-        return self
 
     def __next__(self) -> StreamChunk:
         if self._done:  # closed from another thread while this one ran the loop: it ends here
@@ -139,18 +139,6 @@ class ToolLoopStream:
         except ValueError:  # running on another thread: it sees the stop flag, and its next step ends the loop
             return
         self._end()
-
-    def __enter__(self) -> ToolLoopStream:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def _end(self) -> None:
         on_end, self._on_end = self._on_end, None
@@ -186,4 +174,33 @@ class ToolLoopStream:
             message = None
 
 
-__all__ = ["ToolLoopStream"]
+def strict_grammar(tokenizer: Any, tools: Sequence[Tool]) -> Any:
+    """The strict tool-call grammar of ``tools`` for ``tokenizer``: ``InvalidOutputSpecError`` for a
+    format or a schema that cannot be constrained, ``MissingDependencyError`` without the guided extra."""
+    try:
+        from ..guided.call_grammar import tool_call_grammar  # the guided extra
+    except ImportError as e:
+        raise MissingDependencyError(f"strict_tools needs the guided extra: pip install 'chatkit[guided]' ({e}).") from e
+    return tool_call_grammar(tokenizer, [t.schema for t in tools])
+
+
+class StrictCalls:
+    """A session's strict tool calls: the grammar of its current tools, compiled once per tool set,
+    and the constraint that holds a reply's calls to it."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._compiled: tuple[Sequence[Tool], Any] | None = None
+
+    def grammar(self, tools: Sequence[Tool]) -> Any:
+        if self._compiled is None or self._compiled[0] is not tools:
+            self._compiled = (tools, strict_grammar(self._tokenizer, tools))
+        return self._compiled[1]
+
+    def constraint(self, tools: Sequence[Tool], stop: Sequence[str]) -> LogitsProcessor:
+        from ..guided.call_grammar import ToolCallConstraint  # the guided extra (checked when the grammar was built)
+
+        return ToolCallConstraint(self.grammar(tools), self._tokenizer, stop=stop)
+
+
+__all__ = ["StrictCalls", "ToolLoopStream", "strict_grammar"]

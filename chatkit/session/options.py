@@ -1,0 +1,113 @@
+"""``TurnOptions``: the options of one turn (``respond`` and its siblings), checked once.
+
+Every turn method takes the same keywords (:class:`TurnKeywords`); they become one ``TurnOptions``,
+which also turns the prompt argument into the message the turn answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any, TypedDict
+
+from ..errors import InvalidMessageError, InvalidOutputSpecError, InvalidParamsError
+from ..messages import ChatMessage, MessageLike, Role, ToolCall, as_message
+from .conversation import pending_calls
+
+
+class TurnKeywords(TypedDict, total=False):
+    """The keywords of ``respond``, ``stream_respond``, ``arespond`` and ``astream_respond``."""
+
+    role: Role | str
+    tool_call_id: str | None
+    output: Any
+    regex: str | None
+    grammar: str | None
+    include_schema: bool
+    strict_tools: bool | None
+
+
+@dataclass(frozen=True)
+class TurnOptions:
+    """How to send one prompt. ``role`` / ``tool_call_id``: who the prompt's text is from (a tool result
+    answers the call it names); ``output`` / ``regex`` / ``grammar``: a guided reply (its value is the
+    result), ``include_schema`` appends the spec's description to the prompt; ``strict_tools``: constrain
+    this reply's tool calls to the tools' schemas (``None``: the session's default)."""
+
+    role: Role | str = Role.USER
+    tool_call_id: str | None = None
+    output: Any = None
+    regex: str | None = None
+    grammar: str | None = None
+    include_schema: bool = True
+    strict_tools: bool | None = None
+
+    @classmethod
+    def of(cls, keywords: Mapping[str, Any]) -> TurnOptions:
+        """The options named by a turn method's keywords, checked: ``InvalidParamsError`` (or
+        ``InvalidOutputSpecError`` for a guided reply with strict tools) before anything runs."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(keywords) - known)
+        if unknown:
+            raise InvalidParamsError(f"Unknown turn option(s) {unknown}: use {sorted(known)}.")
+        options = cls(**keywords)
+        options.check()
+        return options
+
+    @property
+    def guided(self) -> bool:
+        """Whether the reply is a value (``output``, ``regex`` or ``grammar`` given)."""
+        return self.output is not None or self.regex is not None or self.grammar is not None
+
+    @property
+    def spec(self) -> dict[str, Any]:
+        """The guided spec, as ``chatkit.guided.guide`` takes it."""
+        return {"output": self.output, "regex": self.regex, "grammar": self.grammar}
+
+    def check(self) -> None:
+        if self.strict_tools is not None and not isinstance(self.strict_tools, bool):
+            raise InvalidParamsError(f"strict_tools={self.strict_tools!r}: use True, False or None (the session's default).")
+        if self.strict_tools and self.guided:
+            raise InvalidOutputSpecError(
+                "strict_tools=True with output=/regex=/grammar=: a guided reply is a value and calls no tools. "
+                "Drop one of them."
+            )
+
+    def message(self, prompt: str | MessageLike, history: Sequence[ChatMessage] = ()) -> ChatMessage:
+        """The message ``prompt`` sends after ``history``: ``InvalidMessageError`` for an empty prompt, one
+        from the assistant, or a tool result that answers no pending call."""
+        if isinstance(prompt, str):
+            message = ChatMessage(Role.parse(self.role), prompt, tool_call_id=self.tool_call_id)
+        elif isinstance(prompt, (ChatMessage, Mapping)):
+            message = as_message(prompt)
+        else:
+            raise InvalidMessageError(f"A prompt is a str or a message, got {type(prompt).__name__}.")
+        if not message.content.strip() and message.role is not Role.TOOL:  # a tool may well return nothing
+            raise InvalidMessageError("The prompt is empty: send some text.")
+        if message.role is Role.ASSISTANT:
+            raise InvalidMessageError("A prompt cannot come from the assistant: use role user, tool or system.")
+        if message.role is Role.TOOL:
+            message = _answering(message, pending_calls(history))
+        return message
+
+
+def _answering(message: ChatMessage, pending: list[ToolCall]) -> ChatMessage:
+    """A tool result with the id and name of the call it answers (the only pending call, if not given)."""
+    if message.tool_call_id is None:
+        if len(pending) > 1:
+            raise InvalidMessageError(
+                f"The last reply made {len(pending)} tool calls: say which one this answers with tool_call_id= "
+                f"(one of {[c.id for c in pending]})."
+            )
+        if not pending:
+            return message
+        return replace(message, tool_call_id=pending[0].id, name=message.name or pending[0].name)
+    call = next((c for c in pending if c.id == message.tool_call_id), None)
+    if call is None:
+        raise InvalidMessageError(
+            f"No pending tool call has id {message.tool_call_id!r}: the pending ones are {[c.id for c in pending]}."
+        )
+    return replace(message, name=message.name or call.name)
+
+
+__all__ = ["TurnKeywords", "TurnOptions"]

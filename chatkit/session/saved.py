@@ -1,0 +1,139 @@
+"""The saved conversation: what a cache file holds besides the KV cache (instructions, transcript,
+sampling settings), written from a session and read back, checked, by everyone who reads it (the
+builder, the REPL, the server, ``chatkit.inspect_cache``).
+
+The KV part and the file's format are the cache layer's (``chatkit.cache.file``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .. import distributed
+from ..cache import file
+from ..cache._mlx import copy_layer, layer_offset
+from ..cache.file import CacheFileInfo, LoadedCache
+from ..cache.header import is_text
+from ..cache.ledger import Ledger
+from ..cache.state import CacheOptions, Checkpoint
+from ..errors import ChatKitError, InvalidParamsError
+from ..messages import ChatMessage, saved_dict
+from ..model.loaded import LoadedModel
+from ..params import GenerateParams
+
+_ROLES = {"system", "user", "assistant", "tool"}
+
+
+@dataclass(frozen=True)
+class SavedConversation:
+    """A saved session's conversation and settings, read from a cache file's header."""
+
+    instructions: str | None
+    messages: tuple[ChatMessage, ...]
+    generate_params: GenerateParams | None
+    cache_options: Mapping[str, Any] | None
+
+    @classmethod
+    def of(cls, info: CacheFileInfo) -> SavedConversation:
+        """The conversation of a checked header (:func:`inspect`); empty for a raw mlx-lm cache."""
+        params = None if info.generate_params is None else GenerateParams.from_dict(info.generate_params)
+        messages = tuple(ChatMessage.from_dict(m) for m in info.messages)
+        return cls(info.instructions, messages, params, info.cache_options)
+
+
+def check(info: CacheFileInfo) -> CacheFileInfo:
+    """``info`` if its conversation reads back (every message and the settings), else the file's
+    ``CacheFileError``: nothing unreadable is restored."""
+    where = repr(info.path)
+    for i, m in enumerate(info.messages):
+        try:
+            ChatMessage.from_dict(m)
+        except ChatKitError as exc:
+            raise file.damaged(where, f"message {i}: {exc}") from None
+        if not isinstance(m, dict) or m["role"] not in _ROLES or not is_text(m["content"]) or not (
+            m.get("name") is None or is_text(m["name"])
+        ):
+            raise file.damaged(where, f"message {i}")
+    if info.generate_params is not None:
+        try:
+            GenerateParams.from_dict(info.generate_params)
+        except ChatKitError as exc:
+            raise file.damaged(where, f"generate_params: {exc}") from None
+    return info
+
+
+def inspect(path: str | os.PathLike[str]) -> CacheFileInfo:
+    """What a cache file holds, read from its header without loading tensors; ``CacheFileError`` if it
+    is not a readable, undamaged cache file (its conversation included)."""
+    return check(file.inspect(path))
+
+
+def read(path: str | os.PathLike[str]) -> SavedConversation:
+    """The conversation saved in ``path`` (checked), without its tensors."""
+    return SavedConversation.of(inspect(path))
+
+
+def save(
+    path: str | os.PathLike[str],
+    lm: LoadedModel,
+    layers: Sequence[Any],
+    ledger: Ledger,
+    checkpoints: Sequence[Checkpoint],
+    conversation: SavedConversation,
+    cache_options: CacheOptions,
+) -> int:
+    """Write the cache and the conversation to ``path`` (over a sharded model: this rank's file, and
+    every rank must succeed); returns the file's size."""
+    params = conversation.generate_params or GenerateParams()
+    document = {
+        "instructions": conversation.instructions,
+        "messages": [saved_dict(m) for m in conversation.messages],
+        "generate_params": params.to_dict(),
+    }
+    return distributed.agree(lm.distributed, "save the cache", lambda: file.save(
+        distributed.shard_path(lm.distributed, path), layers, ledger, fingerprint=lm.fingerprint,
+        conversation=document, cache_options=asdict(cache_options), checkpoints=checkpoints,
+    ))
+
+
+def load(lm: LoadedModel, source: str | os.PathLike[str] | Sequence[Any], *, verify: bool = True,
+         raw: bool = True) -> LoadedCache:
+    """The cache to restore into a session over ``lm``: a file from ``save_cache`` (over a sharded model,
+    this rank's, all ranks agreeing), a raw mlx-lm prompt-cache file, or (``raw``) a list of cache layers.
+    chatkit files are checked against ``lm``'s fingerprint; the layers against the model unless
+    ``verify=False`` (then the tensors are not checked against their checksums either)."""
+    if isinstance(source, (str, os.PathLike)):
+        return distributed.restore(lm.distributed, source, lambda f: _load_file(lm, f, verify, raw))
+    return _from_layers(lm, source, verify)
+
+
+def _load_file(lm: LoadedModel, path: str | os.PathLike[str], verify: bool, raw: bool) -> LoadedCache:
+    saved = file.load(path, verify=verify)
+    where = repr(str(path))
+    if saved.info.kind == "chatkit" or not raw:
+        check(saved.info)
+        file.check_fingerprint(lm.fingerprint, saved.info.fingerprint, where)
+    if verify:
+        file.check_layers(lm.model, saved, where)
+    return saved
+
+
+def _from_layers(lm: LoadedModel, source: Sequence[Any], verify: bool) -> LoadedCache:
+    layers = [copy_layer(c) for c in source]
+    offset = layer_offset(layers)
+    if offset is None:
+        raise InvalidParamsError("The cache layers disagree on how many tokens they hold: pass one model's cache.")
+    info = CacheFileInfo(
+        path="", kind="mlx-lm", format_version=None, tokens=offset, opaque_tokens=offset,
+        layer_classes=tuple(type(c).__name__ for c in layers), file_bytes=0, tensor_bytes=0,
+    )
+    saved = LoadedCache(layers, Ledger((), offset), info)
+    if verify:
+        file.check_layers(lm.model, saved, "The cache passed to cache()")
+    return saved
+
+
+__all__ = ["SavedConversation", "check", "inspect", "load", "read", "save"]
