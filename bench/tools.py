@@ -16,7 +16,7 @@ alternating rounds (A/B, then B/A, ...) after a warm-up:
   handing the text out uncut. The reply starts in reasoning (the prompt leaves ``<think>`` open), so
   every character goes through the reasoning state's marker trie. Target: with >= 0.98x without.
 
-``--reuse``: for each model family of ``tests/families.py`` (its test tokenizer, its real template, its
+``--reuse``: for each model family of ``tests/helpers/families.py`` (its test tokenizer, its real template, its
 reply format forced), three questions, each answered by a tool call, the tool's result and an answer:
 per turn, the tokens the cache held (the previous prompt and reply), how many the new prompt shares
 with them (the template's ceiling), how many the turn reused and its plan. Counts, not times: any
@@ -171,7 +171,7 @@ def reuse_table(exchanges: int = 3) -> None:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from families import FAMILIES, reuse_over_turns
+    from helpers.families import FAMILIES, reuse_over_turns
 
     warnings.filterwarnings("ignore", message="This chat template does not render the tools")
     print(f"reuse per template: {exchanges} questions, each a tool call, its result and an answer; per turn after the "

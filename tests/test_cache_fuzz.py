@@ -13,8 +13,8 @@ from chatkit import CacheFileError, ChatSession, GenerateParams, IncompatibleCac
 
 import mlx.core as mx
 import pytest
-from cachefiles import regions, rewrite_meta
 from conftest import cache_state, session_for
+from helpers.cachefiles import regions, rewrite_meta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from mlx.utils import tree_flatten

@@ -27,7 +27,7 @@ from chatkit.testing.launch import free_ring_port, ring_launch
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "distributed_session.py"
+SCRIPT = ROOT / "tests" / "helpers" / "distributed_session.py"
 LIMIT = 300  # seconds: every run here ends well within it, or the test fails
 
 
@@ -94,7 +94,7 @@ def test_two_ranks_give_the_tokens_of_one_process(arch, strategy, scratch):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch, strategy, layers", [("qwen3", "tensor", "2"), ("qwen3_5", "pipeline", "6")])
 def test_tool_guided_async_and_pooled_turns_over_two_ranks_equal_one_process(arch, strategy, layers, tmp_path):
-    """One mlx.launch run per layout for every path above a plain turn (tests/distributed_session.py
+    """One mlx.launch run per layout for every path above a plain turn (tests/helpers/distributed_session.py
     extras). Six qwen3_5 layers split 3 + 3 give the ranks caches of unequal size (1 vs 2 KV layers)."""
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
@@ -196,7 +196,7 @@ def test_the_cli_over_two_ranks_prints_the_one_process_conversation_once(tmp_pat
 
 
 def test_tool_call_ids_follow_the_conversation_so_every_rank_renders_the_same_prompt(tiny):
-    """Ids are rendered by some templates (tests/distributed_session.py IDS_TEMPLATE): random ids would
+    """Ids are rendered by some templates (tests/helpers/distributed_session.py IDS_TEMPLATE): random ids would
     make every rank's next prompt differ (a DistributedError), and greedy turns irreproducible."""
     from chatkit.testing import Scripted
 

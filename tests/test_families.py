@@ -12,7 +12,7 @@ from chatkit.testing.tokenizers import tokenizer_files
 
 import pytest
 from conftest import assert_ledger_matches_cache
-from families import ANSWER, BY_NAME, CITY, FAMILIES, RESULT, get_weather, reuse_over_turns, session
+from helpers.families import ANSWER, BY_NAME, CITY, FAMILIES, RESULT, get_weather, reuse_over_turns, session
 
 NAMES = [f.name for f in FAMILIES]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from chatkit import ChatSession, GenerateParams, Role
 from chatkit.testing import Scripted, tiny_model
 
-TEMPLATES = Path(__file__).parent / "data" / "templates"
+TEMPLATES = Path(__file__).parent.parent / "data" / "templates"
 CITY, RESULT, ANSWER = "Paris", "sunny_result_text", "Sunny in Paris."
 
 

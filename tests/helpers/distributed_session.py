@@ -1,6 +1,6 @@
 """One multi-turn session, run by tests/test_distributed.py on every rank of ``mlx.launch`` or in one process.
 
-    python tests/distributed_session.py ARCH STRATEGY OUT_DIR [hang|die|extras]
+    python tests/helpers/distributed_session.py ARCH STRATEGY OUT_DIR [hang|die|extras]
 
 STRATEGY is tensor, pipeline or none (one process, no sharding). Each rank writes the greedy tokens of
 every turn (with reuse, a stream closed early by rank 0 only, a stop string, a sampled turn whose

@@ -1,0 +1,1 @@
+"""Test helpers: model families with their scripted replies, cache-file surgery, the distributed session script."""
