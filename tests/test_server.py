@@ -9,7 +9,7 @@ import time
 import chatkit
 from chatkit import ChatSession, GenerateParams
 from chatkit.server import ServerConfig, start
-from chatkit.server.protocol import guided_available
+from chatkit.server.wire import guided_available
 from chatkit.testing import Scripted
 
 import httpx
@@ -782,7 +782,7 @@ def test_reasoning_comes_as_reasoning_content_streamed_or_not(think):
 
 
 def test_serve_refuses_bad_batch_and_draft_flags(capsys):
-    from chatkit.server.run import main
+    from chatkit.cli.serve import main
 
     assert main(["--batch", "-1"]) == 1 and "--batch >= 0" in capsys.readouterr().err
     assert main(["--batch", "4", "--parallel", "8"]) == 1 and "leave out --parallel 8" in capsys.readouterr().err
@@ -790,11 +790,21 @@ def test_serve_refuses_bad_batch_and_draft_flags(capsys):
     assert "'auto'" in capsys.readouterr().err
 
 
+def test_serve_checks_the_model_flags_as_chat_does(capsys):
+    """--num-draft, --temp and --max-tokens are declared once for chatkit chat and chatkit serve
+    (chatkit/cli/args.py): the same rules, and serve refuses a bad value before it loads a model."""
+    from chatkit.cli.serve import main
+
+    for flags, rule in ((["--num-draft", "65"], "use 'auto' or 1 to 64"), (["--temp", "nan"], "use 0 (greedy)"),
+                        (["--max-tokens", "0"], "use 1 or more")):
+        assert main(flags) == 1 and rule in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("arguments, unread", [('{"x": "\\ud800"}', None), ("\ud800", None), ('{"x": ' * 100_000, True)])
 def test_re_sent_calls_no_tokenizer_takes_are_a_400_never_a_500(arguments, unread):
     """A lone surrogate is a 400; JSON nested too deeply to read comes back as an unread call."""
+    from chatkit.server.chat_completions import parse_chat
     from chatkit.server.errors import BadRequestError
-    from chatkit.server.protocol import parse_chat
 
     call = {"id": "abcdefghi", "type": "function", "function": {"name": "f", "arguments": arguments}}
     body = {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": None, "tool_calls": [call]},

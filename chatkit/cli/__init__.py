@@ -1,8 +1,10 @@
 """The ``chatkit`` command: ``chatkit chat`` (a streaming REPL, the default), ``chatkit inspect FILE``,
 ``chatkit models`` and ``chatkit serve`` (``chatkit.server``).
 
-The only package of chatkit that prints. ``args`` holds the flags and their rules, ``terminal`` line
-editing and Ctrl-C, ``repl`` the chat loop and its slash commands, ``inspect_cmd`` the inspect command.
+The only package of chatkit that prints. ``args`` holds the flags and their rules
+(those that pick and run a model shared by chat and serve), ``terminal`` line editing and Ctrl-C, ``repl``
+the chat loop and its slash commands, ``inspect_cmd`` the inspect command, ``serve`` the serve command
+(its flags; ``chatkit.server`` does the serving).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .repl import Repl
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code (0 ok, 1 an error, 2 a usage error, 130 Ctrl-C)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # the OpenAI-compatible server: its own options (chatkit/server/run.py)
+    if argv[:1] == ["serve"]:  # the OpenAI-compatible server: its own parser (serve.py)
         return _serve(argv[1:])
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["chat", *argv]
@@ -51,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _serve(argv: Sequence[str]) -> int:
     try:
-        from ..server.run import main as serve
+        from .serve import main as serve
     except ImportError as exc:  # the server extra is not installed
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -1,4 +1,7 @@
-"""The command line's flags: the parser, one rule per flag said in ``--help``, and checks that name flags."""
+"""The command line's flags: the parser, one rule per flag said in ``--help``, and checks that name flags.
+
+The flags that pick and run a model (``add_model_flags``, ``add_sampling_flags``) and what their values
+mean (``load_model``, ``load_draft``) are declared once here, for ``chatkit chat`` and ``chatkit serve``."""
 
 from __future__ import annotations
 
@@ -7,9 +10,12 @@ import os
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ChatKitError
+
+if TYPE_CHECKING:
+    from ..model.loaded import LoadedModel
 
 COMMANDS = """commands:
   /save FILE     save the conversation and its cache
@@ -31,6 +37,7 @@ tiny model of a small world (facts you tell it, arithmetic through its calculate
 the README ("What the demo model understands"). Replies are greedy unless --temp is given; the KV
 cache is reused from turn to turn."""
 
+CHAT_MAX_TOKENS = 256  # a chat reply's length without --max-tokens (or a resumed file's)
 MIN_KV_SIZE = 8  # CacheOptions' lower bound: mlx-lm's rotating cache keeps 4 tokens and needs room past them
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
@@ -67,7 +74,7 @@ def _int_at_least(low: int, rule: str, high: int | None = None) -> Callable[[str
 
 
 def _num_draft(text: str) -> int | str:
-    return "auto" if text == "auto" else _int_at_least(1, "use auto or 1 to 64", high=64)(text)
+    return "auto" if text == "auto" else _int_at_least(1, "use 'auto' or 1 to 64", high=64)(text)
 
 
 def _temperature(text: str) -> float:
@@ -80,14 +87,57 @@ def _temperature(text: str) -> float:
     return value
 
 
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """``--model``, ``--draft`` and ``--num-draft``: the same for every command that runs a model."""
+    p.add_argument("--model", metavar="ID|PATH|demo",
+                   help="a Hugging Face repo id, a local model folder, a GGUF file, 'smollm2', 'ollama:NAME', "
+                        "'lmstudio:PUBLISHER/MODEL', or 'demo' (default: demo); `chatkit models` lists what is found")
+    p.add_argument("--draft", metavar="ID|PATH|demo|prompt_lookup",
+                   help="speculative decoding: a smaller model sharing the tokenizer, or 'prompt_lookup' (drafts "
+                        "from the conversation itself, no model) (default: none). "
+                        "With the demo pair on a CPU it is no faster than without it (0.98-1.02x, "
+                        "measured): a draft pays off only when it is much cheaper than the "
+                        "model and agrees with it")
+    p.add_argument("--num-draft", type=_num_draft, default="auto", metavar="auto|N",
+                   help="tokens drafted per step with --draft: 'auto' tunes it from the acceptance measured so "
+                        "far, down to not drafting while it does not pay; or 1 to 64 (default: %(default)s)")
+
+
+def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, otherwise: str) -> None:
+    """``--temp`` and ``--max-tokens`` (``None`` when not given): ``max_tokens`` is the reply length
+    without the flag, ``otherwise`` what else may set them (both said in ``--help``)."""
+    p.add_argument("--temp", type=_temperature, metavar="T",
+                   help=f"sampling temperature, 0 or more (default: 0, greedy; {otherwise})")
+    p.add_argument("--max-tokens", type=_int_at_least(1, "use 1 or more"), metavar="N",
+                   help=f"longest reply in tokens (default: {max_tokens}, {otherwise})")
+
+
 def parser() -> argparse.ArgumentParser:
-    """``chatkit [--version] {chat,inspect}``; ``chat`` is the default command."""
+    """``chatkit [--version] {chat,inspect,models}``; ``chat`` is the default command (``chatkit serve``
+    has its own parser: serve.py)."""
     p = argparse.ArgumentParser(
         prog="chatkit",
         description="Chat with a local model through chatkit (mlx-lm). `chatkit` alone is `chatkit chat`.",
     )
     p.add_argument("--version", action="version", version=version())
     commands = p.add_subparsers(dest="command", metavar="{chat,inspect,models}")
+    _add_chat(commands)
+    insp = commands.add_parser(
+        "inspect",
+        help="show what a saved conversation holds",
+        description="Show a file saved with /save or --save (or a raw mlx-lm prompt cache): its size, "
+                    "tokens, model fingerprint, settings and messages. Reads the header only.",
+    )
+    insp.add_argument("file")
+    insp.add_argument("--all", action="store_true", help="show every message (default: the last 6)")
+    insp.add_argument("--model", metavar="ID|PATH|demo",
+                      help="also check whether the file fits this model (loads it)")
+    commands.add_parser("models", help="list the models chatkit finds (bundled, smollm2, Ollama, LM Studio)")
+    return p
+
+
+def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The ``chat`` command and its flags."""
     chat = commands.add_parser(
         "chat",
         help="a streaming chat in the terminal (the default)",
@@ -95,18 +145,7 @@ def parser() -> argparse.ArgumentParser:
         epilog=COMMANDS + "\n\n" + KEYS.format(history=_history_for_help()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    chat.add_argument("--model", metavar="ID|PATH|demo",
-                      help="a Hugging Face repo id, a local model folder, a GGUF file, 'smollm2', 'ollama:NAME', "
-                           "'lmstudio:PUBLISHER/MODEL', or 'demo' (default: demo); `chatkit models` lists what is found")
-    chat.add_argument("--draft", metavar="ID|PATH|demo|prompt_lookup",
-                      help="speculative decoding: a smaller model sharing the tokenizer, or 'prompt_lookup' (drafts "
-                           "from the conversation itself, no model) (default: none). "
-                           "With the demo pair on a CPU it is no faster than without it (0.98-1.02x, "
-                           "measured): a draft pays off only when it is much cheaper than the "
-                           "model and agrees with it. Cannot be combined with --max-kv-size or --kv-bits")
-    chat.add_argument("--num-draft", type=_num_draft, default="auto", metavar="auto|N",
-                      help="tokens drafted per step with --draft: 'auto' tunes it from the acceptance measured so "
-                           "far, down to not drafting while it does not pay; or 1 to 64 (default: %(default)s)")
+    add_model_flags(chat)
     chat.add_argument("--distributed", choices=("tensor", "pipeline", "auto"),
                       help="shard the model over the ranks mlx.launch started (docs/distributed.md)")
     chat.add_argument("--distributed-timeout", type=float, default=120.0, metavar="SECONDS",
@@ -121,31 +160,17 @@ def parser() -> argparse.ArgumentParser:
                            "--max-kv-size and --kv-bits given with it override the file's settings")
     chat.add_argument("--save", metavar="FILE",
                       help="save the conversation to FILE after every turn and on exit (its folder must exist)")
-    chat.add_argument("--temp", type=_temperature, metavar="T",
-                      help="sampling temperature, 0 or more (default: 0, greedy; or the saved one with --resume)")
-    chat.add_argument("--max-tokens", type=_int_at_least(1, "use 1 or more"), metavar="N",
-                      help="longest reply in tokens (default: 256, or the saved one with --resume)")
+    add_sampling_flags(chat, max_tokens=CHAT_MAX_TOKENS, otherwise="or the saved one with --resume")
     chat.add_argument("--max-kv-size", type=_int_at_least(MIN_KV_SIZE, f"use {MIN_KV_SIZE} or more, or leave the flag out"),
                       metavar="N",
                       help=f"keep at most the last N tokens in the KV cache (a rotating cache), N >= {MIN_KV_SIZE} "
-                           "(default: no limit). The model then forgets what scrolled out of it")
+                           "(default: no limit). The model then forgets what scrolled out of it. Cannot be combined "
+                           "with --kv-bits or with a --draft model (--draft prompt_lookup works)")
     chat.add_argument("--kv-bits", type=int, choices=KV_BITS, metavar="B",
                       help="quantize the KV cache to B bits: one of 2, 3, 4, 5, 6, 8 (default: not quantized)")
     chat.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, metavar="N",
                       help="values per quantization group with --kv-bits: 32, 64 or 128 dividing the model's "
                            "head size (default: 64, or 32 when 64 does not divide the head size)")
-    insp = commands.add_parser(
-        "inspect",
-        help="show what a saved conversation holds",
-        description="Show a file saved with /save or --save (or a raw mlx-lm prompt cache): its size, "
-                    "tokens, model fingerprint, settings and messages. Reads the header only.",
-    )
-    insp.add_argument("file")
-    insp.add_argument("--all", action="store_true", help="show every message (default: the last 6)")
-    insp.add_argument("--model", metavar="ID|PATH|demo",
-                      help="also check whether the file fits this model (loads it)")
-    commands.add_parser("models", help="list the models chatkit finds (bundled, smollm2, Ollama, LM Studio)")
-    return p
 
 
 def _history_for_help() -> str:
@@ -208,4 +233,23 @@ def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {flag: value for flag, value in given.items() if value is not None}
 
 
-__all__ = ["COMMANDS", "UsageError", "check_combination", "check_save_path", "kv_group_size", "parser", "version"]
+def load_model(name: str | None, **options: Any) -> LoadedModel:
+    """The model ``--model`` names (the demo when it is not given); ``options`` go to ``chatkit.load``."""
+    from ..model.load import load
+
+    return load(name or "demo", **options)
+
+
+def load_draft(name: str | None) -> LoadedModel | str | None:
+    """What ``--draft`` names: a draft model loaded ('demo': the demo's own draft), 'prompt_lookup' or nothing."""
+    if not name or name == "prompt_lookup":
+        return name
+    from ..model.load import load
+
+    return load("demo-draft" if name == "demo" else name)
+
+
+__all__ = [
+    "COMMANDS", "UsageError", "add_model_flags", "add_sampling_flags", "check_combination", "check_save_path",
+    "kv_group_size", "load_draft", "load_model", "parser", "version",
+]

@@ -12,7 +12,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CacheFileError, ChatKitError, ContextWindowExceededError, DistributedError
-from .args import COMMANDS, KEYS, UsageError, check_save_path, explicit_settings, kv_group_size
+from .args import (
+    CHAT_MAX_TOKENS,
+    COMMANDS,
+    KEYS,
+    UsageError,
+    check_save_path,
+    explicit_settings,
+    kv_group_size,
+    load_draft,
+    load_model,
+)
 from .terminal import ReplyKeys, history_path, line_reader
 
 
@@ -32,13 +42,13 @@ class Repl:
         self.keys = ReplyKeys()
         # Checked before loading anything: a bad path fails at once, not at every turn.
         self.save_path = check_save_path(args.save) if args.save else None
-        self.lm = _load_model(args.model, distributed=args.distributed, distributed_timeout=args.distributed_timeout)
+        self.lm = load_model(args.model, distributed=args.distributed, distributed_timeout=args.distributed_timeout)
         group = self.lm.distributed
         self.group = group if group is not None and group.sharded else None  # ranks in lockstep
         if self.group is not None and not self.group.leader:
             self.out = open(os.devnull, "w")  # noqa: SIM115  rank 0 prints the conversation
         # A draft model, "prompt_lookup" (drafts from the conversation itself), or None.
-        self.draft = _load_model(args.draft, draft=True) if args.draft and args.draft != "prompt_lookup" else args.draft
+        self.draft = load_draft(args.draft)
         self.last = _LastTurn()
         self.session = self._build(resume=args.resume)
 
@@ -60,7 +70,7 @@ class Repl:
             builder = builder.instructions(a.system)
         if resume is None:
             builder = builder.generate_params(GenerateParams(
-                max_tokens=a.max_tokens if a.max_tokens is not None else 256,
+                max_tokens=a.max_tokens if a.max_tokens is not None else CHAT_MAX_TOKENS,
                 temperature=a.temp if a.temp is not None else 0.0,
             ))
         else:
@@ -360,13 +370,6 @@ def _need(value: str, usage: str) -> str:
     if not value:
         raise UsageError(f"usage: {usage}")
     return value
-
-
-def _load_model(name: str | None, draft: bool = False, **options: Any):
-    from ..model.load import load
-
-    name = name or "demo"
-    return load("demo-draft" if draft and name == "demo" else name, **options)
 
 
 __all__ = ["Repl"]

@@ -5,6 +5,12 @@
     server = start(lm, config)                   the app on uvicorn in a background thread (tests,
     server.url ... server.stop()                 notebooks, the README); ``chatkit serve`` runs it in front
 
+One module per job: ``app`` (``create_app`` and its route table), a handler module per API
+(``chat_completions``, ``responses``), ``wire`` (what both APIs read: messages, tools, sampling
+parameters), ``state`` (``ServerConfig`` and what every handler shares), ``session_index`` (conversations
+as pooled sessions, stored responses), ``errors`` (HTTP statuses), ``run`` (uvicorn). The flags of
+``chatkit serve`` are the command line's: chatkit/cli/serve.py.
+
 Needs the ``server`` extra (starlette, uvicorn).
 """
 
@@ -16,9 +22,10 @@ try:
 except ImportError as e:  # an optional extra: say how to get it
     raise ImportError(f"chatkit.server needs the server extra: pip install 'chatkit[server]' ({e}).") from e
 
-from .app import ServerConfig, create_app
+from .app import create_app
 from .errors import BadRequestError, OverloadedError, UnauthorizedError, UnknownResponseError
 from .run import RunningServer, start
+from .state import ServerConfig
 
 __all__ = [
     "BadRequestError",

@@ -1,7 +1,7 @@
-"""``python -m chatkit.server --model ...`` (the same as ``chatkit serve``)."""
+"""``python -m chatkit.server --model ...`` (the same as ``chatkit serve``, whose flags live in chatkit/cli/serve.py)."""
 
 import sys
 
-from .run import main
+from ..cli.serve import main
 
 sys.exit(main())

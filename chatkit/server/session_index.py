@@ -150,29 +150,10 @@ class SessionIndex:
                 conv = None  # a new conversation: independent of another one that starts the same way
             replaces = created = False
             if conv is not None:
-                if self._busy(conv):
-                    raise SessionBusyError(
-                        "This conversation is already generating a reply: wait for it to finish "
-                        "(or stop that request) before sending the next message."
-                    )
-                session = await self._run(self._session, conv)
-                if not keep or len(added) > 1:
-                    # The tool results before the last join the history before the turn: on a copy, which
-                    # replaces the pooled session only once the turn commits (a refused turn changes nothing).
-                    session, replaces = await self._run(session.fork), keep
-                    conv = conv if keep else None
-                for message in added[:-1]:
-                    await self._run(session.respond, message)  # answers a call; another one waits: no reply
+                session, conv, replaces = await self._continue(conv, added, keep)
             else:
-                source = self._longest_prefix(chain)
-                held = (*history, *added[:-1])
-                session = await self._run(self._build, instructions, held, tools)
-                if source is not None:
-                    await self._run(self._seed, session, source)
-                if keep:
-                    conv, created = f"conv_{uuid.uuid4().hex}", True
-                    await self._run(self.pool.add, conv, session)
-                    self._remember(conv, prefix_keys(instructions, held, tools), tools)
+                session, conv = await self._begin(instructions, history, added, tools, chain, keep)
+                created = conv is not None
             try:
                 if tools or added[-1].role is Role.TOOL:
                     await self._run(self._check_fits, session, added[-1])
@@ -189,6 +170,43 @@ class SessionIndex:
             if conv is not None:
                 self._leased.add(conv)
             return Lease(session, stream, conv, base, replaces, asked=added[-1] if schema is not None else None)
+
+    async def _continue(self, conv: str, added: Sequence[ChatMessage],
+                        keep: bool) -> tuple[ChatSession, str | None, bool]:
+        """The pooled session ``conv`` for a turn answering ``added``: (session, its pool key or ``None``
+        for a throwaway copy, whether it is a copy that replaces the pooled one once its turn commits)."""
+        if self._busy(conv):
+            raise SessionBusyError(
+                "This conversation is already generating a reply: wait for it to finish "
+                "(or stop that request) before sending the next message."
+            )
+        session = await self._run(self._session, conv)
+        pooled: str | None = conv
+        replaces = False
+        if not keep or len(added) > 1:
+            # The tool results before the last join the history before the turn: on a copy, which
+            # replaces the pooled session only once the turn commits (a refused turn changes nothing).
+            session, replaces = await self._run(session.fork), keep
+            pooled = conv if keep else None
+        for message in added[:-1]:
+            await self._run(session.respond, message)  # answers a call; another one waits: no reply
+        return session, pooled, replaces
+
+    async def _begin(self, instructions: str | None, history: Sequence[ChatMessage], added: Sequence[ChatMessage],
+                     tools: Tools, chain: list[str], keep: bool) -> tuple[ChatSession, str | None]:
+        """A new session holding the conversation before the last of ``added``, seeded with the cache of
+        the pooled conversation that shares the longest prefix with it; pooled (its key returned) with ``keep``."""
+        source = self._longest_prefix(chain)
+        held = (*history, *added[:-1])
+        session = await self._run(self._build, instructions, held, tools)
+        if source is not None:
+            await self._run(self._seed, session, source)
+        if not keep:
+            return session, None
+        conv = f"conv_{uuid.uuid4().hex}"
+        await self._run(self.pool.add, conv, session)
+        self._remember(conv, prefix_keys(instructions, held, tools), tools)
+        return session, conv
 
     async def finish(self, lease: Lease) -> None:
         """After the lease's stream is closed (its turn committed or aborted): index the conversation

@@ -1,4 +1,6 @@
-"""OpenAI's wire format: requests read into plain data, replies and stream events built from it.
+"""OpenAI's wire format, the parts both APIs share: a request's messages, tools, sampling parameters and
+output format read into plain data (a ``TurnRequest``), tool results linked to their calls, and a reply's
+chunks as the pieces a client is streamed (``Deltas``).
 
 Only what chatkit can honour is accepted; a field it cannot (n > 1, logprobs, penalties it has no
 sampler for, a tool_choice that forces a call) is a 400 naming the field rather than being ignored.
@@ -15,20 +17,19 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from starlette.requests import Request
+
 from ..errors import ChatKitError
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
-from ..session.streams import StreamChunk, TurnStats
+from ..session.streams import StreamChunk
 from ..text.reply import REASONING, TEXT, TOOL_CALL
 from .errors import BadRequestError
-
-FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", None: "stop"}
 
 
 @dataclass(frozen=True)
@@ -52,83 +53,13 @@ class TurnRequest:
 
 
 def new_id(prefix: str) -> str:
+    """A new id as OpenAI's look: ``prefix_<32 hex digits>``."""
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
 def guided_available() -> bool:
     """Whether this chatkit has guided generation (``chatkit.guided``), for ``response_format``."""
     return importlib.util.find_spec("chatkit.guided") is not None
-
-
-# -- reading requests -------------------------------------------------------------------------
-def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
-    """A ``POST /v1/chat/completions`` body."""
-    body = _object(body)
-    tools, choice, strict = _tools(body, flat=False)
-    if body.get("n", 1) != 1:
-        raise BadRequestError("n: chatkit answers with one choice per request; send n=1.", param="n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise BadRequestError("logprobs are not supported by chatkit serve yet: leave them out.", param="logprobs")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequestError("messages: a non-empty list of {role, content} objects is required.", param="messages")
-    parsed = link_tool_results([_message(m, f"messages[{i}]") for i, m in enumerate(messages)], "messages")
-    instructions, history, added = split_conversation(None, parsed)
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    options = body.get("stream_options") or {}
-    if not isinstance(options, Mapping):
-        raise BadRequestError("stream_options must be an object.", param="stream_options")
-    return TurnRequest(
-        instructions, history, added,
-        params=_params(body, defaults, max_tokens, "max_tokens"),
-        stream=_bool(body, "stream", False),
-        include_usage=bool(options.get("include_usage", False)),
-        schema=_chat_schema(body.get("response_format")),
-        tools=tools, tool_choice=choice, strict_tools=strict,
-    )
-
-
-def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
-    """A ``POST /v1/responses`` body. ``added`` is its input as messages (function calls and their
-    outputs as assistant tool calls and tool messages); the app puts it after the stored conversation."""
-    body = _object(body)
-    tools, choice, strict = _tools(body, flat=True)
-    if body.get("reasoning"):
-        raise BadRequestError("reasoning options are not supported by chatkit serve yet: leave them out.",
-                              param="reasoning")
-    instructions = body.get("instructions")
-    if instructions is not None and not isinstance(instructions, str):
-        raise BadRequestError("instructions must be a string.", param="instructions")
-    previous = body.get("previous_response_id")
-    if previous is not None and (not isinstance(previous, str) or not previous):
-        raise BadRequestError("previous_response_id must be a response id string.", param="previous_response_id")
-    raw = body.get("input")
-    if isinstance(raw, str):
-        items = [ChatMessage.user(raw)]
-    elif isinstance(raw, list) and raw:
-        items = _input_items(raw)
-    else:
-        raise BadRequestError("input: a string or a non-empty list of messages is required.", param="input")
-    if items[-1].role is Role.ASSISTANT:
-        raise BadRequestError("input: the last item must be a user message or a function_call_output for the "
-                              "model to answer.", param="input")
-    if not items[-1].content.strip():
-        raise BadRequestError("input: the last message is empty: send some text.", param="input")
-    text = body.get("text") or {}
-    schema = _format_schema(text.get("format") if isinstance(text, Mapping) else None, "text.format")
-    echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "temperature", "top_p", "metadata")}
-    echo["tools"] = [{"type": "function", **t["function"], "strict": strict} for t in tools or ()]
-    echo["tool_choice"] = choice
-    return TurnRequest(
-        instructions, (), tuple(items),
-        params=_params(body, defaults, body.get("max_output_tokens"), "max_output_tokens"),
-        stream=_bool(body, "stream", False),
-        schema=schema,
-        previous_response_id=previous,
-        store=_bool(body, "store", True),
-        tools=tools, tool_choice=choice, strict_tools=strict,
-        echo=echo,
-    )
 
 
 def split_conversation(
@@ -194,13 +125,23 @@ def link_tool_results(messages: Sequence[ChatMessage], param: str, offset: int =
     return out
 
 
-def _object(body: Any) -> Mapping[str, Any]:
+async def read_body(request: Request) -> Any:
+    """The request's body as JSON; a 400 when it is not JSON."""
+    try:
+        return json.loads(await request.body())
+    except ValueError as exc:
+        raise BadRequestError(f"The request body is not valid JSON ({exc}).") from exc
+
+
+def read_object(body: Any) -> Mapping[str, Any]:
+    """The parsed body as an object; a 400 when it is another JSON value."""
     if not isinstance(body, Mapping):
         raise BadRequestError("The request body must be a JSON object.")
     return body
 
 
-def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+def read_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    """``body[name]`` as true or false (``default`` when absent or null)."""
     value = body.get(name, default)
     if value is None:
         return default
@@ -209,7 +150,7 @@ def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def _tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, Any], ...] | None, str, bool]:
+def read_tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, Any], ...] | None, str, bool]:
     """The request's function tools, each as ``{"type": "function", "function": {name, description,
     parameters}}`` (``flat``: the Responses API's ``{"type": "function", "name", ...}``), its tool choice,
     and whether a tool asked for strict calls (chatkit's ``strict_tools`` holds for all of a turn's tools)."""
@@ -225,26 +166,8 @@ def _tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, Any]
             raise BadRequestError("tools must be a list of function tools.", param="tools")
         tools = []
         for j, item in enumerate(raw):
-            where = f"tools[{j}]"
-            if not isinstance(item, Mapping) or item.get("type", "function") != "function":
-                kind = item.get("type") if isinstance(item, Mapping) else type(item).__name__
-                raise BadRequestError(f"{where}: only function tools are supported, got {kind!r}.", param=where)
-            function = item if flat else item.get("function")
-            if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
-                shape = '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
-                raise BadRequestError(f"{where}: a function tool needs a name: {shape}.", param=where)
-            schema: dict[str, Any] = {"name": function["name"]}
-            for key, kind in (("description", str), ("parameters", Mapping)):
-                value = function.get(key)
-                if value is not None and not isinstance(value, kind):
-                    raise BadRequestError(f"{where}: {key} must be a {'string' if kind is str else 'JSON Schema object'}.",
-                                          param=where)
-                if value is not None:
-                    schema[key] = dict(value) if isinstance(value, Mapping) else value
-            flag = function.get("strict")
-            if flag is not None and not isinstance(flag, bool):
-                raise BadRequestError(f"{where}: strict must be true or false.", param=where)
-            strict = strict or bool(flag)
+            schema, flag = _function_tool(item, f"tools[{j}]", flat)
+            strict = strict or flag
             tools.append({"type": "function", "function": schema})
         names = [t["function"]["name"] for t in tools]
         if len(set(names)) != len(names):
@@ -262,7 +185,30 @@ def _tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, Any]
     return (tuple(tools) if tools else None), choice, strict
 
 
-def _text(content: Any, where: str) -> str:
+def _function_tool(item: Any, where: str, flat: bool) -> tuple[dict[str, Any], bool]:
+    """One function tool as ``{name, description, parameters}``, and whether it asked for strict calls."""
+    if not isinstance(item, Mapping) or item.get("type", "function") != "function":
+        kind = item.get("type") if isinstance(item, Mapping) else type(item).__name__
+        raise BadRequestError(f"{where}: only function tools are supported, got {kind!r}.", param=where)
+    function = item if flat else item.get("function")
+    if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
+        shape = '{"type": "function", "name": ...}' if flat else '{"type": "function", "function": {"name": ...}}'
+        raise BadRequestError(f"{where}: a function tool needs a name: {shape}.", param=where)
+    schema: dict[str, Any] = {"name": function["name"]}
+    for key, kind in (("description", str), ("parameters", Mapping)):
+        value = function.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise BadRequestError(f"{where}: {key} must be a {'string' if kind is str else 'JSON Schema object'}.",
+                                  param=where)
+        if value is not None:
+            schema[key] = dict(value) if isinstance(value, Mapping) else value
+    flag = function.get("strict")
+    if flag is not None and not isinstance(flag, bool):
+        raise BadRequestError(f"{where}: strict must be true or false.", param=where)
+    return schema, bool(flag)
+
+
+def read_text(content: Any, where: str) -> str:
     """Message content: a string, or a list of text parts joined."""
     if isinstance(content, str):
         return content
@@ -280,7 +226,8 @@ def _text(content: Any, where: str) -> str:
     raise BadRequestError(f"{where}: content must be a string or a list of text parts.", param=where)
 
 
-def _message(data: Any, where: str) -> ChatMessage:
+def read_message(data: Any, where: str) -> ChatMessage:
+    """A chat message (``where``: ``messages[i]``, or a Responses ``input[i]`` item) as a ``ChatMessage``."""
     if not isinstance(data, Mapping):
         raise BadRequestError(f"{where} must be an object with role and content.", param=where)
     role = data.get("role")
@@ -297,9 +244,9 @@ def _message(data: Any, where: str) -> ChatMessage:
         raise BadRequestError(f"{where}: only an assistant message has tool_calls.", param=f"{where}.tool_calls")
     if not isinstance(raw_calls, list):
         raise BadRequestError(f"{where}.tool_calls must be a list.", param=f"{where}.tool_calls")
-    calls = tuple(_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(raw_calls))
+    calls = tuple(read_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(raw_calls))
     content = data.get("content")
-    text = "" if content is None and role == "assistant" and calls else _text(content, f"{where}.content")
+    text = "" if content is None and role == "assistant" and calls else read_text(content, f"{where}.content")
     reasoning = next((data[k] for k in ("reasoning_content", "reasoning") if data.get(k) is not None), None)
     if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
         raise BadRequestError(f"{where}: reasoning_content is an assistant message's string.", param=where)
@@ -313,7 +260,7 @@ def _message(data: Any, where: str) -> ChatMessage:
         raise BadRequestError(f"{where}: {exc}", param=where) from exc
 
 
-def _tool_call(data: Any, where: str) -> ToolCall:
+def read_tool_call(data: Any, where: str) -> ToolCall:
     """An assistant message's call, ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
     if not isinstance(data, Mapping) or data.get("type", "function") != "function" or not data.get("id"):
         raise BadRequestError(f'{where}: a tool call is {{"id", "type": "function", "function": {{"name", '
@@ -338,56 +285,8 @@ def _is_json_object(text: str) -> bool:
         return False
 
 
-def _input_items(raw: list[Any]) -> list[ChatMessage]:
-    """The Responses API's input items as messages: a reasoning item, an assistant message and the
-    function_call items after it are one assistant message; a function_call_output is a tool message."""
-    out: list[ChatMessage] = []
-    joinable = False  # the last message is an assistant turn the next output items belong to
-    for i, item in enumerate(raw):
-        where = f"input[{i}]"
-        if not isinstance(item, Mapping):
-            raise BadRequestError(f"{where} must be an object (a message or another input item).", param=where)
-        kind = item.get("type", "message")
-        if kind == "message":
-            message = _message(item, where)
-            last = out[-1] if out and joinable else None
-            if message.role is Role.ASSISTANT and last is not None and not last.content and not last.tool_calls:
-                out[-1] = replace(last, content=message.content)  # after its reasoning item
-            else:
-                out.append(message)
-            joinable = message.role is Role.ASSISTANT
-        elif kind == "reasoning":
-            parts = item.get("content") or item.get("summary") or []
-            texts = [p.get("text") for p in parts if isinstance(p, Mapping)] if isinstance(parts, list) else [None]
-            if not all(isinstance(t, str) for t in texts):
-                raise BadRequestError(f"{where}: a reasoning item's content is a list of {{type, text}} parts.",
-                                      param=where)
-            out.append(ChatMessage.assistant("", reasoning="".join(t for t in texts if t)))
-            joinable = True
-        elif kind == "function_call":
-            call = _tool_call({"id": item.get("call_id"), "function": {"name": item.get("name"),
-                                                                       "arguments": item.get("arguments", "{}")}},
-                              where)
-            if out and joinable:
-                out[-1] = replace(out[-1], tool_calls=(*out[-1].tool_calls, call))
-            else:
-                out.append(ChatMessage.assistant("", tool_calls=[call]))
-            joinable = True
-        elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise BadRequestError(f"{where}: a function_call_output needs the call_id it answers.", param=where)
-            output = item.get("output")
-            text = output if isinstance(output, str) else _text(output, f"{where}.output")
-            out.append(ChatMessage.tool(text, tool_call_id=call_id))
-            joinable = False
-        else:
-            raise BadRequestError(f"{where}: input items of type {kind!r} are not supported: send messages, "
-                                  "function_call and function_call_output items.", param=where)
-    return out
-
-
-def _params(body: Mapping[str, Any], defaults: GenerateParams, max_tokens: Any, max_name: str) -> GenerateParams:
+def read_params(body: Mapping[str, Any], defaults: GenerateParams, max_tokens: Any, max_name: str) -> GenerateParams:
+    """``defaults`` with the request's sampling fields on top; ``max_name``: the field ``max_tokens`` came from."""
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name):
             raise BadRequestError(
@@ -421,21 +320,7 @@ def _params(body: Mapping[str, Any], defaults: GenerateParams, max_tokens: Any, 
     return params
 
 
-def _chat_schema(fmt: Any) -> dict[str, Any] | None:
-    if fmt is None:
-        return None
-    if not isinstance(fmt, Mapping):
-        raise BadRequestError("response_format must be an object.", param="response_format")
-    if fmt.get("type") == "json_schema":
-        inner = fmt.get("json_schema")
-        if not isinstance(inner, Mapping):
-            raise BadRequestError("response_format.json_schema must be an object with a schema.",
-                                  param="response_format")
-        fmt = {"type": "json_schema", **inner}
-    return _format_schema(fmt, "response_format")
-
-
-def _format_schema(fmt: Any, param: str) -> dict[str, Any] | None:
+def format_schema(fmt: Any, param: str) -> dict[str, Any] | None:
     """The JSON Schema a reply must follow, from ``{"type": "json_schema", "schema": ...}`` or
     ``{"type": "json_object"}``; ``None`` for plain text."""
     if fmt is None or (isinstance(fmt, Mapping) and fmt.get("type") == "text"):
@@ -455,13 +340,6 @@ def _format_schema(fmt: Any, param: str) -> dict[str, Any] | None:
     return dict(schema)
 
 
-# -- building replies -------------------------------------------------------------------------
-def finish_reason(finish: str | None, reply: ChatMessage) -> str:
-    """OpenAI's finish reason: ``"tool_calls"`` when a reply that ended by itself called tools."""
-    reason = FINISH.get(finish, "stop")
-    return "tool_calls" if reply.tool_calls and reason == "stop" else reason
-
-
 def arguments_text(call: ToolCall) -> str:
     """A call's arguments as the JSON string OpenAI sends. A call the model did not finish or wrote
     wrong (``call.error``) gets its text from the ``"arguments"`` key on, as far as the model wrote it
@@ -472,24 +350,6 @@ def arguments_text(call: ToolCall) -> str:
     text = (call.text or "").strip()
     key = re.search(r'"(?:arguments|parameters)"\s*:\s*', text)  # the JSON formats' arguments, as far as they go
     return text[key.end() :] if key else text
-
-
-def tool_call_object(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    """A call in a chat message (``index`` set: in a stream delta), arguments as a JSON string."""
-    obj: dict[str, Any] = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments_text(call)}}
-    return obj if index is None else {"index": index, **obj}
-
-
-def chat_message(reply: ChatMessage) -> dict[str, Any]:
-    """The assistant message of a chat completion: ``content`` (``None`` when it only calls tools),
-    ``reasoning_content`` when it reasoned, ``tool_calls`` when it called tools."""
-    message: dict[str, Any] = {"role": "assistant",
-                               "content": reply.content if reply.content or not reply.tool_calls else None}
-    if reply.reasoning:
-        message["reasoning_content"] = reply.reasoning
-    if reply.tool_calls:
-        message["tool_calls"] = [tool_call_object(c) for c in reply.tool_calls]
-    return message
 
 
 class Deltas:
@@ -534,108 +394,8 @@ class Deltas:
         held, self._held = self._held, {}
         return [] if self._glue else [(kind, text) for kind, text in held.items() if text]
 
-
-def chat_usage(stats: TurnStats | None) -> dict[str, Any]:
-    prompt = stats.prompt_tokens if stats else 0
-    completion = stats.generation_tokens if stats else 0
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": stats.reused_tokens if stats else 0},
-    }
-
-
-def chat_completion(cid: str, model: str, reply: ChatMessage, finish: str | None,
-                    stats: TurnStats | None) -> dict[str, Any]:
-    return {
-        "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": chat_message(reply), "finish_reason": finish_reason(finish, reply),
-                     "logprobs": None}],
-        "usage": chat_usage(stats),
-    }
-
-
-def chat_chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None = None,
-               usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    chunk: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
-                             "model": model, "choices": []}
-    if usage is None:
-        chunk["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-    else:
-        chunk["usage"] = usage
-    return chunk
-
-
-def responses_usage(stats: TurnStats | None) -> dict[str, Any]:
-    prompt = stats.prompt_tokens if stats else 0
-    output = stats.generation_tokens if stats else 0
-    return {
-        "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": stats.reused_tokens if stats else 0},
-        "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt + output,
-    }
-
-
-class OutputItems:
-    """The output items of one response (reasoning, message, function calls), with ids that stay the
-    same from the first stream event to the stored response."""
-
-    def __init__(self) -> None:
-        self._ids: dict[str, str] = {}
-
-    def id(self, key: str) -> str:
-        """The item id for ``"reasoning"``, ``"message"`` or a call id."""
-        if key not in self._ids:
-            prefix = {"reasoning": "rs", "message": "msg"}.get(key, "fc")
-            self._ids[key] = new_id(prefix)
-        return self._ids[key]
-
-    def renew(self, key: str) -> None:
-        """A second reasoning or message item (after a tool call) gets an id of its own."""
-        self._ids.pop(key, None)
-
-    def reasoning(self, text: str, status: str = "completed") -> dict[str, Any]:
-        return {"type": "reasoning", "id": self.id("reasoning"), "summary": [],
-                "content": [{"type": "reasoning_text", "text": text}], "status": status}
-
-    def message(self, text: str, status: str = "completed") -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
-        return {"type": "message", "id": self.id("message"), "status": status, "role": "assistant", "content": content}
-
-    def call(self, call: ToolCall, status: str = "completed") -> dict[str, Any]:
-        arguments = arguments_text(call) if status != "in_progress" else ""
-        return {"type": "function_call", "id": self.id(call.id), "call_id": call.id, "name": call.name,
-                "arguments": arguments, "status": status}
-
-    def of(self, reply: ChatMessage, incomplete: bool = False) -> list[dict[str, Any]]:
-        """A reply's items: its reasoning, its answer (also when empty, unless it only calls tools), its calls."""
-        status = "incomplete" if incomplete else "completed"
-        items = [self.reasoning(reply.reasoning, status)] if reply.reasoning else []
-        if reply.content or not reply.tool_calls:
-            items.append(self.message(reply.content, status))
-        return items + [self.call(c, status) for c in reply.tool_calls]
-
-
-def response_object(rid: str, model: str, *, created_at: int, status: str, output: list[dict[str, Any]],
-                    previous_response_id: str | None, store: bool, usage: dict[str, Any] | None,
-                    echo: Mapping[str, Any], incomplete: bool = False) -> dict[str, Any]:
-    """A ``response`` object (``output`` empty while it is in progress)."""
-    return {
-        "id": rid, "object": "response", "created_at": created_at, "status": status, "model": model,
-        "output": output, "previous_response_id": previous_response_id, "store": store, "usage": usage,
-        "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "instructions": echo.get("instructions"), "max_output_tokens": echo.get("max_output_tokens"),
-        "temperature": echo.get("temperature"), "top_p": echo.get("top_p"), "metadata": echo.get("metadata") or {},
-        "parallel_tool_calls": True, "tool_choice": echo.get("tool_choice", "auto"), "tools": echo.get("tools", []),
-        "text": {"format": {"type": "text"}},
-    }
-
-
 __all__ = [
-    "Deltas", "OutputItems", "TurnRequest", "chat_chunk", "chat_completion", "chat_message", "chat_usage",
-    "finish_reason", "guided_available", "link_tool_results", "new_id", "parse_chat", "parse_responses",
-    "response_object", "responses_usage", "split_conversation", "tool_call_object",
+    "Deltas", "TurnRequest", "arguments_text", "format_schema", "guided_available", "link_tool_results", "new_id",
+    "read_body", "read_bool", "read_message", "read_object", "read_params", "read_text", "read_tool_call",
+    "read_tools", "split_conversation",
 ]

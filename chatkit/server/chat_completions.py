@@ -1,0 +1,187 @@
+"""``POST /v1/chat/completions``: the request read into a ``TurnRequest``, the turn run on the
+conversation's pooled session, the reply sent as one ``chat.completion`` or as server-sent
+``chat.completion.chunk`` events (reasoning in ``reasoning_content``, tool calls in ``tool_calls``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..messages import ChatMessage, ToolCall
+from ..params import GenerateParams
+from ..session.streams import TurnStats
+from .errors import BadRequestError, error_body
+from .session_index import Lease
+from .state import ServerState, reply_of
+from .wire import (
+    Deltas,
+    TurnRequest,
+    arguments_text,
+    format_schema,
+    link_tool_results,
+    new_id,
+    read_body,
+    read_bool,
+    read_message,
+    read_object,
+    read_params,
+    read_tools,
+    split_conversation,
+)
+
+FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", None: "stop"}
+
+
+async def create(state: ServerState, request: Request) -> Response:
+    """Answer the conversation the request sends (its last message, or the results of the last reply's calls)."""
+    req = parse_chat(await read_body(request), state.config.defaults)
+    lease = await state.open_turn(req, req.instructions, req.history, req.added)
+    cid = new_id("chatcmpl")
+    if req.stream:
+        return StreamingResponse(_events(state, lease, req, cid), media_type="text/event-stream")
+    finish = await state.complete(lease)
+    return JSONResponse(chat_completion(cid, state.config.model_id, reply_of(lease), finish, lease.stream.stats))
+
+
+async def _events(state: ServerState, lease: Lease, req: TurnRequest, cid: str) -> AsyncIterator[str]:
+    """The reply as server-sent chunks: the role, the pieces, the finish reason, the usage if asked, [DONE]."""
+    model = state.config.model_id
+    async with state.settled(lease):
+        try:
+            yield _sse(chat_chunk(cid, model, {"role": "assistant", "content": ""}))
+            finish, calls, deltas = None, 0, Deltas()
+            async for chunk in lease.stream:
+                finish = chunk.finish_reason
+                for kind, value in deltas.feed(chunk):
+                    yield _sse(chat_chunk(cid, model, _delta(kind, value, calls)))
+                    calls += kind == "call"
+            for kind, value in deltas.end():
+                yield _sse(chat_chunk(cid, model, _delta(kind, value, calls)))
+            yield _sse(chat_chunk(cid, model, {}, finish_reason(finish, calls > 0)))
+            if req.include_usage:
+                await lease.stream.aclose()
+                yield _sse(chat_chunk(cid, model, {}, usage=chat_usage(lease.stream.stats)))
+            yield "data: [DONE]\n\n"
+        except Exception as exc:  # after the headers: the error goes into the stream
+            yield _sse(error_body(exc)[1])
+
+
+# -- reading the request ------------------------------------------------------------------------
+def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
+    """A ``POST /v1/chat/completions`` body."""
+    body = read_object(body)
+    tools, choice, strict = read_tools(body, flat=False)
+    if body.get("n", 1) != 1:
+        raise BadRequestError("n: chatkit answers with one choice per request; send n=1.", param="n")
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise BadRequestError("logprobs are not supported by chatkit serve yet: leave them out.", param="logprobs")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequestError("messages: a non-empty list of {role, content} objects is required.", param="messages")
+    parsed = link_tool_results([read_message(m, f"messages[{i}]") for i, m in enumerate(messages)], "messages")
+    instructions, history, added = split_conversation(None, parsed)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping):
+        raise BadRequestError("stream_options must be an object.", param="stream_options")
+    return TurnRequest(
+        instructions, history, added,
+        params=read_params(body, defaults, max_tokens, "max_tokens"),
+        stream=read_bool(body, "stream", False),
+        include_usage=bool(options.get("include_usage", False)),
+        schema=_chat_schema(body.get("response_format")),
+        tools=tools, tool_choice=choice, strict_tools=strict,
+    )
+
+
+def _chat_schema(fmt: Any) -> dict[str, Any] | None:
+    if fmt is None:
+        return None
+    if not isinstance(fmt, Mapping):
+        raise BadRequestError("response_format must be an object.", param="response_format")
+    if fmt.get("type") == "json_schema":
+        inner = fmt.get("json_schema")
+        if not isinstance(inner, Mapping):
+            raise BadRequestError("response_format.json_schema must be an object with a schema.",
+                                  param="response_format")
+        fmt = {"type": "json_schema", **inner}
+    return format_schema(fmt, "response_format")
+
+
+
+# -- building the reply -------------------------------------------------------------------------
+def finish_reason(finish: str | None, called: bool) -> str:
+    """OpenAI's finish reason: ``"tool_calls"`` when a reply that ended by itself called tools."""
+    reason = FINISH.get(finish, "stop")
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def tool_call_object(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """A call in a chat message (``index`` set: in a stream delta), arguments as a JSON string."""
+    obj: dict[str, Any] = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments_text(call)}}
+    return obj if index is None else {"index": index, **obj}
+
+
+def chat_message(reply: ChatMessage) -> dict[str, Any]:
+    """The assistant message of a chat completion: ``content`` (``None`` when it only calls tools),
+    ``reasoning_content`` when it reasoned, ``tool_calls`` when it called tools."""
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": reply.content if reply.content or not reply.tool_calls else None}
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        message["tool_calls"] = [tool_call_object(c) for c in reply.tool_calls]
+    return message
+
+
+def chat_usage(stats: TurnStats | None) -> dict[str, Any]:
+    prompt = stats.prompt_tokens if stats else 0
+    completion = stats.generation_tokens if stats else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": stats.reused_tokens if stats else 0},
+    }
+
+
+def chat_completion(cid: str, model: str, reply: ChatMessage, finish: str | None,
+                    stats: TurnStats | None) -> dict[str, Any]:
+    return {
+        "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+        "choices": [{"index": 0, "message": chat_message(reply), "finish_reason": finish_reason(finish, bool(reply.tool_calls)),
+                     "logprobs": None}],
+        "usage": chat_usage(stats),
+    }
+
+
+def chat_chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None = None,
+               usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
+                             "model": model, "choices": []}
+    if usage is None:
+        chunk["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    else:
+        chunk["usage"] = usage
+    return chunk
+
+def _delta(kind: str, value: Any, calls: int) -> dict[str, Any]:
+    """The stream delta of one piece of the reply (``Deltas``); ``calls``: the tool calls sent before it."""
+    if kind == "call":
+        return {"tool_calls": [tool_call_object(value, calls)]}
+    return {"reasoning_content" if kind == "reasoning" else "content": value}
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+__all__ = [
+    "FINISH", "chat_chunk", "chat_completion", "chat_message", "chat_usage", "create", "finish_reason", "parse_chat",
+    "tool_call_object",
+]

@@ -1,0 +1,170 @@
+"""What every handler shares: the config, the model and, while the app runs, the session index, the
+response store and the limiter; and how a handler opens a turn on them and settles it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..decode.batch import BatchEngine
+from ..decode.speculative import SpeculativeConfig
+from ..messages import ChatMessage
+from ..model.loaded import LoadedModel
+from ..params import GenerateParams
+from ..text import reply as segments
+from .errors import BadRequestError, OverloadedError
+from .session_index import Lease, ResponseStore, SessionIndex
+from .wire import TurnRequest
+
+
+@dataclass
+class ServerConfig:
+    """How ``chatkit serve`` runs. ``store``: a folder where conversations and responses outlive the
+    process (``None``: a temporary folder, forgotten at exit). ``parallel`` turns generate at once (with
+    ``batch``, decoded together by one ``chatkit.BatchEngine``: one forward pass per step for all of
+    them, more throughput for many clients, some latency for one) and ``queue`` more may wait;
+    beyond that, 503. ``api_key``: require ``Authorization: Bearer KEY``."""
+
+    model_id: str = "chatkit"
+    store: str | None = None
+    max_cache_bytes: int = 2 * 2**30
+    max_conversations: int = 256
+    parallel: int = 2
+    queue: int = 32
+    batch: bool = False
+    api_key: str | None = None
+    defaults: GenerateParams = field(default_factory=lambda: GenerateParams(max_tokens=512))
+    speculative: SpeculativeConfig | None = None
+
+
+class Limiter:
+    """At most ``parallel`` turns at once and ``queue`` waiting; more is ``OverloadedError`` (503)."""
+
+    def __init__(self, parallel: int, queue: int) -> None:
+        self._slots = asyncio.Semaphore(parallel)
+        self._room = parallel + queue
+        self._inside = 0
+
+    async def acquire(self) -> None:
+        if self._inside >= self._room:
+            raise OverloadedError("The server is busy with other requests: retry in a moment.")
+        self._inside += 1
+        try:
+            await self._slots.acquire()
+        except BaseException:
+            self._inside -= 1
+            raise
+
+    def release(self) -> None:
+        self._inside -= 1
+        self._slots.release()
+
+
+class ServerState:
+    """The model and config of one app, and what :meth:`lifespan` builds for as long as it runs."""
+
+    sessions: SessionIndex
+    responses: ResponseStore
+    limiter: Limiter
+
+    def __init__(self, lm: LoadedModel, config: ServerConfig) -> None:
+        self.lm, self.config = lm, config
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        """The session index and response store in ``config.store`` (else a temporary folder), the
+        batch engine with ``config.batch``; the conversations are saved and the engine closed at the end."""
+        config, lm = self.config, self.lm
+        with contextlib.ExitStack() as stack:
+            if config.store is not None:
+                root = Path(config.store)
+            else:
+                root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="chatkit-serve-")))
+            engine = None
+            if config.batch and not (lm.distributed is not None and lm.distributed.sharded):
+                engine = BatchEngine(lm, max_batch=config.parallel)
+                stack.callback(engine.close)
+            app.state.engine = engine  # what RunningServer.engine shows
+            self.sessions = SessionIndex(
+                lm, folder=root, max_cache_bytes=config.max_cache_bytes, max_conversations=config.max_conversations,
+                defaults=config.defaults, speculative=config.speculative, persist=config.store is not None,
+                engine=engine,
+            )
+            self.responses = ResponseStore(root / "responses" if config.store is not None else None)
+            self.limiter = Limiter(config.parallel, config.queue)
+            try:
+                yield
+            finally:
+                await self.sessions.close()
+
+    async def open_turn(self, req: TurnRequest, instructions: str | None, history: Sequence[ChatMessage],
+                        added: Sequence[ChatMessage], *, keep: bool = True) -> Lease:
+        """Take a slot and open a turn answering ``added`` after ``instructions`` + ``history`` with the
+        request's settings; :meth:`settled` closes it and frees the slot."""
+        params = req.params
+        if req.tools and req.tool_choice == "none":
+            params = params.copy(logit_bias={**(params.logit_bias or {}), **_no_tool_calls(self.lm)})
+        await self.limiter.acquire()
+        try:
+            return await self.sessions.start(instructions, history, added, params, tools=req.tools, keep=keep,
+                                             schema=req.schema, strict_tools=req.strict_tools)
+        except BaseException:
+            self.limiter.release()
+            raise
+
+    @contextlib.asynccontextmanager
+    async def settled(self, lease: Lease) -> AsyncIterator[None]:
+        """Close the turn however the block ends (a client gone mid-stream cancels it): the reply so
+        far commits, the conversation is re-indexed, the slot freed."""
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await lease.stream.aclose()
+                    await self.sessions.finish(lease)
+                finally:
+                    self.limiter.release()
+
+    async def complete(self, lease: Lease) -> str | None:
+        """Run the turn to its end and settle it (a reply that is not streamed); its finish reason."""
+        async with self.settled(lease):
+            finish = None
+            async for chunk in lease.stream:
+                finish = chunk.finish_reason
+        return finish
+
+
+Handler = Callable[[ServerState, Request], Awaitable[Response]]  # an endpoint of the app, given the state
+
+
+def reply_of(lease: Lease) -> ChatMessage:
+    """The reply the turn committed (what a client re-sends to go on), or what streamed if it did not."""
+    return lease.reply() or ChatMessage.assistant(lease.stream.text)
+
+
+def _no_tool_calls(lm: LoadedModel) -> dict[int, float]:
+    """A logit bias that keeps the model from starting a tool call (``tool_choice="none"``): its
+    tool-call start markers, when each is one token; ``BadRequestError`` when one is not."""
+    markers = {marker for edges in segments.transitions(lm.tokenizer).values() for marker, dst in edges if dst == "tool"}
+    bias = {}
+    for marker in markers:
+        ids = lm.tokenizer.encode(marker, add_special_tokens=False)
+        if len(ids) != 1:
+            raise BadRequestError(
+                f"tool_choice 'none': this model starts a tool call with {marker!r}, which is not one token, so "
+                "chatkit cannot keep it from calling; leave the tools out of this request instead.", param="tool_choice")
+        bias[ids[0]] = -1e9
+    return bias
+
+
+__all__ = ["Handler", "Limiter", "ServerConfig", "ServerState", "reply_of"]
