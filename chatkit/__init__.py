@@ -22,6 +22,7 @@ from . import (
     _blas,  # noqa: F401  (must run before mlx is imported)
     demo,  # noqa: F401  (chatkit.demo.path() after a plain import)
 )
+from ._version import __version__ as __version__
 from .cache.file import CacheFileInfo
 from .cache.state import CacheInfo, CacheOptions
 from .decode.batch import BatchEngine
@@ -61,8 +62,6 @@ from .session.saved import inspect as inspect_cache
 from .session.session import ChatSession
 from .session.streams import ResponseStream, StreamChunk, TurnStats
 from .session.tool_loop import ToolLoopStream
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AsyncResponseStream",

@@ -49,7 +49,7 @@ class UsageError(ChatKitError):
 
 def version() -> str:
     """``chatkit X (mlx Y, mlx-lm Z)``: what ``--version`` prints."""
-    from .. import __version__
+    from .._version import __version__
 
     def installed(name: str) -> str:
         try:
