@@ -892,7 +892,7 @@ def copy_batches(tok, seed: int, batch_size: int = 32, width: int = 128):
     """An endless stream of synthetic copying batches: random token strings, each followed by
     ``<|im_end|>`` and itself again; the loss covers the repeats (from their second token).
 
-    Measured with these phases run by a scratch driver (docs/demo-training-v2-copy.log; 30 warm-up steps,
+    Measured with these phases run by a scratch driver (scripts/logs/demo-training-v2-copy.log; 30 warm-up steps,
     not this script's steps/20): without this phase, 500 to 800 steps of dialogues taught no copying at all (0 %
     recall, held-out names); after 300 steps of it (qwen3 shape 96,4,256,3,3, lr 3e-3, no weight
     decay) the loss on repeats fell from 7.3 to 1.4, and 400 steps of school dialogues then reached
