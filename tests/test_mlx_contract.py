@@ -1,14 +1,24 @@
-"""What chatkit assumes about mlx-lm's insides (chatkit/cache/_mlx.py, chatkit/model/tokenizer.py), checked
-against the installed mlx-lm: an upgrade that changes one of these fails here, loudly, instead of
-corrupting caches or text. pyproject pins the mlx-lm range these pass on."""
+"""What chatkit assumes about mlx-lm's insides (chatkit/cache/_mlx.py, chatkit/model/tokenizer.py: the only
+modules that touch its private attributes, and transformers' one), checked against the installed mlx-lm:
+an upgrade that changes one of these fails here, loudly, instead of corrupting caches or text. pyproject
+pins the mlx-lm range these pass on. Formulas chatkit writes out because mlx-lm keeps their result
+private (Llama 3's rope frequencies) and the test models' classes are checked against mlx-lm's too."""
+
+import importlib
 
 from chatkit.cache import _mlx
+from chatkit.model import tokenizer as _tokenizer
+from chatkit.model.gguf.arch import llama3_rope_freqs
+from chatkit.testing import models as test_models
+from chatkit.testing.tokenizers import tokenizer_files
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import TextStateMachine
 from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models.rope_utils import Llama3RoPE
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+from mlx_lm.utils import _get_classes
 
 
 def kv(n, heads=2, dim=32):
@@ -70,6 +80,58 @@ def test_tokenizer_wrapper_surface(tiny):
         assert hasattr(detok, name), name
     text = wrapper.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert isinstance(text, str) and text.endswith("assistant\n")
+    # has_chat_template: the wrapper's Python renderer (a chat-template module's) sits in _chat_template.
+    assert wrapper._chat_template is None
+
+    def render(*args, **kwargs):
+        return "rendered"
+
+    assert TokenizerWrapper(wrapper._tokenizer, chat_template=render)._chat_template is render
+    assert _tokenizer.hf_tokenizer(wrapper) is wrapper._tokenizer
+    assert _tokenizer.hf_tokenizer(wrapper._tokenizer) is wrapper._tokenizer  # a bare HF tokenizer as is
+
+
+def test_the_detokenizer_chatkit_derives_keeps_a_leading_space_and_hands_text_out_at_once(tiny):
+    """model/tokenizer.py's detokenizer overrides add_token (tokenmap, _unflushed, _decode_bytes) and
+    _maybe_trim_space of mlx-lm's BPE detokenizer: its text is what the tokens decode to, as they come."""
+    wrapper = tiny(arch="qwen3", tokenizer="bpe").tokenizer
+    ids = wrapper.encode(" Hello there, caf\u00e9 \u2603!", add_special_tokens=False)
+    detok = _tokenizer.new_detokenizer(wrapper)
+    assert detok is not wrapper._detokenizer and detok.tokenmap is wrapper._detokenizer.tokenmap
+    for i, token in enumerate(ids):
+        detok.add_token(token)
+        decoded = wrapper.decode(ids[: i + 1])
+        if decoded.endswith("\ufffd"):  # a character's bytes still incomplete: held back
+            assert decoded.startswith(detok.text)
+        else:
+            assert detok.text == decoded
+    detok.finalize()
+    assert detok.text == wrapper.decode(ids) and detok.text.startswith(" Hello")
+
+
+def test_transformers_jinja_environment_has_the_template_helpers():
+    """text/encoder.py renders a self-mutating template in jinja's plain sandbox with transformers'
+    filters and globals, reached through transformers' private _compile_jinja_template."""
+    env = _tokenizer.jinja_environment("{{ messages | tojson }}")
+    assert {"tojson"} <= set(env.filters) and {"raise_exception", "strftime_now"} <= set(env.globals)
+
+
+def test_llama3_rope_frequencies_are_mlx_lms():
+    """model/gguf/arch.py writes out the formula of Llama3RoPE, whose result mlx-lm keeps in _freqs."""
+    for dims, base, factor in ((64, 500000.0, 32.0), (128, 500000.0, 8.0), (32, 10000.0, 4.0)):
+        scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+        rope = Llama3RoPE(dims, 8192, False, base, scaling)
+        assert mx.array_equal(llama3_rope_freqs(dims, base, scaling), rope._freqs)
+
+
+@pytest.mark.parametrize("arch", test_models.ARCHS)
+def test_test_models_are_built_from_the_model_module_mlx_lm_loads(arch):
+    """chatkit.testing builds a tiny model from ``mlx_lm.models.<model_type>``, which is what mlx-lm's
+    loader picks (no remapping) for the test architectures."""
+    config = test_models.model_config(arch, tokenizer_files("bpe", None))
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    assert _get_classes(config) == (module.Model, module.ModelArgs)
 
 
 @pytest.mark.parametrize("name", ["KVCache", "RotatingKVCache", "QuantizedKVCache", "ArraysCache"])

@@ -41,6 +41,7 @@ from ..errors import InvalidParamsError
 from ..model.loaded import LoadedModel
 from ..params import LogitsProcessor, Sampler
 from . import Request, Token, TokenSource
+from .local import LocalSource
 
 HANDBACK_WAIT = 60.0  # seconds a closing turn waits for the scheduler to hand its cache back
 DEFAULT_PREFIX_BYTES = 512 * 1024 * 1024
@@ -125,8 +126,6 @@ class BatchEngine:
 
     def source(self, speculative: Any = None) -> TokenSource:
         """The token source of one session: batched, or alone (speculative, other cache kinds)."""
-        from .local import LocalSource
-
         self.check_open()
         return BatchSource(self, LocalSource(self.lm.model, speculative), speculative is not None)
 

@@ -17,7 +17,8 @@ This is llama.cpp's lazy grammar, done as a switch: the grammar is compiled once
 nothing. Written here rather than with llguidance's ``StructTag`` (a whole-reply grammar with lazy
 triggers) because that one masks every free token, refuses special tokens in free text (``<think>``
 markers, other specials) and cannot keep a marker's *text* out of a JSON string. chatkit reads a reply
-by its text (``chatkit.text.reply``), so the marker texts are watched byte by byte:
+by its text (``chatkit.text.reply``), so the marker texts are watched byte by byte
+(``chatkit.guided.marker_watch``):
 
 * free text may not write the start marker in the middle of a token (its text would open a call whose
   first bytes the grammar never saw); writing it at a token's end (the marker token, or its pieces)
@@ -31,11 +32,8 @@ when a speculative run shows fewer or other tokens), so speculative decoding giv
 
 from __future__ import annotations
 
-import bisect
 import json
-import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +44,8 @@ import numpy as np
 
 from ..cache.planner import common_prefix_length
 from ..errors import ChatKitError, InvalidOutputSpecError
+from ..text.reply import reply_format
+from .marker_watch import token_table
 from .spec import output_spec
 from .tokenizer import llg_tokenizer
 
@@ -94,8 +94,6 @@ class ToolCallGrammar:
 def call_shape(tokenizer: Any) -> tuple[str, CallShape]:
     """(format name, shape) of the tokenizer's tool calls; ``InvalidOutputSpecError`` when strict tool
     calls are not available for it."""
-    from ..text.reply import reply_format
-
     supported = ("Qwen / Hermes <tool_call> JSON, Llama 3 <|python_tag|>, Granite <|tool_call|> and "
                  "Command R <|START_ACTION|>")
     parser = getattr(tokenizer, "tool_parser", None)
@@ -200,118 +198,6 @@ def _marker(tokenizer: Any, llt: llguidance.LLTokenizer, text: str) -> str:
     return json.dumps(text)
 
 
-# -- watching marker texts ---------------------------------------------------------------------------
-
-
-class _Watch:
-    """Where a text ``pattern`` would appear in the reply: a KMP automaton over the tokens' bytes, and
-    for each state the tokens that would complete the pattern."""
-
-    def __init__(self, pattern: bytes, table: _Table) -> None:
-        self.pattern = pattern
-        fail = [0] * len(pattern)
-        k = 0
-        for i in range(1, len(pattern)):
-            while k and pattern[i] != pattern[k]:
-                k = fail[k - 1]
-            if pattern[i] == pattern[k]:
-                k += 1
-            fail[i] = k
-        self._fail = fail
-        self._table = table
-        self._contains = [i for i, b in enumerate(table.bytes) if pattern in b]
-        self._completing: dict[int, list[int]] = {}
-        self._misplaced: dict[int, list[int]] = {}
-
-    def advance(self, k: int, data: bytes) -> tuple[int, int]:
-        """The state after ``data`` from state ``k``, and the index just past the first complete
-        occurrence in ``data`` (-1 when none)."""
-        p, fail, hit = self.pattern, self._fail, -1
-        for i, c in enumerate(data):
-            while k and p[k] != c:
-                k = fail[k - 1]
-            if p[k] == c:
-                k += 1
-            if k == len(p):
-                hit = i + 1 if hit < 0 else hit
-                k = fail[k - 1]
-        return k, hit
-
-    def completing(self, k: int) -> list[int]:
-        """The tokens that would complete the pattern from state ``k`` (the text ends with
-        ``pattern[:k]``): those containing it, and those starting with the rest after one of its borders."""
-        found = self._completing.get(k)
-        if found is None:
-            ids, m = set(self._contains), k
-            while m > 0:
-                rest = self.pattern[m:]
-                ids.update(self._table.starting(rest))
-                m = self._fail[m - 1]
-            found = self._completing[k] = sorted(ids)
-        return found
-
-    def misplaced(self, k: int) -> list[int]:
-        """The tokens that would complete the pattern from state ``k`` before their own end."""
-        found = self._misplaced.get(k)
-        if found is None:
-            texts = self._table.bytes
-            found = self._misplaced[k] = [t for t in self.completing(k) if self.advance(k, texts[t])[1] != len(texts[t])]
-        return found
-
-
-class _Table:
-    """Every token's text as bytes (as the stream decodes it), and the watches over it."""
-
-    def __init__(self, llt: llguidance.LLTokenizer) -> None:
-        self.bytes = [llt.decode_bytes([i]) for i in range(llt.vocab_size)]
-        self._sorted = sorted((b, i) for i, b in enumerate(self.bytes))  # prefix lookups by bisection
-        self._keys = [b for b, _ in self._sorted]
-        self._watches: dict[bytes, _Watch] = {}
-        self._continuing: dict[tuple[tuple[bytes, ...], bytes], list[int]] = {}
-        self._lock = threading.Lock()
-
-    def starting(self, prefix: bytes) -> list[int]:
-        """The tokens whose text starts with ``prefix``."""
-        out, i = [], bisect.bisect_left(self._keys, prefix)
-        while i < len(self._keys) and self._keys[i].startswith(prefix):
-            out.append(self._sorted[i][1])
-            i += 1
-        return out
-
-    def continuing(self, words: tuple[bytes, ...], text: bytes) -> list[int]:
-        """The tokens after which ``text`` is still a prefix of one of ``words`` (cached): those whose
-        text is a non-empty prefix of a word's rest."""
-        key = (words, text)
-        found = self._continuing.get(key)
-        if found is None:
-            ids: set[int] = set()
-            for rest in (w[len(text):] for w in words if w.startswith(text)):
-                ids.update(t for t in self.starting(rest[:1]) if self.bytes[t] and rest.startswith(self.bytes[t]))
-            found = self._continuing[key] = sorted(ids)
-        return found
-
-    def watch(self, text: str) -> _Watch:
-        pattern = text.encode("utf-8")
-        with self._lock:
-            w = self._watches.get(pattern)
-            if w is None:
-                w = self._watches[pattern] = _Watch(pattern, self)
-            return w
-
-
-_tables: weakref.WeakKeyDictionary[Any, _Table] = weakref.WeakKeyDictionary()
-_tables_lock = threading.Lock()
-
-
-def _table(tokenizer: Any) -> _Table:
-    """The token texts of ``tokenizer``, built once per tokenizer (as its llguidance view)."""
-    with _tables_lock:
-        table = _tables.get(tokenizer)
-        if table is None:
-            table = _tables[tokenizer] = _Table(llg_tokenizer(tokenizer))
-        return table
-
-
 # -- the processor -------------------------------------------------------------------------------------
 
 # Free text / inside a call / after a call: only another call or the end / after a call that runs to the end.
@@ -338,7 +224,7 @@ class ToolCallConstraint:
     def __init__(self, grammar: ToolCallGrammar, tokenizer: Any, *, stop: Sequence[str] = (), overlap: bool = True) -> None:
         self.grammar = grammar
         self._llt = llg_tokenizer(tokenizer)
-        self._table = _table(tokenizer)
+        self._table = token_table(tokenizer)
         shape = grammar.shape
         self._start_watch = self._table.watch(shape.start)
         # Inside a call, what would end the tool segment early: the end marker, a stop string.

@@ -10,6 +10,7 @@ import llguidance
 import llguidance.hf
 
 from ..errors import InvalidOutputSpecError
+from ..model.tokenizer import hf_tokenizer
 
 _views: weakref.WeakKeyDictionary[Any, llguidance.LLTokenizer] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -27,10 +28,7 @@ def llg_tokenizer(tokenizer: Any) -> llguidance.LLTokenizer:
 
 
 def _build(tokenizer: Any) -> llguidance.LLTokenizer:
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-    # mlx-lm's wrapper keeps the Hugging Face tokenizer in _tokenizer (as HF's keeps its Rust one).
-    hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    hf = hf_tokenizer(tokenizer)
     eos = getattr(tokenizer, "eos_token_ids", None) or getattr(hf, "eos_token_id", None)
     if isinstance(eos, (set, frozenset, list, tuple)):
         eos = sorted(int(i) for i in eos)

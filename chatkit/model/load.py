@@ -36,21 +36,9 @@ def load(
     run in lockstep on every rank (docs/distributed.md). ``distributed_timeout`` bounds, in seconds,
     how long a rank waits for the others inside one step. In a world of one rank it loads as usual.
     """
-    from mlx_lm import load as mlx_load  # imported here: mlx_lm costs about a second to import
-
-    try:
-        source = os.fspath(path_or_repo)
-    except TypeError:
-        raise ModelLoadError(
-            f"load() takes a Hugging Face repo id or a local folder, got {type(path_or_repo).__name__}."
-        ) from None
-    if isinstance(source, bytes):
-        source = os.fsdecode(source)
-    if not source.strip():
-        raise ModelLoadError("load() needs a Hugging Face repo id or a local model folder, got ''.")
     from .names import resolve  # demo, smollm2, ollama:, lmstudio:, GGUF files -> a model folder
 
-    source = _local_or_repo(resolve(source, tokenizer=tokenizer, dequantize=dequantize))
+    source = _local_or_repo(resolve(_source_text(path_or_repo), tokenizer=tokenizer, dequantize=dequantize))
     group = None
     if distributed is not None:
         from .. import distributed as dist
@@ -62,8 +50,32 @@ def load(
             group = dist.Group(mx_group, used, rank, size, float(distributed_timeout))
             return LoadedModel(model=model, tokenizer=tok, config=config, source=source, distributed=group)
         group = dist.Group(mx_group, distributed, rank, size, float(distributed_timeout))
+    model, tok, config = _mlx_load(source, tokenizer_config)
+    _tokenizer.silence_length_warning(tok)
+    return LoadedModel(model=model, tokenizer=tok, config=dict(config), source=source, distributed=group)
+
+
+def _source_text(path_or_repo: str | os.PathLike[str]) -> str:
+    """``path_or_repo`` as a str; ``ModelLoadError`` for what names no model at all."""
     try:
-        model, tok, config = mlx_load(  # type: ignore[misc]  # 3 values with return_config
+        source = os.fspath(path_or_repo)
+    except TypeError:
+        raise ModelLoadError(
+            f"load() takes a Hugging Face repo id or a local folder, got {type(path_or_repo).__name__}."
+        ) from None
+    if isinstance(source, bytes):
+        source = os.fsdecode(source)
+    if not source.strip():
+        raise ModelLoadError("load() needs a Hugging Face repo id or a local model folder, got ''.")
+    return source
+
+
+def _mlx_load(source: str, tokenizer_config: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """``mlx_lm.load``'s (model, tokenizer, config); its many kinds of errors as ``ModelLoadError``."""
+    from mlx_lm import load as mlx_load  # imported here: mlx_lm costs about a second to import
+
+    try:
+        return mlx_load(  # type: ignore[return-value]  # 3 values with return_config
             source, tokenizer_config=tokenizer_config or None, return_config=True
         )
     except Exception as exc:  # mlx-lm raises many kinds: missing files, hub errors, bad configs
@@ -73,8 +85,6 @@ def load(
             else "check the repo id, or pass a local folder (offline? set HF_HUB_OFFLINE=1 and use a path)"
         )
         raise ModelLoadError(f"Could not load model {source!r}: {exc} ({hint}).") from exc
-    _tokenizer.silence_length_warning(tok)
-    return LoadedModel(model=model, tokenizer=tok, config=dict(config), source=source, distributed=group)
 
 
 def _local_or_repo(source: str) -> str:

@@ -1,5 +1,6 @@
 """Every contact chatkit has with mlx-lm's ``TokenizerWrapper`` and the Hugging Face tokenizer under it
-(private attributes included: ``tests/test_mlx_contract.py`` pins them)."""
+(private attributes included: ``tests/test_mlx_contract.py`` pins them). Outside ``chatkit/cache/_mlx.py``
+(the cache classes), this is the only module that touches private names of mlx-lm or transformers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
 def hf_tokenizer(tokenizer: Any) -> Any:
     """The Hugging Face tokenizer under an mlx-lm ``TokenizerWrapper`` (or the tokenizer itself)."""
-    return getattr(tokenizer, "_tokenizer", tokenizer)
+    # Only a wrapper is unwrapped: a Hugging Face fast tokenizer keeps its Rust one in _tokenizer too.
+    return tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
 
 
 def wrap(tokenizer: Any) -> TokenizerWrapper:
@@ -37,6 +39,14 @@ def chat_template(tokenizer: Any) -> str | None:
 def has_chat_template(tokenizer: Any) -> bool:
     """Whether the tokenizer can render chats: a jinja template, or mlx-lm's Python renderer."""
     return chat_template(tokenizer) is not None or getattr(tokenizer, "_chat_template", None) is not None
+
+
+def jinja_environment(template: str) -> Any:
+    """The jinja environment transformers renders ``template`` in, with its filters and globals
+    (``tojson``, ``raise_exception``, ``namespace`` ...); transformers offers no public way to it."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    return _compile_jinja_template(template).environment
 
 
 def silence_length_warning(tokenizer: Any) -> None:
@@ -80,6 +90,7 @@ __all__ = [
     "chat_template",
     "has_chat_template",
     "hf_tokenizer",
+    "jinja_environment",
     "new_detokenizer",
     "silence_length_warning",
     "vocab_size",

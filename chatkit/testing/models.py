@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import importlib
 import json
 import numbers
 import os
@@ -193,12 +194,12 @@ def _init_weights(model, arch: str, seed: int) -> None:
 def _build(
     folder: Path, arch: str, tokenizer: str, seed: int, overrides: tuple[tuple[str, int], ...], chat_template: str | None
 ) -> None:
-    from mlx_lm.utils import _get_classes, save_config, save_model
+    from mlx_lm.utils import save_config, save_model
 
     tok = tokenizer_files(tokenizer, chat_template)
     config = model_config(arch, tok, overrides)
-    model_class, args_class = _get_classes(config)
-    model = model_class(args_class.from_dict(config))  # its random init is replaced below
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")  # no test arch is remapped
+    model = module.Model(module.ModelArgs.from_dict(config))  # its random init is replaced below
     if arch == "gemma3_text":
         model.pop("lm_head")  # mlx-lm ties gemma3_text's embeddings when lm_head is absent
     _init_weights(model, arch, seed)

@@ -21,7 +21,7 @@ from typing import Any
 from jinja2.exceptions import SecurityError
 
 from ..errors import TemplateError
-from ..model.tokenizer import chat_template, hf_tokenizer
+from ..model.tokenizer import chat_template, hf_tokenizer, jinja_environment
 
 # Content placeholders: a marker character, then one character naming the special token.
 _MARK = "\U000f0000"
@@ -71,7 +71,6 @@ def _render_mutable(
     environment's filters and globals (``tojson``, ``raise_exception``, ``namespace`` ...) in jinja's
     plain sandbox, over JSON copies of the inputs, so a template changes only its copies."""
     from jinja2.sandbox import SandboxedEnvironment
-    from transformers.utils.chat_template_utils import _compile_jinja_template
 
     hf = hf_tokenizer(tokenizer)
     text = template if template is not None else chat_template(tokenizer)
@@ -80,7 +79,7 @@ def _render_mutable(
             "The chat template changes its own lists, which chatkit renders from its jinja text: pass that text "
             "with ChatSession.builder(...).chat_template(text_or_path)."
         )
-    base = _compile_jinja_template(text).environment
+    base = jinja_environment(text)
     env = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters.update(base.filters)
     env.globals.update(base.globals)

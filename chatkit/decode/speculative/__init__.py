@@ -1,4 +1,7 @@
-"""Speculative decoding: the configuration, the draft's checks, the draft-length policy, prompt lookup."""
+"""Speculative decoding: the configuration, the draft's checks, the draft-length policy, prompt lookup.
+
+The loop itself (``loop.py``) and its drafters (``drafters.py``) are imported by the local token source.
+"""
 
 from .config import PROMPT_LOOKUP, SpeculativeConfig, check_cache_options, check_draft
 from .lookup import NgramIndex

@@ -47,6 +47,19 @@ def _need(meta: dict[str, Any], key: str) -> Any:
     return v
 
 
+def llama3_rope_freqs(dims: int, base: float, scaling: dict[str, Any]) -> mx.array:
+    """The rotary frequencies mlx-lm's ``Llama3RoPE`` uses for a ``rope_scaling`` config: its formula,
+    written out because mlx-lm keeps the result private (``tests/test_mlx_contract.py`` checks the two agree)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    freqs = base ** (mx.arange(0, dims, 2) / dims)
+    wavelens = 2 * mx.pi * freqs
+    freqs = mx.where(wavelens > old_context / low, freqs * factor, freqs)
+    medium = (wavelens > old_context / high) & (wavelens < old_context / low)
+    smooth = (old_context / wavelens - low) / (high - low)
+    return mx.where(medium, freqs / ((1 - smooth) / factor + smooth), freqs)
+
+
 def _llama3_rope(freqs: mx.array, dims: int, base: float) -> dict[str, Any]:
     """Llama 3's rope scaling from the ``rope_freqs`` factors llama.cpp stores in place of its config.
 
@@ -54,8 +67,6 @@ def _llama3_rope(freqs: mx.array, dims: int, base: float) -> dict[str, Any]:
     factor is the largest of them, and the other three are the ones every Llama 3.x model uses. The
     guess is checked against the stored factors, so a file built otherwise is refused, not misread.
     """
-    from mlx_lm.models.rope_utils import Llama3RoPE
-
     stored = freqs.astype(mx.float32)
     config = {
         "rope_type": "llama3",
@@ -64,8 +75,7 @@ def _llama3_rope(freqs: mx.array, dims: int, base: float) -> dict[str, Any]:
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    rope = Llama3RoPE(dims, 8192, False, base, config)
-    implied = rope._freqs / (base ** (mx.arange(0, dims, 2) / dims))
+    implied = llama3_rope_freqs(dims, base, config) / (base ** (mx.arange(0, dims, 2) / dims))
     if implied.shape != stored.shape or not mx.allclose(implied, stored, rtol=1e-3).item():
         raise ModelLoadError(
             "The GGUF file's rope_freqs tensor matches no Llama 3 rope scaling (factor "
@@ -196,4 +206,4 @@ def dequantized(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.a
     return out
 
 
-__all__ = ["SUPPORTED", "dequantized", "hf_name", "map_weights", "model_config", "quantization"]
+__all__ = ["SUPPORTED", "dequantized", "hf_name", "llama3_rope_freqs", "map_weights", "model_config", "quantization"]

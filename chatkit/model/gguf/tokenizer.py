@@ -45,13 +45,28 @@ def build(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         if f"tokenizer.{key}" in meta
     }
     kind, pre = d.get("tokenizer_type"), d.get("pre_tokenizer_type")
+    _check_vocabulary(d, known_splits=GGUF_PRE_TOKENIZER_SPLITS)
+    arch = value(meta, "general.architecture")
+    try:
+        tokenizer, _ = convert_gguf_tokenizer(arch, d)
+    except Exception as exc:  # transformers raises ValueError/KeyError on files it cannot read
+        raise TokenizerUnavailable(f"transformers could not convert it: {exc}") from exc
+    if kind == "gpt2" and pre not in GGUF_PRE_TOKENIZER_SPLITS:
+        tokenizer.pre_tokenizer = _extra_pre_tokenizer(pre)
+    return tokenizer, _tokenizer_config(meta, d["tokens"], kind)
+
+
+def _check_vocabulary(d: dict[str, Any], known_splits: Any) -> None:
+    """``TokenizerUnavailable`` unless the vocabulary ``d`` (transformers' names for the GGUF keys) can
+    be rebuilt faithfully; ``known_splits``: the pre-tokenizers transformers knows."""
+    kind, pre = d.get("tokenizer_type"), d.get("pre_tokenizer_type")
     if not d.get("tokens"):
         raise TokenizerUnavailable("the file has no tokenizer vocabulary (tokenizer.ggml.tokens)")
     if kind == "gpt2":
         if "merges" not in d:
             raise TokenizerUnavailable("its byte-level BPE vocabulary comes without merges")
         extra = _extra_pre_tokenizer(pre)
-        if pre not in GGUF_PRE_TOKENIZER_SPLITS and extra is None:
+        if pre not in known_splits and extra is None:
             raise TokenizerUnavailable(f"its pre-tokenizer {pre!r} is not one chatkit knows how to rebuild")
     elif kind == "llama":
         scores = d.get("scores") or []
@@ -60,15 +75,10 @@ def build(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
             raise TokenizerUnavailable("its SentencePiece vocabulary has neither merges nor scores to order merges by")
     else:
         raise TokenizerUnavailable(f"its tokenizer model {kind!r} is not supported (gpt2 and llama are)")
-    arch = value(meta, "general.architecture")
-    try:
-        tokenizer, _ = convert_gguf_tokenizer(arch, d)
-    except Exception as exc:  # transformers raises ValueError/KeyError on files it cannot read
-        raise TokenizerUnavailable(f"transformers could not convert it: {exc}") from exc
-    if kind == "gpt2" and pre not in GGUF_PRE_TOKENIZER_SPLITS:
-        tokenizer.pre_tokenizer = _extra_pre_tokenizer(pre)
 
-    tokens = d["tokens"]
+
+def _tokenizer_config(meta: dict[str, Any], tokens: list[str], kind: str | None) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` of the file's tokenizer: special tokens, flags, chat template."""
 
     def token(key: str) -> str | None:
         i = value(meta, f"tokenizer.ggml.{key}")
@@ -87,7 +97,7 @@ def build(meta: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     }
     if template := value(meta, "tokenizer.chat_template"):
         config["chat_template"] = template
-    return tokenizer, {k: v for k, v in config.items() if v is not None}
+    return {k: v for k, v in config.items() if v is not None}
 
 
 def eos_token_ids(meta: dict[str, Any]) -> list[int]:
