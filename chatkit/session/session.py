@@ -20,7 +20,7 @@ from ..cache.state import CacheInfo, CacheOptions, CacheState
 from ..decode import ProgressCallback, TokenSource
 from ..decode.batch import BatchEngine, check_engine
 from ..decode.sources import source_for
-from ..decode.speculative import SpeculativeConfig, check_cache_options
+from ..decode.speculative import SpeculativeConfig, check_cache_options, vocab_limit
 from ..errors import InvalidParamsError, NoCacheAvailableError
 from ..messages import ChatMessage, MessageLike, Role, ToolCall, check_instructions
 from ..model import tokenizer as _tokenizer
@@ -364,7 +364,7 @@ class ChatSession:
         params = self._params.copy()
         if constraint is not None:
             params = params.copy(logits_processors=[*params.logits_processors, constraint])
-        params.validate(_vocab_size(self._lm, self._speculative))
+        params.validate(vocab_limit(self._lm, self._speculative))
         constraints = [self._strict.constraint(self._tools, params.stop)] if strict and self._tools is not None else []
         self._gate.take_turn(loop)
         try:
@@ -443,12 +443,6 @@ class ChatSession:
     def _shared_prefixes(self) -> Any:
         """The engine's shared prefix cache, when the session runs on a ``BatchEngine`` that has one."""
         return None if self._engine is None else self._engine.prefix_cache
-
-
-def _vocab_size(lm: LoadedModel, speculative: SpeculativeConfig | None) -> int:
-    """Token ids must be below this in every model a turn runs (mlx-lm biases the draft's logits too)."""
-    draft = speculative.draft_model if speculative is not None else None
-    return lm.vocab_size if draft is None else min(lm.vocab_size, draft.vocab_size)
 
 
 __all__ = ["ChatSession"]

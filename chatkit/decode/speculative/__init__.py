@@ -3,9 +3,9 @@
 The loop itself (``loop.py``) and its drafters (``drafters.py``) are imported by the local token source.
 """
 
-from .config import PROMPT_LOOKUP, SpeculativeConfig, check_cache_options, check_draft
+from .config import PROMPT_LOOKUP, SpeculativeConfig, check_cache_options, check_draft, vocab_limit
 from .lookup import NgramIndex
 from .policy import DraftPolicy, new_policy
 
 __all__ = ["DraftPolicy", "NgramIndex", "PROMPT_LOOKUP", "SpeculativeConfig", "check_cache_options", "check_draft",
-           "new_policy"]
+           "new_policy", "vocab_limit"]

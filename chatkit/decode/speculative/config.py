@@ -127,4 +127,10 @@ def check_cache_options(speculative: SpeculativeConfig | None, options: CacheOpt
         )
 
 
-__all__ = ["AUTO", "PROMPT_LOOKUP", "SpeculativeConfig", "check_cache_options", "check_draft"]
+def vocab_limit(target: LoadedModel, speculative: SpeculativeConfig | None) -> int:
+    """Token ids must be below this in every model a turn runs (mlx-lm biases the draft's logits too)."""
+    draft = speculative.draft_model if speculative is not None else None
+    return target.vocab_size if draft is None else min(target.vocab_size, draft.vocab_size)
+
+
+__all__ = ["AUTO", "PROMPT_LOOKUP", "SpeculativeConfig", "check_cache_options", "check_draft", "vocab_limit"]
