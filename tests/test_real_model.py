@@ -141,8 +141,9 @@ def lm_tools():
 @pytest.mark.filterwarnings("ignore:This chat template does not render the tools")  # checked once, below
 def test_a_tool_turn_on_a_template_that_renders_no_tools(lm, lm_tools):
     # What chatkit does with SmolLM2's template (probed once): it renders neither tools nor calls, so
-    # the tools are not shown (a warning), a call is written into the reply's content as JSON, and a
-    # result is rendered as a "tool" message. The model does not call by itself: the call is forced.
+    # the tools are not shown (a warning), a call is written into the reply's content in the tokenizer's
+    # own call format (what its parser reads), and a result is rendered as a "tool" message. The model
+    # does not call by itself: the call is forced.
     assert not lm.tokenizer.has_tool_calling
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     params = GenerateParams(max_tokens=32, temperature=0.0, logits_processors=[Scripted(lm_tools.tokenizer, [call])])
@@ -156,13 +157,12 @@ def test_a_tool_turn_on_a_template_that_renders_no_tools(lm, lm_tools):
     (called,) = asked.tool_calls
     assert (called.name, called.arguments, result.tool_call_id) == ("get_weather", {"city": "Paris"}, called.id)
     assert result.content == "It is sunny and 24 degrees in Paris."
-    # The real model's own continuation (greedy, float32): SmolLM2-135M does not answer from the result,
-    # it imitates the JSON its call was rendered as. Without tool-call markers that is text, so the
-    # loop ends; what matters here is that chatkit continues exactly as a fresh session would.
+    # The real model's own continuation (greedy, float32): SmolLM2-135M answers with text, so the loop
+    # ends; what matters here is that chatkit continues exactly as a fresh session would.
     assert stream.text == answer.content and not answer.tool_calls
     assert stream.stats.reused_tokens > 0  # the second round prefilled only the result
     prompt = session.render("And tomorrow?")
-    assert '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}' in prompt
+    assert call in prompt and '{"tool_calls"' not in prompt
     assert "<|im_start|>tool\nIt is sunny and 24 degrees in Paris.<|im_end|>" in prompt
     # Invariant 5: the answer is what a fresh session replaying the call gives to the result ...
     fresh = (ChatSession.builder(lm_tools).instructions("You are a helpful assistant.")

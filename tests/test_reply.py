@@ -67,8 +67,12 @@ def test_reasoning_ending_inside_a_marker_drops_the_partial_marker(partial):
     assert run(["<think>Hmm " + partial])[0].reasoning == "Hmm "
 
 
-def test_text_that_only_looks_like_a_marker_of_another_state_stays():
-    assert run(["a </think> b"])[0].text == "a </think> b"
+def test_a_closing_marker_with_no_block_open_never_reaches_the_text():
+    # Weak models write a lone </tool_call> or </think> (the demo did): markers never reach the answer.
+    assert run(["a </think> b"])[0].text == "a  b"
+    seg, pieces = run(["Sure.</tool_call> Done", "</th", "ink>!"])
+    assert seg.text == "Sure. Done!" and seg.tool_calls == [] and "".join(p.text for p in pieces) == "Sure. Done!"
+    assert run(["<think>x</think>y</think>z"])[0].text == "yz"
 
 
 def test_a_stop_string_inside_reasoning_ends_the_reply_and_is_cut():

@@ -356,3 +356,30 @@ def test_the_stream_types_stream_respond_returns_are_what_mypy_sees(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", "--follow-imports=silent", str(tmp_path / "use.py")],
                          cwd=root, env={**os.environ, "MYPYPATH": str(root)}, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+
+
+PLAIN_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_cannot_render_calls_gets_them_in_the_models_own_format(lm):
+    # The template shows role and content only: past calls go into the reply's content as the model writes
+    # them (the format its parser reads), not as {"tool_calls": ...} JSON that it would imitate in vain.
+    script = Scripted(lm.tokenizer, [call("get_weather", city="Paris"), "Sunny."])
+    session = (ChatSession.builder(lm).chat_template(PLAIN_CHATML).tools([get_weather])
+               .generate_params(GenerateParams(max_tokens=60, logits_processors=[script])).build())
+    with pytest.warns(UserWarning, match="does not render the tools"):
+        assert session.respond("Weather in Paris?") == "Sunny."
+    _, asked, result, _ = session.history
+    prompt = session.render("And tomorrow?")
+    assert call("get_weather", city="Paris") in prompt and '{"tool_calls"' not in prompt
+    assert f"<|im_start|>tool\n{result.content}<|im_end|>" in prompt
+    # What was rendered reads back as the same call, so the model could continue the pattern.
+    from chatkit.text.reply import Segmenter
+
+    segmenter = Segmenter(lm.tokenizer)
+    segmenter.feed(prompt.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0], final=True)
+    assert [(c.name, c.arguments) for c in segmenter.tool_calls] == [(c.name, c.arguments) for c in asked.tool_calls]
+    assert_ledger_matches_cache(session)

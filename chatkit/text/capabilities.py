@@ -8,7 +8,8 @@ rendered once with small probe conversations, and the messages of every later re
 what it showed it can do, so that every template renders every conversation chatkit can hold:
 
 * no system role: the instructions go into the first user message (as Gemma's docs do);
-* no tool calls: an assistant's calls are written into its content as JSON;
+* no tool calls: an assistant's calls are written into its content, in the tokenizer's own call format
+  when chatkit can write it (what its parser reads back), else as JSON;
 * no tool role (or tool messages dropped): results become user text, merged with a neighbouring user
   message so roles still alternate;
 * arguments as a string when the template concatenates them.
@@ -82,8 +83,12 @@ def probe(render: Render) -> Capabilities:
     return Capabilities(no_tools, system_role, tool_calls, arguments_as_string, tool_role, renders_tools)
 
 
-def adapt(messages: Sequence[Mapping[str, Any]], caps: Capabilities) -> list[dict[str, Any]]:
-    """``messages`` (template dicts) rewritten into what ``caps`` says the template renders."""
+WriteCalls = Callable[[list[dict[str, Any]]], "str | None"]  # calls -> their text in the model's own format
+
+
+def adapt(messages: Sequence[Mapping[str, Any]], caps: Capabilities, write_calls: WriteCalls | None = None) -> list[dict[str, Any]]:
+    """``messages`` (template dicts) rewritten into what ``caps`` says the template renders; ``write_calls``
+    writes calls the template cannot render in the model's own format (``None`` from it: JSON)."""
     out: list[dict[str, Any]] = []
     was_converted = False  # the last message out is a tool result written as user text
     for m in messages:
@@ -91,7 +96,8 @@ def adapt(messages: Sequence[Mapping[str, Any]], caps: Capabilities) -> list[dic
         if d.get("tool_calls"):
             if not caps.tool_calls:
                 calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in d.pop("tool_calls")]
-                text = json.dumps({"tool_calls": calls}, ensure_ascii=False)
+                native = write_calls(calls) if write_calls is not None else None
+                text = native if native is not None else json.dumps({"tool_calls": calls}, ensure_ascii=False)
                 d["content"] = f"{d['content']}\n{text}" if d.get("content") else text
             elif caps.arguments_as_string:
                 d["tool_calls"] = [

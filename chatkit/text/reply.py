@@ -17,7 +17,7 @@ import hashlib
 import json
 import weakref
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,9 +63,18 @@ def transitions(tokenizer: Any, stop: Sequence[str] = ()) -> dict[str, list[tupl
     if fmt is not None:  # a format mlx-lm does not know (chatkit/text/formats/)
         for state, extra in fmt.transitions.items():
             edges.setdefault(state, []).extend(extra)
+    edges["normal"].extend(_orphan_closers(tokenizer, edges))
     for state in list(edges):
         edges[state].extend((s, None) for s in stop)
     return edges
+
+
+def _orphan_closers(tokenizer: Any, edges: dict[str, list[tuple[str, str | None]]]) -> list[tuple[str, str]]:
+    """A closing marker met in the answer, with no block open (``</think>`` or ``</tool_call>`` alone, as
+    weak models write them), is dropped like any marker: markers never reach the text."""
+    opening = {marker for marker, _ in edges["normal"]}
+    closers = (getattr(tokenizer, "think_end", None), getattr(tokenizer, "tool_call_end", None))
+    return [(c, "normal") for c in dict.fromkeys(closers) if isinstance(c, str) and c and c not in opening]
 
 
 def initial_state(tokenizer: Any, prompt: Sequence[int]) -> str:
@@ -247,6 +256,24 @@ def parse_tool_calls(parser: Callable[..., Any] | None, text: str, tools: Sequen
     return calls
 
 
+def written_calls(tokenizer: Any, calls: Sequence[Mapping[str, Any]]) -> str | None:
+    """``calls`` (``{"name", "arguments"}``) written in the tokenizer's own tool-call format, as its parser
+    reads them back (for templates that cannot render calls: a model then sees past calls as it writes
+    them); ``None`` when chatkit cannot write that format (marked JSON calls are what it writes)."""
+    start, end = getattr(tokenizer, "tool_call_start", None), getattr(tokenizer, "tool_call_end", None)
+    parser = getattr(tokenizer, "tool_parser", None)
+    if not (getattr(tokenizer, "has_tool_calling", False) and start and end and parser is not None):
+        return None
+    blocks = []
+    for call in calls:
+        body = json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
+        read = parse_tool_calls(parser, body, None)
+        if [(c.name, c.arguments, c.error) for c in read] != [(call["name"], call["arguments"], None)]:
+            return None  # the parser reads another format: do not teach the model one it cannot use
+        blocks.append(f"{start}\n{body}\n{end}")
+    return "\n".join(blocks)
+
+
 def _guess_name(text: str) -> str:
     """The ``"name"`` of a call whose JSON is broken, when it can still be read (for the error message)."""
     start = text.find('"name"')
@@ -268,4 +295,5 @@ __all__ = [
     "initial_state",
     "parse_tool_calls",
     "transitions",
+    "written_calls",
 ]

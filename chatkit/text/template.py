@@ -17,6 +17,7 @@ from ..messages import ChatMessage
 from ..model import tokenizer as _tokenizer
 from .capabilities import Capabilities, adapt, probe, warn_dropped_tool_messages, warn_ignored_tools
 from .encoder import PromptEncoder, apply_chat_template
+from .reply import written_calls
 
 
 def read_template(source: str | os.PathLike[str]) -> str:
@@ -95,7 +96,7 @@ class ChatTemplate:
         caps = self.capabilities()
         warn_ignored_tools(caps, tools, self._warned)
         warn_dropped_tool_messages(caps, dicts, self._warned)
-        dicts = adapt(dicts, caps)
+        dicts = adapt(dicts, caps, lambda calls: written_calls(self.tokenizer, calls))
         try:
             text = apply_chat_template(
                 self.tokenizer,
