@@ -8,6 +8,7 @@ The whole public API is here (``chatkit.X``); submodules are implementation::
                                                         (with tools: ToolLoopStream, every round)
     session.arespond / .astream_respond                 -> async: str / AsyncResponseStream
     session.undo() .regenerate() .fork() .clear()       editing the conversation
+    ContextPolicy.rolling() / .summarize()              conversations longer than the window (builder.context_policy)
     session.save_cache(path); builder.cache(path)       persistence (inspect_cache -> CacheFileInfo)
     ChatMessage, Role, ToolCall                         messages (reasoning and tool calls apart)
     GenerateParams, CacheOptions, SpeculativeConfig     settings;  TurnStats, CacheInfo: what it cost
@@ -47,6 +48,7 @@ from .errors import (
     OutputValidationError,
     SessionBusyError,
     SpeculativeCacheRestoreError,
+    SummaryError,
     TemplateError,
     ToolExecutionError,
     ToolLoopLimitError,
@@ -57,10 +59,12 @@ from .model.loaded import LoadedModel
 from .params import GenerateParams
 from .session.aio import AsyncResponseStream
 from .session.builder import ChatSessionBuilder
+from .session.context import ContextPolicy
 from .session.pool import SessionPool
+from .session.results import StreamChunk, TurnStats
 from .session.saved import inspect as inspect_cache
 from .session.session import ChatSession
-from .session.streams import ResponseStream, StreamChunk, TurnStats
+from .session.streams import ResponseStream
 from .session.tool_loop import ToolLoopStream
 
 __all__ = [
@@ -75,6 +79,7 @@ __all__ = [
     "ChatMessage",
     "ChatSession",
     "ChatSessionBuilder",
+    "ContextPolicy",
     "ContextWindowExceededError",
     "DistributedError",
     "GenerateParams",
@@ -96,6 +101,7 @@ __all__ = [
     "SessionBusyError",
     "SessionPool",
     "SpeculativeCacheRestoreError",
+    "SummaryError",
     "SpeculativeConfig",
     "StreamChunk",
     "TemplateError",

@@ -12,6 +12,7 @@
     ├── MissingDependencyError         an optional extra is not installed            (also ImportError)
     ├── SessionBusyError               a turn is in progress: close its stream first
     ├── ContextWindowExceededError     the prompt does not fit the model's context window
+    ├── SummaryError                   a context policy's summarizer failed or wrote no text
     ├── NothingToUndoError             no exchange to undo
     ├── NothingToRegenerateError       no reply to answer again
     ├── ToolLoopLimitError             the model kept calling tools past max_tool_rounds
@@ -70,6 +71,10 @@ class ContextWindowExceededError(ChatKitError):
         super().__init__(message)
         self.prompt_tokens = prompt_tokens
         self.context_length = context_length
+
+
+class SummaryError(ChatKitError):
+    """A ``ContextPolicy.summarize`` summarizer failed or wrote no text: the turn did not start."""
 
 
 class NothingToUndoError(ChatKitError):
@@ -168,6 +173,7 @@ __all__ = [
     "OutputValidationError",
     "SessionBusyError",
     "SpeculativeCacheRestoreError",
+    "SummaryError",
     "TemplateError",
     "ToolExecutionError",
     "ToolLoopLimitError",

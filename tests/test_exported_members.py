@@ -10,12 +10,13 @@ PUBLIC = {
     "ResponseStream", "ToolLoopStream", "AsyncResponseStream", "StreamChunk", "TurnStats",
     # messages and settings
     "ChatMessage", "Role", "ToolCall", "GenerateParams", "CacheOptions", "CacheInfo", "SpeculativeConfig",
+    "ContextPolicy",  # conversations that outlive the context window
     # persistence
     "inspect_cache", "CacheFileInfo",
     # errors
     "ChatKitError", "ModelLoadError", "TemplateError", "InvalidMessageError", "InvalidParamsError",
     "SpeculativeCacheRestoreError", "IncompatibleDraftError", "MissingDependencyError", "SessionBusyError", "ContextWindowExceededError",
-    "NothingToUndoError", "NothingToRegenerateError", "CacheError", "NoCacheAvailableError", "CacheFileError",
+    "SummaryError", "NothingToUndoError", "NothingToRegenerateError", "CacheError", "NoCacheAvailableError", "CacheFileError",
     "IncompatibleCacheError", "ToolLoopLimitError", "ToolExecutionError", "DistributedError",
     "InvalidOutputSpecError", "OutputValidationError", "IncompleteOutputError",  # guided replies (respond(output=...))
 }

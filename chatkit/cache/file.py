@@ -36,7 +36,7 @@ from .state import CacheOptions, Checkpoint, layers_fit
 FORMAT_VERSION = 2
 _KEY = "chatkit"  # the metadata entry holding chatkit's JSON
 _SUM_KEY = "chatkit_crc32"  # the CRC-32 of that JSON (an entry of its own: a checksum cannot cover itself)
-CONVERSATION_KEYS = ("instructions", "messages", "generate_params")  # the session's part of the metadata
+CONVERSATION_KEYS = ("instructions", "messages", "generate_params", "context")  # the session's part of the metadata
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class CacheFileInfo:
     generate_params: Mapping[str, Any] | None = None
     cache_options: Mapping[str, Any] | None = None
     saved_at: str | None = None
+    context: Mapping[str, Any] | None = None  # what a context policy shows the model (session.saved reads it)
 
     @property
     def turns(self) -> int:
@@ -230,7 +231,7 @@ def _inspect(target: Path) -> tuple[CacheFileInfo, dict[str, Any] | None]:
         kind="chatkit", format_version=meta["format_version"], tokens=opaque + len(tokens), opaque_tokens=opaque,
         layer_classes=classes[: len(meta["layer_classes"])], fingerprint=meta["fingerprint"],
         instructions=meta["instructions"], messages=tuple(meta["messages"]), generate_params=meta["generate_params"],
-        cache_options=meta["cache_options"], saved_at=meta["saved_at"], **sizes,
+        cache_options=meta["cache_options"], saved_at=meta["saved_at"], context=meta.get("context"), **sizes,
     )
     return info, meta
 
@@ -289,8 +290,9 @@ def _check_conversation(meta: Mapping[str, Any], where: str) -> None:
             raise damaged(where, name)
     if not isinstance(meta.get("messages"), list):
         raise damaged(where, "messages")
-    if meta.get("generate_params") is not None and not isinstance(meta.get("generate_params"), dict):
-        raise damaged(where, "generate_params")
+    for name in ("generate_params", "context"):
+        if meta.get(name) is not None and not isinstance(meta.get(name), dict):
+            raise damaged(where, name)
     options = meta.get("cache_options")
     if options is not None:
         if not isinstance(options, dict):

@@ -14,7 +14,7 @@ from ..cache.state import CacheState
 from ..params import LogitsProcessor
 from . import Request, Token
 from .speculative import SpeculativeConfig, new_policy
-from .speculative.loop import speculate
+from .speculative.loop import prefill, speculate
 
 
 class LocalSource:
@@ -82,4 +82,17 @@ def standard_tokens(
             steps.close()
 
 
-__all__ = ["LocalSource", "standard_tokens", "with_context"]
+def fill(cache: CacheState, prompt: Sequence[int], model: Any, draft_model: Any = None) -> None:
+    """Prefill ``prompt`` into ``cache`` (reusing what it holds; a draft's layers too) without generating:
+    a context prepared ahead of the turn that will use it."""
+    plan = cache.prepare(prompt)
+    assert cache.layers is not None
+    models = [(model, cache.layers)]
+    if draft_model is not None and cache.draft_layers is not None:
+        models.append((draft_model, cache.draft_layers))
+    with mx.stream(generation_stream):
+        prefill(models, plan.suffix, cache.options.prefill_step_size, None, len(plan.suffix))
+    cache.record(plan.suffix)
+
+
+__all__ = ["LocalSource", "fill", "standard_tokens", "with_context"]

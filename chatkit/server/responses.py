@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
-from ..session.streams import TurnStats
+from ..session.results import TurnStats
 from .errors import BadRequestError, error_body
 from .session_index import Lease
 from .state import ServerState, reply_of

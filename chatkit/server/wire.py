@@ -27,7 +27,7 @@ from starlette.requests import Request
 from ..errors import ChatKitError
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
-from ..session.streams import StreamChunk
+from ..session.results import StreamChunk
 from ..text.reply import REASONING, TEXT, TOOL_CALL
 from .errors import BadRequestError
 

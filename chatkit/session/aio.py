@@ -9,9 +9,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from .streams import GuidedStream, ReplyStream, StreamChunk
+from .results import StreamChunk
+from .streams import GuidedStream, ReplyStream
 
 END = object()  # what pump() hands over after the last chunk
+After = Callable[[], "Callable[[], None] | None"]  # after a turn: the work to run between turns, if any
 LOOKAHEAD = 2  # chunks a worker may compute before the consumer takes them
 
 
@@ -70,8 +72,11 @@ class AsyncResponseStream:
     took, plus at most those few chunks.
     """
 
-    def __init__(self, stream: ReplyStream, stop: threading.Event | None = None) -> None:
-        """``stop``: an event to set when the turn is told to stop (the session waits on its commit)."""
+    def __init__(self, stream: ReplyStream, stop: threading.Event | None = None, after: After | None = None) -> None:
+        """``stop``: an event to set when the turn is told to stop (the session waits on its commit);
+        ``after``: called on the worker once the turn has ended, before the caller hears of it; the work
+        it returns (preparing the next compaction) runs after, while the caller goes on."""
+        self._after = after
         self._stream = stream
         self._cancel = stop if stop is not None else threading.Event()
         self._credits = threading.Semaphore(LOOKAHEAD)
@@ -145,13 +150,14 @@ class AsyncResponseStream:
         self._loop = loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
         self._done = loop.create_future()
-        args = (self._stream, loop, self._queue, self._done, self._cancel, self._credits)
+        args = (self._stream, loop, self._queue, self._done, self._cancel, self._credits, self._after)
         threading.Thread(target=_work, args=args, name="chatkit-turn", daemon=False).start()
 
 
 def _work(stream: ReplyStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, done: asyncio.Future,
-          cancel: threading.Event, credits: threading.Semaphore) -> None:
-    """A turn's worker thread: pump the stream into the event loop's queue, then resolve ``done``."""
+          cancel: threading.Event, credits: threading.Semaphore, after: After | None = None) -> None:
+    """A turn's worker thread: pump the stream into the event loop's queue, resolve ``done``, then run
+    ``after`` (between turns: the caller is not waiting for it)."""
     try:
         # A closed event loop takes no more chunks (e.g. asyncio.run() returned while a stream was
         # still referenced): the turn stops and commits instead of blocking the process's exit.
@@ -159,8 +165,13 @@ def _work(stream: ReplyStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Q
         pump(stream, lambda item: _call(loop, queue.put_nowait, item), cancel, credits,
              lambda: not loop.is_closed() and threading.main_thread().is_alive())
     finally:
-        mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
+        work = after() if after is not None else None
         _call(loop, done.set_result, None)
+        try:
+            if work is not None:
+                work()
+        finally:
+            mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -> None:
@@ -173,8 +184,8 @@ def _call(loop: asyncio.AbstractEventLoop, fn: Callable[[Any], Any], arg: Any) -
 class AsyncGuidedStream(AsyncResponseStream):
     """An :class:`AsyncResponseStream` over a guided reply: ``partial`` and ``value`` too."""
 
-    def __init__(self, stream: GuidedStream, stop: threading.Event | None = None) -> None:
-        super().__init__(stream, stop=stop)
+    def __init__(self, stream: GuidedStream, stop: threading.Event | None = None, after: After | None = None) -> None:
+        super().__init__(stream, stop=stop, after=after)
         self._guided = stream
 
     @property

@@ -23,6 +23,7 @@ from ..text.template import read_template
 from ..tools import as_tools
 from ..tools.options import DEFAULT_MAX_TOOL_ROUNDS, ToolOptions
 from . import saved
+from .context import ContextPolicy, Window
 from .tool_loop import strict_grammar
 
 S = TypeVar("S")
@@ -45,7 +46,10 @@ class SessionSettings:
     speculative: SpeculativeConfig | None = None
     allow_special_in_content: bool = False
     engine: Any = None
+    context_policy: ContextPolicy = ContextPolicy()
     cache: CacheState | None = None
+    window: Window = Window()  # what the model sees of ``history`` (a restored context policy's window)
+    earlier: tuple[tuple[int, Window], ...] = ()
 
 
 def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
@@ -93,6 +97,7 @@ class ChatSessionBuilder(Generic[S]):
         self._speculative: SpeculativeConfig | None = None
         self._allow_special = False
         self._engine: Any = None
+        self._context_policy: ContextPolicy | None = None  # None: the default, or a restored file's
 
     def instructions(self, text: str | None) -> ChatSessionBuilder[S]:
         """The system prompt."""
@@ -209,6 +214,14 @@ class ChatSessionBuilder(Generic[S]):
         self._engine = engine
         return self
 
+    def context_policy(self, policy: ContextPolicy) -> ChatSessionBuilder[S]:
+        """What a turn does when the conversation outgrows the context window (``chatkit.ContextPolicy``:
+        ``error()``, the default, ``rolling(...)`` or ``summarize(...)``). The history keeps every message."""
+        if not isinstance(policy, ContextPolicy):
+            raise InvalidParamsError(f"context_policy() takes a chatkit.ContextPolicy, got {type(policy).__name__}.")
+        self._context_policy = policy.checked()
+        return self
+
     def build(self) -> S:
         """Check the settings (and load the cache to restore) and return the session."""
         instructions, history = self._instructions, list(self._history)
@@ -234,7 +247,7 @@ class ChatSessionBuilder(Generic[S]):
             params.validate()
         settings = SessionSettings(
             self._lm, instructions, tuple(history), params, self._template, self._tools, self._tool_options, options,
-            self._progress, self._speculative, self._allow_special, self._engine,
+            self._progress, self._speculative, self._allow_special, self._engine, self._context_policy or ContextPolicy(),
         )
         return self._factory(settings if self._restore is None else self._restored(settings))
 
@@ -249,7 +262,11 @@ class ChatSessionBuilder(Generic[S]):
             if self._instructions is None and not self._history:
                 settings = replace(settings, instructions=conversation.instructions)
             if not self._history:
-                settings = replace(settings, history=conversation.messages)
+                context = conversation.context
+                settings = replace(settings, history=conversation.messages, window=context.window,
+                                   earlier=context.earlier)
+                if self._context_policy is None and context.policy is not None:
+                    settings = replace(settings, context_policy=context.policy)
             if settings.generate_params is None and conversation.generate_params is not None:
                 settings = replace(settings, generate_params=conversation.generate_params)
             options = self._saved_options(conversation.cache_options, options)

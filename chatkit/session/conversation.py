@@ -1,4 +1,5 @@
-"""``Conversation``: a session's messages and the KV cache that holds their tokens, changed together."""
+"""``Conversation``: a session's messages, what the model sees of them (a ``Window``) and the KV cache
+that holds their tokens, changed together."""
 
 from __future__ import annotations
 
@@ -7,24 +8,37 @@ from collections.abc import Callable, Sequence
 from ..cache.state import CacheState
 from ..errors import ChatKitError, NothingToRegenerateError, NothingToUndoError
 from ..messages import ChatMessage, Role, ToolCall
+from .context import Window
+
+IdsOf = Callable[[Window, Sequence[ChatMessage]], list[int]]  # a window over messages -> their rendering
 
 
 class Conversation:
-    """The messages so far (without the instructions) and the cache state whose ledger names the
-    tokens it holds. Messages change only through :meth:`record` / :meth:`rewind` / :meth:`clear`,
-    each of which settles the cache in the same call, so the two cannot drift apart."""
+    """The messages so far (without the instructions), the window the model sees them through, and the
+    cache state whose ledger names the tokens it holds. Messages change only through :meth:`record` /
+    :meth:`rewind` / :meth:`clear`, each of which settles the window and the cache in the same call, so
+    they cannot drift apart. A compaction keeps the window it replaced, so undoing the turn that
+    compacted shows the model the dropped exchanges again."""
 
-    def __init__(self, messages: Sequence[ChatMessage], cache: CacheState) -> None:
+    def __init__(self, messages: Sequence[ChatMessage], cache: CacheState, window: Window = Window(),
+                 earlier: Sequence[tuple[int, Window]] = ()) -> None:
         self._messages = tuple(messages)
         self.cache = cache
+        self.window = window
+        self.earlier = tuple(earlier)  # (history length when a turn compacted, the window before it)
 
     @property
     def messages(self) -> tuple[ChatMessage, ...]:
         return self._messages
 
-    def record(self, messages: Sequence[ChatMessage], fed: Sequence[int]) -> None:
-        """A turn fed ``fed`` into the cache on top of its ledger and the conversation is now ``messages``."""
+    def record(self, messages: Sequence[ChatMessage], fed: Sequence[int], window: Window | None = None) -> None:
+        """A turn fed ``fed`` into the cache on top of its ledger and the conversation is now ``messages``,
+        seen through ``window`` (a compaction of the turn that answered the history's first
+        ``len(self.messages)`` messages and on; ``None``: unchanged)."""
         self.cache.record(fed)
+        if window is not None and window != self.window:
+            self.earlier = (*self.earlier, (len(self._messages), self.window))
+            self.window = window
         self._messages = tuple(messages)
 
     def keep_cache(self, fed: Sequence[int]) -> None:
@@ -33,20 +47,33 @@ class Conversation:
         if fed:
             self.cache.record(fed)
 
-    def rewind(self, messages: Sequence[ChatMessage], ids: Sequence[int]) -> None:
-        """The conversation is now the shorter ``messages``, whose rendering is ``ids``: rewind the cache
-        to the longest prefix of ``ids`` it can come back to (or drop it)."""
+    def rewind(self, messages: Sequence[ChatMessage], ids_of: IdsOf) -> None:
+        """The conversation is now the shorter ``messages``: the windows of compactions made after it are
+        undone, and the cache rewinds to the longest prefix of the rendering (``ids_of``) it can come back
+        to (or is dropped)."""
         self._messages = tuple(messages)
+        while self.earlier and self.earlier[-1][0] >= len(messages):
+            self.window = self.earlier[-1][1]
+            self.earlier = self.earlier[:-1]
+        try:
+            ids = ids_of(self.window, self._messages)
+        except ChatKitError:
+            ids = []  # cannot render what is left: the cache rewinds as far as it can
         self.cache.rewind(ids)
 
     def clear(self) -> None:
         """No messages, no cache."""
         self._messages = ()
+        self.window, self.earlier = Window(), ()
         self.cache.reset()
 
     def copy(self) -> Conversation:
         """An independent copy (for a fork): the cache layers share memory until one side writes."""
-        return Conversation(self._messages, self.cache.copy())
+        return Conversation(self._messages, self.cache.copy(), self.window, self.earlier)
+
+    def with_cache(self, cache: CacheState) -> Conversation:
+        """The same conversation over another cache (restored, or rebuilt with new options)."""
+        return Conversation(self._messages, cache, self.window, self.earlier)
 
     def ends_with_exchange(self) -> bool:
         """Whether the last two messages are a prompt and the assistant's reply to it."""
@@ -77,19 +104,15 @@ class Conversation:
             raise NothingToRegenerateError("There is no reply to regenerate: the history does not end with a reply.")
         return base[:-2], base[-2]
 
-    def undo(self, tool_rounds: bool, ids_of: Callable[[Sequence[ChatMessage]], list[int]]) -> list[ChatMessage]:
+    def undo(self, tool_rounds: bool, ids_of: IdsOf) -> list[ChatMessage]:
         """Drop the last exchange (with ``tool_rounds``, over its tool rounds, also of a loop that stopped
-        before its answer) and rewind the cache to the rendering ``ids_of`` gives what is left; returns
-        the dropped messages. ``NothingToUndoError`` when the history does not end with one."""
+        before its answer) and rewind (see :meth:`rewind`); returns the dropped messages.
+        ``NothingToUndoError`` when the history does not end with one."""
         if not (self.ends_with_exchange() or tool_rounds and self.ends_with_tool_round()):
             raise NothingToUndoError("There is no exchange to undo: the history does not end with a reply.")
         start = self.exchange_start(tool_rounds)
-        kept, dropped = self._messages[:start], list(self._messages[start:])
-        try:
-            ids = ids_of(kept)
-        except ChatKitError:
-            ids = []  # cannot render what is left: the cache rewinds as far as it can
-        self.rewind(kept, ids)
+        dropped = list(self._messages[start:])
+        self.rewind(self._messages[:start], ids_of)
         return dropped
 
     def exchange_start(self, tool_rounds: bool) -> int:

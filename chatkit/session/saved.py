@@ -23,8 +23,35 @@ from ..errors import ChatKitError, InvalidParamsError
 from ..messages import ChatMessage, saved_dict
 from ..model.loaded import LoadedModel
 from ..params import GenerateParams
+from .context import ContextPolicy, Window
 
 _ROLES = {"system", "user", "assistant", "tool"}
+
+
+@dataclass(frozen=True)
+class SavedContext:
+    """What a context policy showed the model: the policy, the window, and the windows earlier compactions
+    replaced (so that undo works across them)."""
+
+    policy: ContextPolicy | None = None
+    window: Window = Window()
+    earlier: tuple[tuple[int, Window], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": None if self.policy is None else self.policy.to_dict(), "window": self.window.to_dict(),
+                "earlier": [[at, w.to_dict()] for at, w in self.earlier]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None, messages: int) -> SavedContext:
+        """The context saved with ``messages`` messages; ``InvalidParamsError`` (a ``ChatKitError``) if damaged."""
+        if data is None:
+            return cls()
+        policy = None if data.get("policy") is None else ContextPolicy.from_dict(data["policy"])
+        window = Window.from_dict(data.get("window") or {}, messages)
+        earlier = data.get("earlier") or []
+        if not isinstance(earlier, list) or not all(isinstance(e, list) and len(e) == 2 for e in earlier):
+            raise InvalidParamsError(f"earlier windows: {earlier!r:.60}")
+        return cls(policy, window, tuple((int(at), Window.from_dict(w, messages)) for at, w in earlier))
 
 
 @dataclass(frozen=True)
@@ -35,13 +62,15 @@ class SavedConversation:
     messages: tuple[ChatMessage, ...]
     generate_params: GenerateParams | None
     cache_options: Mapping[str, Any] | None
+    context: SavedContext = SavedContext()
 
     @classmethod
     def of(cls, info: CacheFileInfo) -> SavedConversation:
         """The conversation of a checked header (:func:`inspect`); empty for a raw mlx-lm cache."""
         params = None if info.generate_params is None else GenerateParams.from_dict(info.generate_params)
         messages = tuple(ChatMessage.from_dict(m) for m in info.messages)
-        return cls(info.instructions, messages, params, info.cache_options)
+        context = SavedContext.from_dict(info.context, len(messages))
+        return cls(info.instructions, messages, params, info.cache_options, context)
 
 
 def check(info: CacheFileInfo) -> CacheFileInfo:
@@ -62,6 +91,10 @@ def check(info: CacheFileInfo) -> CacheFileInfo:
             GenerateParams.from_dict(info.generate_params)
         except ChatKitError as exc:
             raise file.damaged(where, f"generate_params: {exc}") from None
+    try:
+        SavedContext.from_dict(info.context, len(info.messages))
+    except (ChatKitError, TypeError, ValueError) as exc:
+        raise file.damaged(where, f"context: {exc}") from None
     return info
 
 
@@ -92,6 +125,7 @@ def save(
         "instructions": conversation.instructions,
         "messages": [saved_dict(m) for m in conversation.messages],
         "generate_params": params.to_dict(),
+        "context": conversation.context.to_dict(),
     }
     return distributed.agree(lm.distributed, "save the cache", lambda: file.save(
         distributed.shard_path(lm.distributed, path), layers, ledger, fingerprint=lm.fingerprint,
@@ -136,4 +170,4 @@ def _from_layers(lm: LoadedModel, source: Sequence[Any], verify: bool) -> Loaded
     return saved
 
 
-__all__ = ["SavedConversation", "check", "inspect", "load", "read", "save"]
+__all__ = ["SavedContext", "SavedConversation", "check", "inspect", "load", "read", "save"]

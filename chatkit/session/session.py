@@ -10,98 +10,44 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
-from dataclasses import fields
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from typing_extensions import Unpack
 
 from ..cache.state import CacheInfo, CacheOptions, CacheState
-from ..decode import ProgressCallback, TokenSource
-from ..decode.batch import BatchEngine, check_engine
-from ..decode.sources import source_for
-from ..decode.speculative import SpeculativeConfig, check_cache_options, vocab_limit
+from ..decode.batch import BatchEngine
+from ..decode.speculative import SpeculativeConfig, check_cache_options
 from ..errors import InvalidParamsError, NoCacheAvailableError
 from ..messages import ChatMessage, MessageLike, Role, ToolCall, check_instructions
-from ..model import tokenizer as _tokenizer
 from ..model.loaded import LoadedModel
-from ..params import GenerateParams, LogitsProcessor
-from ..text.template import ChatTemplate
+from ..params import GenerateParams
 from ..tools import as_tools
-from ..tools.options import ToolOptions
 from . import saved
 from .aio import AsyncGuidedStream, AsyncResponseStream
 from .builder import ChatSessionBuilder, SessionSettings
-from .conversation import Conversation, pending_calls
-from .gate import LoopHold, TurnGate
+from .context import ContextPolicy, system_text, window_size
+from .conversation import pending_calls
+from .core import SessionCore
 from .options import TurnKeywords, TurnOptions
-from .streams import GuidedStream, ReplyStream, ResponseStream, TurnResult, TurnStats, drain
-from .tool_loop import StrictCalls, ToolLoopStream, strict_grammar
-from .turn import Prompting, Turn
+from .results import TurnStats
+from .streams import GuidedStream, ReplyStream, drain
+from .tool_loop import strict_grammar
 
 
-class ChatSession:
+class ChatSession(SessionCore):
     """A stateful conversation with one model. Build it with :meth:`ChatSession.builder`.
 
     One turn at a time: while a stream is open (with tools, until the loop's answer), starting another
     turn, ``clear()`` or editing the conversation raises ``SessionBusyError`` and changes nothing.
     """
 
-    def __init__(
-        self,
-        lm: LoadedModel,
-        *,
-        instructions: str | None = None,
-        history: Sequence[ChatMessage] = (),
-        generate_params: GenerateParams | None = None,
-        chat_template: str | None = None,
-        tools: Sequence[Any] | None = None,
-        tool_options: ToolOptions = ToolOptions(),
-        cache_options: CacheOptions = CacheOptions(),
-        prefill_progress: ProgressCallback | None = None,
-        speculative: SpeculativeConfig | None = None,
-        allow_special_in_content: bool = False,
-        engine: BatchEngine | None = None,
-    ) -> None:
-        """Prefer :meth:`builder`, which also restores saved caches; every argument is checked here."""
-        if not isinstance(lm, LoadedModel):
-            raise InvalidParamsError(f"A session needs a chatkit.load(...) result, got {type(lm).__name__}.")
-        check_engine(engine, lm.model)
-        cache_options.validate(lm.head_dim)
-        check_cache_options(speculative, cache_options)
-        self._lm = lm
-        self._template = ChatTemplate(lm.tokenizer, chat_template, allow_special_in_content=allow_special_in_content)
-        self._instructions = check_instructions(instructions)
-        self._params = generate_params if generate_params is not None else GenerateParams()
-        self._tools = as_tools(tools)
-        tool_options.validate()
-        self._tool_options = tool_options
-        self._strict = StrictCalls(lm.tokenizer)
-        if tool_options.strict and self._tools is not None:
-            self._strict.grammar(self._tools)  # a format or schema that cannot be constrained raises here
-        self._speculative = speculative
-        self._engine = engine
-        self._source: TokenSource = (
-            engine.source(speculative) if engine is not None else source_for(lm.model, lm.distributed, speculative)
-        )
-        self._conversation = Conversation(history, self._new_cache(cache_options))
-        self._progress = prefill_progress
-        self._gate = TurnGate()
-        self._last_stats: TurnStats | None = None
-        self._guided: tuple[ChatMessage, dict[str, Any]] | None = None  # the last guided prompt and its spec
 
     @staticmethod
     def builder(model: LoadedModel | Any, tokenizer: Any = None) -> ChatSessionBuilder[ChatSession]:
         """Start building a session over a loaded model (``chatkit.load``) or a model and tokenizer."""
         return ChatSessionBuilder(model, tokenizer, factory=ChatSession._from_settings)
 
-    @classmethod
-    def _from_settings(cls, s: SessionSettings) -> ChatSession:
-        """The session a builder's settings describe (the factory ``builder()`` hands the builder)."""
-        session = cls(s.lm, **{f.name: getattr(s, f.name) for f in fields(s) if f.name not in ("lm", "cache")})
-        if s.cache is not None:
-            session._use_cache(s.cache)
-        return session
 
     # -- conversation state -------------------------------------------------------------------
     @property
@@ -169,6 +115,60 @@ class ChatSession:
         return self._last_stats
 
     @property
+    def context_policy(self) -> ContextPolicy:
+        """What a turn does when the conversation outgrows the window (``ContextPolicy``); applies from the
+        next turn. The history always keeps every message."""
+        return self._policy
+
+    @context_policy.setter
+    def context_policy(self, policy: ContextPolicy) -> None:
+        if not isinstance(policy, ContextPolicy):
+            raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(policy).__name__}.")
+        self._policy = policy.checked()
+
+    @property
+    def context(self) -> list[ChatMessage]:
+        """What the model sees now: the system prompt (the instructions, then the summary of what a policy
+        dropped) and the kept messages. A fresh session built from it answers as this one does."""
+        window = self._conversation.window
+        system = system_text(self._instructions, window.summary)
+        return [*([ChatMessage.system(system)] if system is not None else []), *window.visible(self.history)]
+
+    @property
+    def dropped_messages(self) -> list[ChatMessage]:
+        """The messages a context policy took out of what the model sees (``history`` still has them)."""
+        return self._conversation.window.dropped(self.history)
+
+    @property
+    def context_window(self) -> int | None:
+        """The window prompts must fit, in tokens: the model's, or ``max_kv_size`` when that is smaller."""
+        return window_size(self._lm.context_length, self.cache_options.max_kv_size)
+
+    @property
+    def token_count(self) -> int:
+        """Tokens of the context as the model sees it now (what the cache holds after a turn)."""
+        return self._conversation.cache.ledger.opaque + len(self._rendered_ids(self._conversation.window, self.history))
+
+    def count_tokens(self, prompt: str | MessageLike | Sequence[MessageLike]) -> int:
+        """How many tokens ``prompt`` (a message, or several) would add to the next prompt:
+        ``token_count + count_tokens(m)`` is the next turn's prompt if it does not compact."""
+        items = [prompt] if isinstance(prompt, (str, ChatMessage, Mapping)) else list(prompt)
+        history = self._conversation.messages
+        messages = [TurnOptions().message(m, history) for m in items]
+        full = self._rendered_ids(self._conversation.window, [*history, *messages], add_generation_prompt=True)
+        return self._conversation.cache.ledger.opaque + len(full) - self.token_count
+
+    def prepare_compaction(self) -> bool:
+        """Prepare the next compaction now, between turns (e.g. while the user types): once the context is
+        past the policy's ``high_water`` mark, choose what the next compaction drops, write its summary
+        and prefill the compacted context into a spare cache, so that the turn that crosses the window
+        prefills only its message. Returns whether it prepared one. Async turns do this by themselves
+        after they end. A turn that comes meanwhile waits for it or compacts without a new summary (the
+        policy's ``fallback``); a change to the conversation makes the preparation stale (unused).
+        ``SessionBusyError`` while a turn is open."""
+        return self._prepare_compaction()
+
+    @property
     def busy(self) -> bool:
         """Whether a turn is in progress (a stream is open; with tools, until its last round ends)."""
         return self._gate.busy
@@ -192,7 +192,7 @@ class ChatSession:
         check_cache_options(self._speculative, options)
         with self._gate.idle("change the cache options"):
             if options != self.cache_options:
-                self._conversation = Conversation(self._conversation.messages, self._new_cache(options))
+                self._conversation = self._conversation.with_cache(self._new_cache(options))
 
     def cache_info(self) -> CacheInfo:
         """What the KV cache holds now."""
@@ -215,7 +215,9 @@ class ChatSession:
             cache = self._conversation.cache
             if cache.empty or cache.layers is None:
                 raise NoCacheAvailableError("There is no KV cache to save yet: run a turn first.")
-            conversation = saved.SavedConversation(self._instructions, self._conversation.messages, self._params, None)
+            c = self._conversation
+            context = saved.SavedContext(self._policy, c.window, c.earlier)
+            conversation = saved.SavedConversation(self._instructions, c.messages, self._params, None, context)
             return saved.save(path, self._lm, cache.layers, cache.ledger, cache.checkpoints, conversation, cache.options)
 
     def restore_cache(self, path: str | os.PathLike[str]) -> None:
@@ -260,7 +262,7 @@ class ChatSession:
             prompt, spec = self._guided  # the message as sent (its description appended already)
 
             def render(message: ChatMessage) -> str:
-                return self._prompting().text([*history[:-2], message], self._params)
+                return self._text([*history[:-2], message])
 
             _, constraint = guide(prompt, self.model.tokenizer, render, **spec, include_schema=False)
             return GuidedStream(self._open_turn(None, regenerate=True, constraint=constraint), constraint)
@@ -276,7 +278,7 @@ class ChatSession:
             other = ChatSession._from_settings(SessionSettings(
                 self._lm, self._instructions, (), self._params.copy(), self._template.template, self._tools,
                 self._tool_options, self.cache_options, self._progress, self._speculative,
-                self._template.allow_special_in_content, self._engine,
+                self._template.allow_special_in_content, self._engine, self._policy,
             ))
             other._conversation = self._conversation.copy()
             other._last_stats = self._last_stats
@@ -320,11 +322,13 @@ class ChatSession:
         return opened
 
     def astream_respond(self, prompt: str | MessageLike, **options: Unpack[TurnKeywords]) -> AsyncResponseStream:
-        """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread."""
+        """As :meth:`stream_respond`, for ``async for``: generation runs on a worker thread, which then
+        prepares the next compaction when the context policy has one to prepare."""
         stop = threading.Event()  # stream_respond may still wait on the previous async turn's
         inner = self.stream_respond(prompt, **options)
         kind = AsyncGuidedStream if isinstance(inner, GuidedStream) else AsyncResponseStream
-        stream = kind(inner, stop=stop)  # type: ignore[arg-type]
+        after = self._claim_preparation if self._policy.mode != "error" else None
+        stream = kind(inner, stop=stop, after=after)  # type: ignore[arg-type]
         self._gate.async_stop = stop
         return stream
 
@@ -336,113 +340,12 @@ class ChatSession:
         return stream.result()
 
     def render(self, prompt: str | MessageLike | None = None, *, role: Role | str = Role.USER) -> str:
-        """The prompt text the model would see if ``prompt`` were sent now (the template's output)."""
+        """The prompt text the model would see if ``prompt`` were sent now (the template's output, through the
+        context window as it is now: a turn that must compact shows the model less)."""
         history = self._conversation.messages
         if prompt is None:
-            return self._prompting().text(history, self._params, add_generation_prompt=False)
-        return self._prompting().text([*history, TurnOptions(role=role).message(prompt, history)], self._params)
-
-    def _guided_turn(self, message: ChatMessage, options: TurnOptions) -> GuidedStream:
-        """A turn whose reply is a value (``chatkit.guided``, an extra): the spec's constraint masks it."""
-        from ..guided.guide import guide  # the guided extra
-
-        message, constraint = guide(message, self.model.tokenizer, self.render, **options.spec,
-                                    include_schema=options.include_schema)
-        stream = GuidedStream(self._open_turn(message, constraint=constraint), constraint)
-        self._guided = (message, options.spec)
-        return stream
-
-    def _open_turn(
-        self, message: ChatMessage | None, *, regenerate: bool = False, constraint: LogitsProcessor | None = None,
-        strict: bool = False, loop: LoopHold | None = None,
-    ) -> ResponseStream:
-        """Take the turn and prepare it: answer ``message`` after the history, or (``None``) the
-        history's last message (a tool round), or (``regenerate``) the last prompt again; ``constraint``
-        (guided output) masks every step after the session's own processors; ``strict`` constrains the
-        reply's tool calls (after every other processor). The turn is held until the stream commits or
-        aborts. ``loop``: the tool loop this turn is a round of."""
-        params = self._params.copy()
-        if constraint is not None:
-            params = params.copy(logits_processors=[*params.logits_processors, constraint])
-        params.validate(vocab_limit(self._lm, self._speculative))
-        constraints = [self._strict.constraint(self._tools, params.stop)] if strict and self._tools is not None else []
-        self._gate.take_turn(loop)
-        try:
-            base, message = self._conversation.prompt_of(message, regenerate)
-            tokenizer = self._lm.tokenizer
-            turn = Turn.prepare(
-                self._prompting(), self._conversation, base, message, params,
-                context_length=self._lm.context_length, source=self._source, settle=self._settle,
-                progress=self._progress, detokenizer=_tokenizer.new_detokenizer(tokenizer),
-                eos_token_ids=frozenset(tokenizer.eos_token_ids), constraints=constraints,
-            )
-            return ResponseStream(turn)
-        except BaseException:
-            self._gate.release()
-            raise
-
-    def _settle(self, result: TurnResult | None) -> None:
-        """A turn ended (committed with ``result``, or aborted): give the turn back."""
-        if result is not None:
-            self._last_stats = result.stats
-        self._gate.release()
-
-    def _tool_loop(self, message: ChatMessage, *, strict: bool = False) -> ToolLoopStream:
-        """The rounds of a reply with tools (``tool_loop``), over this session's turns; with ``strict``
-        every round's tool calls are constrained."""
-        options, tools = self._tool_options, self._tools or []
-        if strict and self._tools is not None:
-            self._strict.grammar(self._tools)  # before anything changes: a format or schema that cannot be constrained
-        waiting = [c for c in pending_calls(self._conversation.messages) if c.id != message.tool_call_id]
-        if message.role is Role.TOOL and waiting:  # more results to come: nothing to generate yet
-            self._append([message])
-            return ToolLoopStream(self._open_turn, self._append, tools, message, generate=False)
-        hold = self._gate.hold()
-        return ToolLoopStream(
-            lambda m: self._open_turn(m, strict=strict, loop=hold), lambda ms: self._append(ms, loop=hold),
-            tools, message, execute=self._runs_tools(), max_rounds=options.max_rounds,
-            raise_errors=options.errors == "raise", on_end=lambda: self._gate.let_go(hold),
-        )
-
-    def _append(self, messages: Sequence[ChatMessage], loop: LoopHold | None = None) -> None:
-        """Tool results enter the history (the next round prefills them)."""
-        with self._gate.idle("add tool results", loop):
-            self._conversation.record([*self._conversation.messages, *messages], [])
-
-    # -- internals ------------------------------------------------------------------------------
-    def _runs_tools(self) -> bool:
-        """Whether replies run an automatic tool loop (so an exchange spans its tool rounds)."""
-        tools = self._tools or []
-        return self._tool_options.execution == "auto" and any(t.function is not None for t in tools)
-
-    def _prompting(self) -> Prompting:
-        schemas = None if self._tools is None else [t.schema for t in self._tools]
-        return Prompting(self._template, self._instructions, schemas)
-
-    def _rendered_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """The ids of ``messages`` as a finished conversation (no generation prompt)."""
-        if not messages and self._instructions is None:
-            return []
-        return self._prompting().ids(messages, self._params, add_generation_prompt=False)
-
-    @property
-    def _draft_model(self) -> Any:
-        draft = self._speculative.draft_model if self._speculative is not None else None
-        return draft.model if draft is not None else None
-
-    def _use_cache(self, cache: CacheState) -> None:
-        """Go on from a restored cache."""
-        cache.shared = self._shared_prefixes()
-        self._conversation = Conversation(self._conversation.messages, cache)
-
-    def _new_cache(self, options: CacheOptions) -> CacheState:
-        cache = CacheState(self._lm.model, options, self._draft_model)
-        cache.shared = self._shared_prefixes()
-        return cache
-
-    def _shared_prefixes(self) -> Any:
-        """The engine's shared prefix cache, when the session runs on a ``BatchEngine`` that has one."""
-        return None if self._engine is None else self._engine.prefix_cache
+            return self._text(history, add_generation_prompt=False)
+        return self._text([*history, TurnOptions(role=role).message(prompt, history)])
 
 
 __all__ = ["ChatSession"]

@@ -20,7 +20,8 @@ from ..params import LogitsProcessor
 from ..text.reply import TOOL_RESULT
 from ..tools.options import DEFAULT_MAX_TOOL_ROUNDS
 from ..tools.schema import Tool, call_tool
-from .streams import ReplyStream, ResponseStream, StreamChunk, TurnStats
+from .results import StreamChunk, TurnStats
+from .streams import ReplyStream, ResponseStream
 
 OpenRound = Callable[[ChatMessage | None], ResponseStream]  # a turn answering the message (None: the history's last)
 Append = Callable[[Sequence[ChatMessage]], None]  # tool results enter the history

@@ -1,6 +1,7 @@
 """``Turn``: one turn of a session, as explicit steps.
 
-    prepare   render the conversation + the new message to ids; check the context window
+    prepare   render the conversation + the new message to ids through the conversation's window,
+              compacted when the context policy says (``context.py``); check the context window
     start     plan the cache's reuse, prefill the suffix and generate, through a token source
     commit    the conversation takes the message and the reply, the cache what it was fed
     abort     nothing changes but what the cache provably holds
@@ -25,17 +26,20 @@ from ..params import GenerateParams, LogitsProcessor
 from ..text.reply import Segmenter
 from ..text.template import ChatTemplate
 from ..text.thinking import ThinkingBudget
+from .context import Fit, Fitter, Window, system_text
 from .conversation import Conversation
-from .streams import TurnResult
+from .results import TurnResult
 
 
 @dataclass(frozen=True)
 class Prompting:
-    """How a session renders: its template, instructions and tools."""
+    """How a session renders: its template, instructions and tools (and the summary of what a context
+    policy dropped, shown after the instructions)."""
 
     template: ChatTemplate
     instructions: str | None
     tools: Sequence[Mapping[str, Any]] | None
+    summary: str | None = None
 
     def ids(self, messages: Sequence[ChatMessage], params: GenerateParams, *, add_generation_prompt: bool = True) -> list[int]:
         """The prompt ids of ``messages`` after the instructions."""
@@ -52,7 +56,8 @@ class Prompting:
         )
 
     def _with_system(self, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
-        system = [ChatMessage.system(self.instructions)] if self.instructions is not None else []
+        text = system_text(self.instructions, self.summary)
+        system = [ChatMessage.system(text)] if text is not None else []
         return [*system, *messages]
 
 
@@ -78,26 +83,34 @@ class Turn:
     drafts: DraftCount = field(default_factory=DraftCount)  # what a speculative source drafted
     plan: Plan | None = None
     fed: list[int] = field(default_factory=list)
+    fit: Fit | None = None  # the window this turn's prompt was rendered through, and what compacting did
 
     @classmethod
     def prepare(
         cls,
         prompting: Prompting,
+        fitter: Fitter,
         conversation: Conversation,
         base: Sequence[ChatMessage],
         message: ChatMessage,
         params: GenerateParams,
         *,
         context_length: int | None,
+        prepared: Window | None = None,
         **rest: Any,
     ) -> Turn:
-        """Render and check the prompt; ``ContextWindowExceededError`` if it does not fit."""
-        prompt = prompting.ids([*base, message], params)
-        needed = conversation.cache.ledger.opaque + len(prompt)  # a restored raw cache stays in front
+        """Render the prompt through the conversation's window, compacted when the policy says (through
+        ``prepared``, a compaction made ahead, when it fits); check it: ``ContextWindowExceededError`` if
+        it does not fit."""
+        opaque = conversation.cache.ledger.opaque  # a restored raw cache stays in front
+        room = fitter.policy.reserve if fitter.policy.reserve is not None else params.max_tokens
+        fit = fitter.fit(conversation.window, base, message, room=room, opaque=opaque, prepared=prepared)
+        prompt = fit.prompt
+        needed = opaque + len(prompt)
         if context_length is not None and needed >= context_length:
             raise ContextWindowExceededError(
                 f"The prompt is {needed} tokens but the model's context window is {context_length}: "
-                "shorten the conversation (e.g. clear() or start a new session with less history).",
+                "shorten the conversation (e.g. clear(), or a context policy: builder.context_policy(...)).",
                 prompt_tokens=needed,
                 context_length=context_length,
             )
@@ -105,7 +118,7 @@ class Turn:
         segmenter = Segmenter(prompting.template.tokenizer, stop=params.stop, prompt=prompt, tools=prompting.tools)
         return cls(
             conversation, base=tuple(base), message=message, params=params, prompt=prompt,
-            prompt_tokens=needed, max_tokens=room, stop=tuple(params.stop), segmenter=segmenter, **rest,
+            prompt_tokens=needed, max_tokens=room, stop=tuple(params.stop), segmenter=segmenter, fit=fit, **rest,
         )
 
     def start(self) -> tuple[int, Iterator[Token]]:
@@ -131,7 +144,8 @@ class Turn:
         """The conversation takes the message and the reply; the cache what was fed and generated."""
         try:
             reply = ChatMessage.assistant(result.text, reasoning=result.reasoning, tool_calls=result.tool_calls)
-            self.conversation.record([*self.base, self.message, reply], [*self.fed, *result.tokens])
+            window = self.fit.window if self.fit is not None else None
+            self.conversation.record([*self.base, self.message, reply], [*self.fed, *result.tokens], window)
         finally:
             self.settle(result)
 

@@ -1,0 +1,306 @@
+"""``SessionCore``: a session's state and its turn pipeline (render -> plan -> prefill -> stream -> commit).
+
+``ChatSession`` is the public face over it (``session.py``); this is what opens a turn, settles it and
+runs the tool loop's rounds, and how prompts are rendered through the context window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import fields
+from typing import Any
+
+from typing_extensions import Self
+
+from ..cache.state import CacheOptions, CacheState
+from ..decode import ProgressCallback, TokenSource
+from ..decode.batch import BatchEngine, check_engine
+from ..decode.local import fill
+from ..decode.sources import source_for
+from ..decode.speculative import SpeculativeConfig, check_cache_options, vocab_limit
+from ..errors import ChatKitError, InvalidParamsError
+from ..messages import ChatMessage, Role, check_instructions
+from ..model import tokenizer as _tokenizer
+from ..model.loaded import LoadedModel
+from ..params import GenerateParams, LogitsProcessor
+from ..text.template import ChatTemplate
+from ..tools import as_tools
+from ..tools.options import ToolOptions
+from .builder import SessionSettings
+from .compaction import Prepared, Preparer, Snapshot
+from .context import ContextPolicy, Fitter, Window, summarizer_for, system_text, window_size
+from .conversation import Conversation, pending_calls
+from .gate import LoopHold, TurnGate
+from .options import TurnOptions
+from .results import TurnResult, TurnStats
+from .streams import GuidedStream, ResponseStream
+from .tool_loop import StrictCalls, ToolLoopStream
+from .turn import Prompting, Turn
+
+
+class SessionCore:
+    """The state of a session and its turn pipeline (see the module docstring); use ``ChatSession``."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        *,
+        instructions: str | None = None,
+        history: Sequence[ChatMessage] = (),
+        generate_params: GenerateParams | None = None,
+        chat_template: str | None = None,
+        tools: Sequence[Any] | None = None,
+        tool_options: ToolOptions = ToolOptions(),
+        cache_options: CacheOptions = CacheOptions(),
+        prefill_progress: ProgressCallback | None = None,
+        speculative: SpeculativeConfig | None = None,
+        allow_special_in_content: bool = False,
+        engine: BatchEngine | None = None,
+        context_policy: ContextPolicy = ContextPolicy(),
+    ) -> None:
+        """Prefer :meth:`builder`, which also restores saved caches; every argument is checked here."""
+        if not isinstance(lm, LoadedModel):
+            raise InvalidParamsError(f"A session needs a chatkit.load(...) result, got {type(lm).__name__}.")
+        check_engine(engine, lm.model)
+        cache_options.validate(lm.head_dim)
+        check_cache_options(speculative, cache_options)
+        self._lm = lm
+        self._template = ChatTemplate(lm.tokenizer, chat_template, allow_special_in_content=allow_special_in_content)
+        self._instructions = check_instructions(instructions)
+        self._params = generate_params if generate_params is not None else GenerateParams()
+        self._tools = as_tools(tools)
+        tool_options.validate()
+        self._tool_options = tool_options
+        self._strict = StrictCalls(lm.tokenizer)
+        if tool_options.strict and self._tools is not None:
+            self._strict.grammar(self._tools)  # a format or schema that cannot be constrained raises here
+        self._speculative = speculative
+        self._engine = engine
+        self._source: TokenSource = (
+            engine.source(speculative) if engine is not None else source_for(lm.model, lm.distributed, speculative)
+        )
+        self._conversation = Conversation(history, self._new_cache(cache_options))
+        if not isinstance(context_policy, ContextPolicy):
+            raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(context_policy).__name__}.")
+        self._policy = context_policy.checked()
+        self._progress = prefill_progress
+        self._gate = TurnGate()
+        self._preparer = Preparer()
+        self._last_stats: TurnStats | None = None
+        self._guided: tuple[ChatMessage, dict[str, Any]] | None = None  # the last guided prompt and its spec
+
+    @classmethod
+    def _from_settings(cls, s: SessionSettings) -> Self:
+        """The session a builder's settings describe (the factory ``builder()`` hands the builder)."""
+        own = ("lm", "cache", "window", "earlier")
+        session = cls(s.lm, **{f.name: getattr(s, f.name) for f in fields(s) if f.name not in own})
+        session._conversation = Conversation(session._conversation.messages, session._conversation.cache, s.window,
+                                             s.earlier)
+        if s.cache is not None:
+            session._use_cache(s.cache)
+        return session
+
+    def _guided_turn(self, message: ChatMessage, options: TurnOptions) -> GuidedStream:
+        """A turn whose reply is a value (``chatkit.guided``, an extra): the spec's constraint masks it."""
+        from ..guided.guide import guide  # the guided extra
+
+        history = self._conversation.messages
+        message, constraint = guide(message, self._lm.tokenizer, lambda m: self._text([*history, m]), **options.spec,
+                                    include_schema=options.include_schema)
+        stream = GuidedStream(self._open_turn(message, constraint=constraint), constraint)
+        self._guided = (message, options.spec)
+        return stream
+
+    def _open_turn(
+        self, message: ChatMessage | None, *, regenerate: bool = False, constraint: LogitsProcessor | None = None,
+        strict: bool = False, loop: LoopHold | None = None,
+    ) -> ResponseStream:
+        """Take the turn and prepare it: answer ``message`` after the history, or (``None``) the
+        history's last message (a tool round), or (``regenerate``) the last prompt again; ``constraint``
+        (guided output) masks every step after the session's own processors; ``strict`` constrains the
+        reply's tool calls (after every other processor). The turn is held until the stream commits or
+        aborts. ``loop``: the tool loop this turn is a round of."""
+        params = self._params.copy()
+        if constraint is not None:
+            params = params.copy(logits_processors=[*params.logits_processors, constraint])
+        params.validate(vocab_limit(self._lm, self._speculative))
+        constraints = [self._strict.constraint(self._tools, params.stop)] if strict and self._tools is not None else []
+        self._gate.take_turn(loop)
+        try:
+            base, message = self._conversation.prompt_of(message, regenerate)
+            prepared = self._prepared()
+            tokenizer = self._lm.tokenizer
+            turn = Turn.prepare(
+                self._prompting(), self._fitter(params, summaries=not self._preparer.running), self._conversation,
+                base, message, params, context_length=self._lm.context_length, source=self._source,
+                settle=self._settle, progress=self._progress, detokenizer=_tokenizer.new_detokenizer(tokenizer),
+                eos_token_ids=frozenset(tokenizer.eos_token_ids), constraints=constraints,
+                prepared=prepared.compacted if prepared is not None else None,
+            )
+            if prepared is not None and turn.fit is not None and turn.fit.window == prepared.compacted:
+                self._conversation.cache = prepared.cache  # its compacted context is prefilled already
+                self._preparer.used()
+            return ResponseStream(turn)
+        except BaseException:
+            self._gate.release()
+            raise
+
+    def _settle(self, result: TurnResult | None) -> None:
+        """A turn ended (committed with ``result``, or aborted): give the turn back."""
+        if result is not None:
+            self._last_stats = result.stats
+        self._gate.release()
+
+    def _tool_loop(self, message: ChatMessage, *, strict: bool = False) -> ToolLoopStream:
+        """The rounds of a reply with tools (``tool_loop``), over this session's turns; with ``strict``
+        every round's tool calls are constrained."""
+        options, tools = self._tool_options, self._tools or []
+        if strict and self._tools is not None:
+            self._strict.grammar(self._tools)  # before anything changes: a format or schema that cannot be constrained
+        waiting = [c for c in pending_calls(self._conversation.messages) if c.id != message.tool_call_id]
+        if message.role is Role.TOOL and waiting:  # more results to come: nothing to generate yet
+            self._append([message])
+            return ToolLoopStream(self._open_turn, self._append, tools, message, generate=False)
+        hold = self._gate.hold()
+        return ToolLoopStream(
+            lambda m: self._open_turn(m, strict=strict, loop=hold), lambda ms: self._append(ms, loop=hold),
+            tools, message, execute=self._runs_tools(), max_rounds=options.max_rounds,
+            raise_errors=options.errors == "raise", on_end=lambda: self._gate.let_go(hold),
+        )
+
+    def _append(self, messages: Sequence[ChatMessage], loop: LoopHold | None = None) -> None:
+        """Tool results enter the history (the next round prefills them)."""
+        with self._gate.idle("add tool results", loop):
+            self._conversation.record([*self._conversation.messages, *messages], [])
+
+    # -- internals ------------------------------------------------------------------------------
+    def _runs_tools(self) -> bool:
+        """Whether replies run an automatic tool loop (so an exchange spans its tool rounds)."""
+        tools = self._tools or []
+        return self._tool_options.execution == "auto" and any(t.function is not None for t in tools)
+
+    def _prompting(self, summary: str | None = None) -> Prompting:
+        schemas = None if self._tools is None else [t.schema for t in self._tools]
+        return Prompting(self._template, self._instructions, schemas, summary)
+
+    def _text(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+        """The prompt text of ``messages`` through the current window."""
+        window = self._conversation.window
+        return self._prompting(window.summary).text(window.visible(messages), self._params,
+                                                    add_generation_prompt=add_generation_prompt)
+
+    def _rendered_ids(self, window: Window, messages: Sequence[ChatMessage], params: GenerateParams | None = None, *,
+                      add_generation_prompt: bool = False) -> list[int]:
+        """The ids of ``messages`` through ``window`` (by default as a finished conversation)."""
+        visible = window.visible(messages)
+        if not visible and system_text(self._instructions, window.summary) is None:
+            return []
+        return self._prompting(window.summary).ids(visible, params or self._params,
+                                                   add_generation_prompt=add_generation_prompt)
+
+    def _fitter(self, params: GenerateParams, *, summaries: bool = True) -> Fitter:
+        """How this turn's prompt is fitted into the window (the context policy, the summarizer; without
+        ``summaries`` a compaction keeps the summary it has: the fallback while one is being prepared)."""
+        def render(window: Window, messages: Sequence[ChatMessage]) -> list[int]:
+            return self._rendered_ids(window, messages, params, add_generation_prompt=True)
+
+        size = window_size(self._lm.context_length, self._conversation.cache.options.max_kv_size)
+        summarize = summarizer_for(self._policy, self._lm, size, self._summary_session) if summaries else None
+        return Fitter(self._policy, size, render, lambda text: len(self._lm.tokenizer.encode(text)), summarize)
+
+    def _prepared(self) -> Prepared | None:
+        """The compaction prepared for this conversation as it is, if any (``fallback="wait"``: after the
+        preparation running now has ended)."""
+        if self._preparer.running:
+            if self._policy.fallback != "wait":
+                return None  # still being made (its cache too): this turn compacts by itself
+            self._preparer.wait()
+        return self._preparer.get(self._conversation.messages, self._conversation.window)
+
+    def _claim_preparation(self) -> Callable[[], None] | None:
+        """After an async turn, before its caller hears of the end: claim the next compaction's preparation
+        and take its snapshot (so the next turn waits for it, or knows it is coming), and return the work,
+        which runs between turns. A failure there is the next turn's to report (it compacts by itself, and
+        a summarizer that fails raises then, changing nothing)."""
+        if not self._can_prepare() or not self._preparer.start():
+            return None
+        try:
+            snapshot = self._snapshot()
+        except ChatKitError:
+            self._preparer.finish(None)
+            return None
+
+        def work() -> None:
+            try:
+                self._prepare_from(snapshot)
+            except ChatKitError:
+                pass
+        return work
+
+    def _can_prepare(self) -> bool:
+        """Preparations are for policies that compact, in one process (sharded ranks must run in step)."""
+        group = self._lm.distributed
+        return self._policy.mode != "error" and not (group is not None and group.sharded)
+
+    def _prepare_compaction(self) -> bool:
+        """See ``ChatSession.prepare_compaction``."""
+        if not self._can_prepare() or not self._preparer.start():
+            return False
+        try:
+            snapshot = self._snapshot()
+        except BaseException:
+            self._preparer.finish(None)
+            raise
+        return self._prepare_from(snapshot)
+
+    def _snapshot(self) -> Snapshot:
+        """What a preparation works on, taken while no turn runs; its own work does not hold the session."""
+        with self._gate.idle("prepare a compaction"):
+            c = self._conversation
+            earlier = self._preparer.get(c.messages, c.window)
+            spare = earlier.cache if earlier is not None else c.cache.copy()
+            return Snapshot(c.messages, c.window, self._params.copy(), earlier, spare)
+
+    def _prepare_from(self, s: Snapshot) -> bool:
+        """Prepare from a snapshot (a still good preparation: only top its cache up with the exchanges
+        since); the preparer is told the outcome whatever happens."""
+        prepared = None
+        try:
+            compacted = s.earlier.compacted if s.earlier is not None else (
+                self._fitter(s.params).ahead(s.window, s.messages, s.spare.ledger.opaque))
+            if compacted is not None:
+                fill(s.spare, self._rendered_ids(compacted, s.messages, s.params), self._lm.model, self._draft_model)
+                prepared = Prepared(s.messages, s.window, compacted, s.spare)
+            return prepared is not None
+        finally:
+            self._preparer.finish(prepared)
+
+    @property
+    def _draft_model(self) -> Any:
+        draft = self._speculative.draft_model if self._speculative is not None else None
+        return draft.model if draft is not None else None
+
+    def _use_cache(self, cache: CacheState) -> None:
+        """Go on from a restored cache."""
+        cache.shared = self._shared_prefixes()
+        self._conversation = self._conversation.with_cache(cache)
+
+    def _new_cache(self, options: CacheOptions) -> CacheState:
+        cache = CacheState(self._lm.model, options, self._draft_model)
+        cache.shared = self._shared_prefixes()
+        return cache
+
+    def _shared_prefixes(self) -> Any:
+        """The engine's shared prefix cache, when the session runs on a ``BatchEngine`` that has one."""
+        return None if self._engine is None else self._engine.prefix_cache
+
+    def _summary_session(self, model: LoadedModel, instructions: str | None, history: Sequence[ChatMessage],
+                         max_tokens: int) -> SessionCore:
+        """The session a context policy's summary is written in: greedy, over the dropped messages."""
+        return self._from_settings(SessionSettings(
+            model, instructions, tuple(history), GenerateParams(max_tokens=max_tokens, temperature=0.0),
+            context_policy=ContextPolicy.rolling(),
+        ))
+
+
+__all__ = ["SessionCore"]
