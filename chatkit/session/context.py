@@ -202,27 +202,36 @@ class Fitter:
 
     def _compact(self, window: Window, messages: list[ChatMessage], before: list[int], room: int, opaque: int) -> Fit:
         head, starts = self._candidates(window, messages)
-        budget = self._summary_budget()
-        target = math.floor(self.size * self.policy.low_water) - budget - opaque  # type: ignore[operator]
+        target = math.floor(self.size * self.policy.low_water) - self._summary_budget() - opaque  # type: ignore[operator]
         chosen = _first_fitting(starts, lambda s: len(self.render(replace(window, head=head, start=s), messages)) <= target)
         if chosen is None:  # dropping everything droppable does not reach the low-water mark: maybe the window
             chosen = starts[-1] if starts else max(window.start, head)
         summary = window.summary
         if self.policy.mode == "summarize" and self.summarize is not None and chosen > max(window.start, head):
             summary = self.summarize(window.summary, messages[max(window.start, head) : chosen])
-        new = Window(head, chosen, summary)
-        prompt = self.render(new, messages)
-        if opaque + len(prompt) >= self.size:  # type: ignore[operator]
-            raise ContextWindowExceededError(
-                f"Even with the older exchanges dropped, the prompt is {opaque + len(prompt)} tokens and the context "
-                f"window {self.size}: the instructions, the kept exchanges and this message must fit. Shorten them, "
-                "or keep fewer exchanges (keep_first).", prompt_tokens=opaque + len(prompt), context_length=self.size,  # type: ignore[arg-type]
-            )
-        if new.visible(messages) == window.visible(messages):
+        new, prompt = self._within(Window(head, chosen, summary), messages, [s for s in starts if s > chosen], opaque)
+        if new.visible(messages) == window.visible(messages) and new.summary == window.summary:
             return Fit(window, before)  # nothing could be dropped, and it fits: the reply gets less room
         summary_tokens = self.count(summary) if summary and summary != window.summary else 0
         return Fit(new, prompt, compacted=True, dropped_tokens=max(0, len(before) - len(prompt)),
                    summary_tokens=summary_tokens)
+
+    def _within(self, window: Window, messages: list[ChatMessage], later: list[int], opaque: int) -> tuple[Window, list[int]]:
+        """``window`` and its prompt, or (a summary longer than its budget) a later start that fits the
+        window; ``ContextWindowExceededError`` when none does."""
+        for start in [window.start, *later]:
+            candidate = replace(window, start=start)
+            prompt = self.render(candidate, messages)
+            if opaque + len(prompt) < self.size:  # type: ignore[operator]
+                return candidate, prompt
+        needed = opaque + len(prompt)
+        summary = f" and a summary of {self.count(window.summary)} tokens" if window.summary else ""
+        raise ContextWindowExceededError(
+            f"Even with the older exchanges dropped, the prompt is {needed} tokens and the context window "
+            f"{self.size}: the instructions{summary}, the kept exchanges and this message must fit. Shorten them, "
+            f"keep fewer exchanges (keep_first), or write shorter summaries (at most {self._summary_budget()} "
+            "tokens).", prompt_tokens=needed, context_length=self.size,  # type: ignore[arg-type]
+        )
 
     def _candidates(self, window: Window, messages: list[ChatMessage]) -> tuple[int, list[int]]:
         """(the kept head's end, the exchange starts a new window may begin at: after what is dropped
