@@ -212,3 +212,37 @@ def test_prompt_lookup_copies_real_text_with_the_tokens_of_standard_decoding(lm)
         assert list(got.tokens) == list(want.tokens)
         assert got.stats.draft_tokens_accepted > 0, config
         assert_ledger_matches_cache(spec)
+
+
+FILLER = ["Tell me a fun fact about {}.", "What is {} known for?", "Describe {} in one sentence."]
+TOPICS = ["whales", "volcanoes", "the moon", "bees", "rain", "chess", "bread", "rivers", "trains", "owls", "salt", "kites"]
+
+
+def told_and_asked(session, turns, asked):
+    """A fact told at turn 2, filler turns, the question at the ``asked`` turns: the replies there."""
+    replies = {}
+    for turn in range(1, turns + 1):
+        if turn == 2:
+            prompt = "My cat is called Pixel. Please remember that."
+        elif turn in asked:
+            prompt = "What is my cat called?"
+        else:
+            prompt = FILLER[turn % 3].format(TOPICS[turn % len(TOPICS)])
+        replies[turn] = session.respond(prompt)
+    return replies
+
+
+def test_a_summary_carries_a_fact_past_the_window(lm):
+    """Issue 31's mechanism on a real model: the exchange that told a fact leaves the 512-token window,
+    its summary carries the fact into what the model sees. The summarizer here keeps what the user said
+    (SmolLM2-135M's own summaries are unreliable: bench/context.py --real reports them and the recall)."""
+    def keep_user_lines(messages):
+        return " ".join(m.content for m in messages if m.role != "assistant")[-300:]
+
+    small = chatkit.LoadedModel(lm.model, lm.tokenizer, {**lm.config, "max_position_embeddings": 512}, lm.source)
+    session = chat(small, params=GenerateParams(max_tokens=32, temperature=0.0),
+                   context_policy=chatkit.ContextPolicy.summarize(summarizer=keep_user_lines))
+    replies = told_and_asked(session, 14, asked=(14,))
+    assert session.dropped_messages[2].content.startswith("My cat is called Pixel")  # the fact left the window
+    assert "Pixel" in session.context[0].content  # ... and the summary brought it back
+    print("recall at turn 14:", "Pixel" in replies[14], repr(replies[14]))

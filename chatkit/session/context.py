@@ -13,6 +13,7 @@ cache keeps everything before the first dropped message and the turns after it a
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -24,8 +25,8 @@ from ..messages import ChatMessage, Role
 MODES = ("error", "rolling", "summarize")
 SUMMARY_HEADER = "Summary of the earlier conversation:"
 SUMMARY_PROMPT = (
-    "Write a short summary of the conversation above for your own later use: keep every fact the user told "
-    "(names, places, numbers, preferences), what was decided and what is still open. Write only the summary."
+    "Write down, as a short list, every fact the user told about themselves (names, places, numbers, "
+    "preferences) and anything that was decided."
 )
 
 Render = Callable[["Window", Sequence[ChatMessage]], list[int]]  # a window over messages -> prompt ids
@@ -285,12 +286,27 @@ def summarizer_for(policy: ContextPolicy, lm: Any, size: int | None, new_session
     model = given if given is not None else lm
 
     def ask(previous: str | None, dropped: Sequence[ChatMessage]) -> str:
-        history, instructions = list(dropped), previous and f"{SUMMARY_HEADER}\n{previous}"
-        if history and history[0].role is Role.SYSTEM:  # the dropped part starts with a system message
-            instructions, history = system_text(history[0].content, previous), history[1:]
-        session = new_session(model, instructions, history, summary_tokens(size))
-        return _summary_text(lambda: session.respond(policy.prompt or SUMMARY_PROMPT))
+        # One user message holding the transcript, then the request: small models summarize a transcript
+        # they are shown far better than a chat they are in (measured on SmolLM2-135M).
+        session = new_session(model, None, [], summary_tokens(size))
+        request = f"{transcript(previous, dropped)}\n\n{policy.prompt or SUMMARY_PROMPT}"
+        return _summary_text(lambda: session.respond(request))
     return ask
+
+
+def transcript(previous: str | None, messages: Sequence[ChatMessage]) -> str:
+    """The summary so far and ``messages`` as plain text, one line per message."""
+    lines = [f"Summary so far: {previous}"] if previous else []
+    for m in messages:
+        if m.role is Role.TOOL:
+            lines.append(f"Tool {m.name or ''}: {m.content}".replace("Tool : ", "Tool: "))
+            continue
+        text = m.content
+        if m.tool_calls:
+            calls = ", ".join(f"{c.name}({json.dumps(c.arguments, ensure_ascii=False)})" for c in m.tool_calls)
+            text = f"{text} [called {calls}]".strip()
+        lines.append(f"{m.role.value.capitalize()}: {text}")
+    return "\n".join(lines)
 
 
 def _summary_text(write: Callable[[], Any]) -> str:
@@ -316,5 +332,5 @@ def system_text(instructions: str | None, summary: str | None) -> str | None:
 
 __all__ = [
     "SUMMARY_HEADER", "SUMMARY_PROMPT", "ContextPolicy", "Fit", "Fitter", "Window", "exchange_starts", "summarizer_for",
-    "summary_tokens", "system_text", "window_size",
+    "summary_tokens", "system_text", "transcript", "window_size",
 ]
