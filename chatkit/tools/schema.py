@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import InvalidParamsError, ToolExecutionError
 from ..messages import ChatMessage, ToolCall, check_json
+from .check import check_parameters
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,9 @@ def as_tool(item: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
     """A ``Tool`` from a callable or a schema dict (``{"type": "function", "function": {...}}`` or the
     bare ``{"name", "description", "parameters"}``); ``InvalidParamsError`` for anything else."""
     if isinstance(item, Tool):
-        return item
+        if item.function is not None and not callable(item.function):
+            raise InvalidParamsError(f"Tool.function must be callable or None, got {type(item.function).__name__}.")
+        return Tool(as_tool(item.schema).schema, item.function)  # its schema checked as a dict's
     if isinstance(item, Mapping):
         function = item.get("function", item)
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
@@ -67,8 +70,13 @@ def as_tool(item: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
 
 
 def _json_ready(schema: dict[str, Any]) -> dict[str, Any]:
-    """``schema``, checked to be JSON text a tokenizer takes (the template renders it into the prompt)."""
-    check_json(f"The schema of tool {schema['function']['name']!r}", schema, InvalidParamsError)
+    """``schema``, checked to be JSON text a tokenizer takes (the template renders it into the prompt)
+    and to hold parameters a call's arguments can be checked against (``check.check_parameters``)."""
+    name = schema["function"]["name"]
+    parameters = schema["function"].get("parameters")
+    if parameters is not None:
+        check_parameters(name, parameters)  # first: it bounds the depth json.dumps would recurse into
+    check_json(f"The schema of tool {name!r}", schema, InvalidParamsError)
     return schema
 
 
@@ -126,10 +134,16 @@ def check_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> 
     parameters = schema.get("function", {}).get("parameters") or {"type": "object"}
     try:
         import jsonschema
+        from referencing import Registry
     except ImportError:  # the `tools` extra is not installed: check the required keys only
         missing = [k for k in parameters.get("required", []) if k not in arguments]
         return f"missing required arguments {missing}." if missing else None
-    errors = sorted(jsonschema.Draft202012Validator(parameters).iter_errors(dict(arguments)), key=lambda e: list(e.path))
+    # An empty registry: a $ref outside the schema is never fetched (as_tool refused those already).
+    validator = jsonschema.Draft202012Validator(parameters, registry=Registry())
+    try:
+        errors = sorted(validator.iter_errors(dict(arguments)), key=lambda e: [str(p) for p in e.path])
+    except Exception as exc:  # a schema changed after as_tool checked it: the call fails, the turn goes on
+        return f"the tool's parameters schema cannot be checked ({type(exc).__name__}: {exc}): fix the schema."
     if not errors:
         return None
     first = errors[0]
