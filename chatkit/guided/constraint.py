@@ -37,7 +37,7 @@ import numpy as np
 
 from ..cache.planner import common_prefix_length
 from ..errors import ChatKitError, InvalidOutputSpecError
-from .spec import OutputSpec
+from .spec import OutputSpec, beyond_matcher
 from .tokenizer import llg_tokenizer
 
 
@@ -90,6 +90,7 @@ class Constraint:
         self._ended = False  # an end-of-sequence token was taken after the answer
         self._start: int | None = None  # the processor's prompt length (from its first call)
         self._bitmask = np.full((self._llt.vocab_size + 31) // 32, -1, dtype=np.int32)
+        self._masked: tuple[int, np.ndarray] | None = None  # (reply length, allowed) of the last mask
         self.mask_seconds = 0.0  # CPU time spent computing masks (for benchmarks)
         self.mask_count = 0
 
@@ -189,22 +190,31 @@ class Constraint:
             self._ended = True
             return
         if not self._matcher.consume_token(token):
-            error = self._matcher.get_error().strip().splitlines()[0]
+            error = self._matcher.get_error()
             self._tokens.pop()
             # An llguidance matcher stays in its error state: rebuild it so the constraint stays usable.
             self._matcher = llguidance.LLMatcher(self._llt, self.spec.grammar, log_level=0)
             self._matcher.consume_tokens(self._tokens[self._answer_start :])
+            if self._was_allowed(token):  # the mask took it: the matcher met one of its own limits
+                raise InvalidOutputSpecError(beyond_matcher(f"{self.spec.name} grammar", error))
+            error = error.strip().splitlines()[0]
             raise ChatKitError(
                 f"Token {token} breaks the {self.spec.name} grammar ({error}): apply the constraint to "
                 "every step (pass it as a logits processor, or call mask_logits before sampling)."
             )
         self._consumed += 1
 
+    def _was_allowed(self, token: int) -> bool:
+        """Whether the last mask, computed for the reply so far (before ``token``), allowed ``token``."""
+        masked = self._masked
+        return masked is not None and masked[0] == len(self._tokens) and token < masked[1].size and bool(masked[1][token])
+
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` reply tokens."""
         n = min(n, len(self._tokens))
         if n <= 0:
             return
+        self._masked = None
         new_len = len(self._tokens) - n
         del self._tokens[new_len:]
         if self._answer_start is not None:
@@ -264,10 +274,7 @@ class Constraint:
         else:
             self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
             if self._matcher.is_error():  # e.g. a parser limit: no mask to give (the logits would be all -inf)
-                raise InvalidOutputSpecError(
-                    f"The {self.spec.name} grammar failed while generating: "
-                    f"{self._matcher.get_error().strip().splitlines()[0]}. Simplify the schema or grammar."
-                )
+                raise InvalidOutputSpecError(beyond_matcher(f"{self.spec.name} grammar", self._matcher.get_error()))
             bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little").view(bool)
             if bits.size >= vocab_size:
                 allowed = bits[:vocab_size]
@@ -275,6 +282,7 @@ class Constraint:
                 allowed = np.concatenate([bits, np.zeros(vocab_size - bits.size, dtype=bool)])
             if not self._tokens and self._think_start is not None and self._think_start < vocab_size:
                 allowed[self._think_start] = True  # or open a reasoning block first
+            self._masked = (len(self._tokens), allowed)
         self.mask_seconds += time.perf_counter() - t0
         self.mask_count += 1
         return allowed
