@@ -262,7 +262,7 @@ class ChatSession:
             def render(message: ChatMessage) -> str:
                 return self._prompting().text([*history[:-2], message], self._params)
 
-            _, constraint = guide(prompt, self.model.tokenizer, render, **spec, include_schema=False)
+            _, constraint = guide(prompt, self.model.tokenizer, render, **spec, include_schema=False, params=self._params)
             return GuidedStream(self._open_turn(None, regenerate=True, constraint=constraint), constraint)
         return self._open_turn(None, regenerate=True, strict=strict)
 
@@ -347,7 +347,7 @@ class ChatSession:
         from ..guided.guide import guide  # the guided extra
 
         message, constraint = guide(message, self.model.tokenizer, self.render, **options.spec,
-                                    include_schema=options.include_schema)
+                                    include_schema=options.include_schema, params=self._params)
         stream = GuidedStream(self._open_turn(message, constraint=constraint), constraint)
         self._guided = (message, options.spec)
         return stream
