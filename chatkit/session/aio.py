@@ -10,6 +10,7 @@ from typing import Any
 import mlx.core as mx
 
 from .streams import GuidedStream, ReplyStream, StreamChunk
+from .tool_loop import ToolLoopStream
 
 END = object()  # what pump() hands over after the last chunk
 LOOKAHEAD = 2  # chunks a worker may compute before the consumer takes them
@@ -140,6 +141,8 @@ class AsyncResponseStream:
     def _stop(self) -> None:
         self._cancel.set()
         self._credits.release()  # wakes a worker waiting for the consumer
+        if isinstance(self._stream, ToolLoopStream):
+            self._stream.interrupt()  # a worker waiting for a tool stops waiting (an async tool is cancelled)
 
     def _start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()

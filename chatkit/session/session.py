@@ -401,7 +401,7 @@ class ChatSession:
         return ToolLoopStream(
             lambda m: self._open_turn(m, strict=strict, loop=hold), lambda ms: self._append(ms, loop=hold),
             tools, message, execute=self._runs_tools(), max_rounds=options.max_rounds,
-            raise_errors=options.errors == "raise", on_end=lambda: self._gate.let_go(hold),
+            raise_errors=options.errors == "raise", timeout=options.timeout, on_end=lambda: self._gate.let_go(hold),
         )
 
     def _append(self, messages: Sequence[ChatMessage], loop: LoopHold | None = None) -> None:
