@@ -367,7 +367,9 @@ def test_async_api_takes_strict_tools(models):
 
 def test_a_bad_schema_or_an_unsupported_format_is_refused_before_anything_changes(models):
     lm = models("bpe-think")
-    bad = Tool({"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}, weather)
+    # A valid JSON Schema that llguidance cannot enforce (an invalid one is refused by any builder).
+    unenforceable = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+    bad = Tool({"type": "function", "function": {"name": "f", "parameters": unenforceable}}, weather)
     with pytest.raises(InvalidOutputSpecError, match="'f'"):
         ChatSession.builder(lm).tools([bad], strict_tools=True)
     session = ChatSession.builder(lm).tools([bad, *TOOLS]).generate_params(GenerateParams(max_tokens=4)).build()

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..cache.planner import common_prefix_length
 from ..errors import ChatKitError, InvalidOutputSpecError
-from .spec import OutputSpec
+from .spec import OutputSpec, beyond_matcher
 from .tokenizer import llg_tokenizer
 
 
@@ -48,7 +48,10 @@ class Constraint:
     applies from the token after the first occurrence of the marker, so reasoning is not
     constrained (only the end of the reply is withheld until the answer is complete). With
     ``think_start`` too (one token id, or its text), reasoning is optional: the reply may open with
-    ``think_start`` (then it is free until ``think_end``) or start with the answer at once. ``overlap``
+    ``think_start`` (then it is free until ``think_end``) or start with the answer at once.
+    ``max_reasoning``: after that many reasoning tokens the end marker is forced (``None``: no bound).
+    ``never``: token ids the answer may not hold (e.g. the think start marker: a reply whose thinking
+    is off, or whose reasoning has ended, cannot open a block). ``overlap``
     (the default) starts the model's forward pass before the mask is computed on the CPU, so the
     two run at the same time (see ``bench/guided.py``).
     """
@@ -60,6 +63,8 @@ class Constraint:
         *,
         think_end: Sequence[int] | str | None = None,
         think_start: int | str | None = None,
+        max_reasoning: int | None = None,
+        never: Sequence[int] = (),
         overlap: bool = True,
     ) -> None:
         self.spec = spec
@@ -82,6 +87,10 @@ class Constraint:
         if think_start is not None and self._think_end is None:
             raise InvalidOutputSpecError("think_start needs think_end: give both markers of the reasoning block.")
         self._think_start = None if think_start is None else int(think_start)
+        if max_reasoning is not None and (not isinstance(max_reasoning, int) or isinstance(max_reasoning, bool) or max_reasoning < 0):
+            raise InvalidOutputSpecError(f"max_reasoning={max_reasoning!r}: give an int >= 0, or None.")
+        self._max_reasoning = max_reasoning
+        self._never = [int(t) for t in never]
         self._eos = list(self._llt.eos_tokens)
         self._overlap = overlap
         self._tokens: list[int] = []  # every reply token shown so far (reasoning included)
@@ -90,6 +99,7 @@ class Constraint:
         self._ended = False  # an end-of-sequence token was taken after the answer
         self._start: int | None = None  # the processor's prompt length (from its first call)
         self._bitmask = np.full((self._llt.vocab_size + 31) // 32, -1, dtype=np.int32)
+        self._masked: tuple[int, np.ndarray] | None = None  # (reply length, allowed) of the last mask
         self.mask_seconds = 0.0  # CPU time spent computing masks (for benchmarks)
         self.mask_count = 0
 
@@ -189,22 +199,31 @@ class Constraint:
             self._ended = True
             return
         if not self._matcher.consume_token(token):
-            error = self._matcher.get_error().strip().splitlines()[0]
+            error = self._matcher.get_error()
             self._tokens.pop()
             # An llguidance matcher stays in its error state: rebuild it so the constraint stays usable.
             self._matcher = llguidance.LLMatcher(self._llt, self.spec.grammar, log_level=0)
             self._matcher.consume_tokens(self._tokens[self._answer_start :])
+            if self._was_allowed(token):  # the mask took it: the matcher met one of its own limits
+                raise InvalidOutputSpecError(beyond_matcher(f"{self.spec.name} grammar", error))
+            error = error.strip().splitlines()[0]
             raise ChatKitError(
                 f"Token {token} breaks the {self.spec.name} grammar ({error}): apply the constraint to "
                 "every step (pass it as a logits processor, or call mask_logits before sampling)."
             )
         self._consumed += 1
 
+    def _was_allowed(self, token: int) -> bool:
+        """Whether the last mask, computed for the reply so far (before ``token``), allowed ``token``."""
+        masked = self._masked
+        return masked is not None and masked[0] == len(self._tokens) and token < masked[1].size and bool(masked[1][token])
+
     def rollback(self, n: int) -> None:
         """Forget the last ``n`` reply tokens."""
         n = min(n, len(self._tokens))
         if n <= 0:
             return
+        self._masked = None
         new_len = len(self._tokens) - n
         del self._tokens[new_len:]
         if self._answer_start is not None:
@@ -256,7 +275,10 @@ class Constraint:
         t0 = time.perf_counter()
         eos = [t for t in self._eos if t < vocab_size]
         if self._answer_start is None:
-            allowed = np.ones(vocab_size, dtype=bool)
+            forced = self._forced_end()
+            allowed = np.zeros(vocab_size, dtype=bool) if forced is not None else np.ones(vocab_size, dtype=bool)
+            if forced is not None and forced < vocab_size:
+                allowed[forced] = True  # the budget is spent: the end marker, then the answer
             allowed[eos] = False  # no end inside the reasoning: the reply must get to its answer
         elif self._ended:  # a speculative run may look past the end: only more ends
             allowed = np.zeros(vocab_size, dtype=bool)
@@ -264,20 +286,30 @@ class Constraint:
         else:
             self._matcher.unsafe_compute_mask_ptr(self._bitmask.ctypes.data, self._bitmask.nbytes)
             if self._matcher.is_error():  # e.g. a parser limit: no mask to give (the logits would be all -inf)
-                raise InvalidOutputSpecError(
-                    f"The {self.spec.name} grammar failed while generating: "
-                    f"{self._matcher.get_error().strip().splitlines()[0]}. Simplify the schema or grammar."
-                )
+                raise InvalidOutputSpecError(beyond_matcher(f"{self.spec.name} grammar", self._matcher.get_error()))
             bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little").view(bool)
             if bits.size >= vocab_size:
                 allowed = bits[:vocab_size]
             else:  # logits wider than the tokenizer (padded embeddings): those ids are never allowed
                 allowed = np.concatenate([bits, np.zeros(vocab_size - bits.size, dtype=bool)])
+            allowed[[t for t in self._never if t < vocab_size]] = False
             if not self._tokens and self._think_start is not None and self._think_start < vocab_size:
                 allowed[self._think_start] = True  # or open a reasoning block first
+            self._masked = (len(self._tokens), allowed)
         self.mask_seconds += time.perf_counter() - t0
         self.mask_count += 1
         return allowed
+
+    def _forced_end(self) -> int | None:
+        """The end marker's next token once the reasoning has spent ``max_reasoning`` tokens (a
+        marker of several tokens is forced to its end); ``None`` while the reasoning is free."""
+        end, budget = self._think_end, self._max_reasoning
+        if budget is None or not end:
+            return None
+        tokens, n = self._tokens, len(self._tokens)
+        begin = 1 if self._think_start is not None else 0  # the reply opened the block with its first token
+        done = next((j for j in range(len(end) - 1, 0, -1) if n - j >= begin and tokens[n - j :] == end[:j]), 0)
+        return end[done] if n - done - begin >= budget else None
 
     def mask_logits(self, logits: mx.array) -> mx.array:
         """``logits`` (shape ``(..., vocab)``) with every token the grammar refuses next at -inf."""
@@ -312,10 +344,13 @@ def constraint(
     *,
     think_end: Sequence[int] | str | None = None,
     think_start: int | str | None = None,
+    max_reasoning: int | None = None,
+    never: Sequence[int] = (),
     overlap: bool = True,
 ) -> Constraint:
     """A :class:`Constraint` for one reply of ``spec`` over ``tokenizer``."""
-    return Constraint(spec, tokenizer, think_end=think_end, think_start=think_start, overlap=overlap)
+    return Constraint(spec, tokenizer, think_end=think_end, think_start=think_start, max_reasoning=max_reasoning,
+                      never=never, overlap=overlap)
 
 
 __all__ = ["Constraint", "constraint"]

@@ -122,6 +122,7 @@ def output_spec(
         check_text("grammar=", grammar, InvalidOutputSpecError)
         spec = OutputSpec("grammar", llguidance.LLMatcher.grammar_from_lark(grammar), grammar)
     elif isinstance(output, Mapping):
+        _check_depth(output)
         schema = strict_schema(_plain_json(output))
         spec = OutputSpec("json", _json_grammar(schema), output, schema)
     else:
@@ -130,6 +131,7 @@ def output_spec(
             raw = adapter.json_schema()
         except PydanticUserError as e:
             raise InvalidOutputSpecError(f"No JSON Schema for output={output!r}: {e}. {_SUPPORTED}") from e
+        _check_depth(raw)
         schema = strict_schema(raw)
         spec = OutputSpec("json", _json_grammar(schema), output, schema, adapter)
     _check_grammar(spec)
@@ -172,6 +174,24 @@ def _typeddict_for_pydantic(tp: Any) -> Any:
         k: (v if k in tp.__required_keys__ else typing_extensions.NotRequired[v]) for k, v in hints.items()
     }
     return typing_extensions.TypedDict(tp.__name__, fields, total=True)  # type: ignore[operator]
+
+
+MAX_DEPTH = 100  # JSON objects and arrays nested in a schema; llguidance's parser stops near 120
+
+
+def _check_depth(schema: Any) -> None:
+    """``InvalidOutputSpecError`` for a schema nested deeper than ``MAX_DEPTH`` (checked without
+    recursion: copying or encoding a schema 3,000 deep raises ``RecursionError``)."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise InvalidOutputSpecError(
+                f"The JSON Schema is nested more than {MAX_DEPTH} levels deep (objects and arrays): guided "
+                "generation cannot serve it. Flatten it, or name repeated parts under $defs and $ref them."
+            )
+        children = node.values() if isinstance(node, Mapping) else node if isinstance(node, (list, tuple)) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (Mapping, list, tuple)))
 
 
 def _plain_json(schema: Mapping[str, Any]) -> dict[str, Any]:
@@ -235,12 +255,47 @@ def _check_grammar(spec: OutputSpec) -> None:
     matcher = llguidance.LLMatcher(_byte_tokenizer(), spec.grammar, log_level=0)
     if matcher.is_error():
         raise InvalidOutputSpecError(f"The {what} does not compile: {matcher.get_error().strip()}. Fix the {what}.")
-    mask = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    mask = _mask(matcher)
     if not mask[:256].any():  # no first byte: nothing but the empty string (or nothing at all)
         accepts = "only the empty string" if matcher.is_accepting() else "nothing"
         raise InvalidOutputSpecError(
             f"The {what} accepts {accepts}: a reply could not contain anything. Give one that matches some text."
         )
+    _walk(matcher, mask, what)
+
+
+PROBE_BYTES = 256  # how far _walk follows a grammar before a turn (about 5 ms)
+
+
+def _walk(matcher: llguidance.LLMatcher, mask: np.ndarray, what: str) -> None:
+    """Follow the grammar along its lowest allowed byte for up to ``PROBE_BYTES`` bytes.
+
+    llguidance builds its lexer and parser states as a reply goes, so a grammar too large for its
+    limits (``a{1000000}``: "too many expressions constructed"; a Lark rule repeated 100,000 times:
+    "too many items") compiles, then fails at the first token of the reply. Walking a few bytes here
+    finds those before the turn (a limit met later in a reply fails that turn with the same advice)."""
+    for _ in range(PROBE_BYTES):
+        allowed = np.flatnonzero(mask[:256])
+        if allowed.size == 0 or matcher.is_stopped():
+            return
+        matcher.consume_token(int(allowed[0]))
+        if not matcher.is_error():
+            mask = _mask(matcher)
+        if matcher.is_error():
+            raise InvalidOutputSpecError(beyond_matcher(what, matcher.get_error()))
+
+
+def beyond_matcher(what: str, error: str) -> str:
+    """The message for a grammar that compiled but exceeds the matcher's limits (``error``: llguidance's)."""
+    first = error.strip().splitlines()[0] if error.strip() else "no detail"
+    return (
+        f"The {what} is more than guided generation (llguidance) can serve: {first}. Simplify it: smaller "
+        "repetition counts ({n}), fewer alternatives or nested parts."
+    )
+
+
+def _mask(matcher: llguidance.LLMatcher) -> np.ndarray:
+    return np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
 
 
 def matches(spec: OutputSpec, text: str) -> bool:
@@ -274,4 +329,4 @@ def _incomplete(spec: OutputSpec, text: str) -> IncompleteOutputError:
     )
 
 
-__all__ = ["JSON_OPTIONS", "Kind", "OutputSpec", "matches", "output_spec", "strict_schema"]
+__all__ = ["JSON_OPTIONS", "MAX_DEPTH", "Kind", "OutputSpec", "beyond_matcher", "matches", "output_spec", "strict_schema"]

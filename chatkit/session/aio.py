@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from .results import StreamChunk
 from .streams import GuidedStream, ReplyStream
+from .tool_loop import ToolLoopStream
 
 END = object()  # what pump() hands over after the last chunk
 After = Callable[[], "Callable[[], None] | None"]  # after a turn: the work to run between turns, if any
@@ -145,6 +146,8 @@ class AsyncResponseStream:
     def _stop(self) -> None:
         self._cancel.set()
         self._credits.release()  # wakes a worker waiting for the consumer
+        if isinstance(self._stream, ToolLoopStream):
+            self._stream.interrupt()  # a worker waiting for a tool stops waiting (an async tool is cancelled)
 
     def _start(self) -> None:
         self._loop = loop = asyncio.get_running_loop()

@@ -21,7 +21,7 @@ from ..model.loaded import LoadedModel
 from ..params import GenerateParams
 from ..text.template import read_template
 from ..tools import as_tools
-from ..tools.options import DEFAULT_MAX_TOOL_ROUNDS, ToolOptions
+from ..tools.options import DEFAULT_MAX_TOOL_ROUNDS, DEFAULT_TOOL_TIMEOUT, ToolOptions
 from . import saved
 from .context import ContextPolicy, Window
 from .tool_loop import strict_grammar
@@ -128,6 +128,7 @@ class ChatSessionBuilder(Generic[S]):
         max_tool_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
         errors: str = "return",
         strict_tools: bool = False,
+        tool_timeout: float | None = DEFAULT_TOOL_TIMEOUT,
     ) -> ChatSessionBuilder[S]:
         """Tools the model may call: Python functions (sync or async; the schema from the signature,
         type hints and docstring) or OpenAI-style JSON schema dicts, passed to the template as ``tools``.
@@ -141,8 +142,18 @@ class ChatSessionBuilder(Generic[S]):
         and reasoning stay free, but once the model opens a call its JSON must name one of the tools and
         fit that tool's parameters (closed objects), so a malformed call cannot be produced.
         ``InvalidOutputSpecError`` here for a tool-call format or a schema that cannot be constrained.
+
+        Each call runs on a thread of its own and fails after ``tool_timeout`` seconds (default 60;
+        ``None``: no limit): the model is told it timed out (with ``errors="raise"``:
+        ``ToolExecutionError``). Closing the stream (``close()``, also from another thread) while a
+        tool runs does not wait for it, and an async loop (``astream_respond``, ``arespond``) that is
+        cancelled or closed stops waiting too: the calls are answered as stopped and the loop ends.
+        An async tool that times out or is stopped is cancelled; a sync function cannot be
+        interrupted, so its thread is abandoned: it runs on (a daemon thread) until the function
+        returns, and its result is dropped. A tool that must run on the caller's thread (e.g. one
+        using a sqlite3 connection made there) should open what it needs itself.
         """
-        options = ToolOptions(tool_execution, max_tool_rounds, errors, strict_tools)
+        options = ToolOptions(tool_execution, max_tool_rounds, errors, strict_tools, tool_timeout)
         options.validate()
         checked = as_tools(tools)
         if strict_tools and checked is not None:

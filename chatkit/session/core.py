@@ -106,7 +106,7 @@ class SessionCore:
 
         history = self._conversation.messages
         message, constraint = guide(message, self._lm.tokenizer, lambda m: self._text([*history, m]), **options.spec,
-                                    include_schema=options.include_schema)
+                                    include_schema=options.include_schema, params=self._params)
         stream = GuidedStream(self._open_turn(message, constraint=constraint), constraint)
         self._guided = (message, options.spec)
         return stream
@@ -165,7 +165,7 @@ class SessionCore:
         return ToolLoopStream(
             lambda m: self._open_turn(m, strict=strict, loop=hold), lambda ms: self._append(ms, loop=hold),
             tools, message, execute=self._runs_tools(), max_rounds=options.max_rounds,
-            raise_errors=options.errors == "raise", on_end=lambda: self._gate.let_go(hold),
+            raise_errors=options.errors == "raise", timeout=options.timeout, on_end=lambda: self._gate.let_go(hold),
         )
 
     def _append(self, messages: Sequence[ChatMessage], loop: LoopHold | None = None) -> None:

@@ -264,7 +264,7 @@ class ChatSession(SessionCore):
             def render(message: ChatMessage) -> str:
                 return self._text([*history[:-2], message])
 
-            _, constraint = guide(prompt, self.model.tokenizer, render, **spec, include_schema=False)
+            _, constraint = guide(prompt, self.model.tokenizer, render, **spec, include_schema=False, params=self._params)
             return GuidedStream(self._open_turn(None, regenerate=True, constraint=constraint), constraint)
         return self._open_turn(None, regenerate=True, strict=strict)
 

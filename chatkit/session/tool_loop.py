@@ -19,12 +19,13 @@ from ..messages import ChatMessage, ToolCall
 from ..params import LogitsProcessor
 from ..text.reply import TOOL_RESULT
 from ..tools.options import DEFAULT_MAX_TOOL_ROUNDS
-from ..tools.schema import Tool, call_tool
+from ..tools.schema import Tool, call_tool, stopped
 from .results import StreamChunk, TurnStats
 from .streams import ReplyStream, ResponseStream
 
 OpenRound = Callable[[ChatMessage | None], ResponseStream]  # a turn answering the message (None: the history's last)
 Append = Callable[[Sequence[ChatMessage]], None]  # tool results enter the history
+CLOSE_WAIT = 5.0  # seconds close() from another thread waits for the loop to leave its tools and end
 
 def _no_chunks() -> Generator[StreamChunk, None, None]:
     yield from ()
@@ -39,6 +40,11 @@ class ToolLoopStream(ReplyStream):
     Iterate it, or use it as a context manager, as a ``ResponseStream``; ``close()`` stops the current
     round (which commits what it produced) and starts no other. ``ToolLoopLimitError`` when the model
     still calls tools after ``max_rounds`` rounds of results.
+
+    Each tool call runs on a thread of its own and fails after ``timeout`` seconds (``None``: no
+    limit). ``close()`` from another thread while a tool runs does not wait for it: the calls of that
+    round are answered (the unfinished ones as stopped), an async tool is cancelled, a sync one is left
+    running on its thread (its result dropped), and the loop ends.
     """
 
     def __init__(
@@ -51,6 +57,7 @@ class ToolLoopStream(ReplyStream):
         execute: bool = True,
         max_rounds: int = DEFAULT_MAX_TOOL_ROUNDS,
         raise_errors: bool = False,
+        timeout: float | None = None,
         generate: bool = True,
         on_end: Callable[[], None] | None = None,
     ) -> None:
@@ -58,7 +65,9 @@ class ToolLoopStream(ReplyStream):
         the conversation for the loop until then, also between rounds, while a tool runs."""
         self._open, self._append, self._tools = open_round, append, list(tools)
         self._on_end = on_end
-        self._execute, self._max_rounds, self._raise = execute, max_rounds, raise_errors
+        self._execute, self._max_rounds, self._raise, self._timeout = execute, max_rounds, raise_errors, timeout
+        self._in_tools = False  # the loop's thread is waiting for tools (close() from another thread waits for it to end)
+        self._ended = threading.Event()
         self._round: ResponseStream | None = None
         self._calls: list[ToolCall] = []
         self._results: list[ChatMessage] = []
@@ -130,7 +139,8 @@ class ToolLoopStream(ReplyStream):
             raise
 
     def close(self) -> None:
-        """Stop: the current round commits what it produced; no further round starts."""
+        """Stop: the current round commits what it produced; no further round starts. A tool running
+        meanwhile is not waited for (see the class docstring)."""
         self._stopped.set()
         if self._round is not None:
             self._round.close()
@@ -138,13 +148,21 @@ class ToolLoopStream(ReplyStream):
         try:
             self._chunks.close()
         except ValueError:  # running on another thread: it sees the stop flag, and its next step ends the loop
+            if self._in_tools:  # it leaves its tool at once, answers the calls and ends: then the session is free
+                self._ended.wait(CLOSE_WAIT)
             return
         self._end()
+
+    def interrupt(self) -> None:
+        """Tell the loop to stop, from any thread, doing no work here: a running tool is left (an async
+        one cancelled), and the thread running the loop ends it (an async stream's worker)."""
+        self._stopped.set()
 
     def _end(self) -> None:
         on_end, self._on_end = self._on_end, None
         if on_end is not None:
             on_end()
+        self._ended.set()
 
     # -- the loop -----------------------------------------------------------------------------------
     def _run(self, first: ChatMessage | None) -> Generator[StreamChunk, None, None]:
@@ -167,12 +185,27 @@ class ToolLoopStream(ReplyStream):
                     f"({', '.join(c.name for c in calls)}); its calls are in the history, unanswered. Raise "
                     "max_tool_rounds on the builder, or answer them with respond(result, role=Role.TOOL, tool_call_id=...)."
                 )
-            results = [call_tool(self._tools, call, raise_errors=self._raise) for call in calls]
+            results = self._call(calls)
             self._append(results)
             self._results.extend(results)
+            if self._stopped.is_set():
+                return
             for call, result in zip(calls, results, strict=True):
                 yield StreamChunk(result.content, -1, kind=TOOL_RESULT, tool_call=call)
             message = None
+
+
+    def _call(self, calls: Sequence[ToolCall]) -> list[ChatMessage]:
+        """The results of ``calls``, in order; once the loop is stopped the rest are answered as not run."""
+        self._in_tools = True
+        try:
+            return [
+                stopped(call) if self._stopped.is_set()
+                else call_tool(self._tools, call, raise_errors=self._raise, timeout=self._timeout, stop=self._stopped)
+                for call in calls
+            ]
+        finally:
+            self._in_tools = False
 
 
 def strict_grammar(tokenizer: Any, tools: Sequence[Tool]) -> Any:

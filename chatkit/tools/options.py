@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import InvalidParamsError
 
 DEFAULT_MAX_TOOL_ROUNDS = 8
+DEFAULT_TOOL_TIMEOUT = 60.0  # seconds a tool call may take (``None``: no limit)
 
 
 @dataclass(frozen=True)
@@ -14,12 +16,14 @@ class ToolOptions:
     """How a session uses its tools: ``execution`` ``"auto"`` (chatkit calls them and loops) or
     ``"manual"`` (the calls go back to the app); at most ``max_rounds`` rounds of results per prompt;
     ``errors`` ``"return"`` (the model reads the error as the result) or ``"raise"``; ``strict``: tool
-    calls are constrained to the tools' schemas (``chatkit.guided.call_grammar``)."""
+    calls are constrained to the tools' schemas (``chatkit.guided.call_grammar``); ``timeout``: seconds
+    a call may take before it fails (``None``: no limit)."""
 
     execution: str = "auto"
     max_rounds: int = DEFAULT_MAX_TOOL_ROUNDS
     errors: str = "return"
     strict: bool = False
+    timeout: float | None = DEFAULT_TOOL_TIMEOUT
 
     def validate(self) -> None:
         if self.execution not in ("auto", "manual"):
@@ -30,6 +34,9 @@ class ToolOptions:
             raise InvalidParamsError(f"tool errors={self.errors!r}: use 'return' (tell the model) or 'raise'.")
         if not isinstance(self.strict, bool):
             raise InvalidParamsError(f"strict_tools={self.strict!r}: use True or False.")
+        t = self.timeout
+        if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0):
+            raise InvalidParamsError(f"tool_timeout={t!r}: use seconds > 0 (e.g. 60), or None for no limit.")
 
 
-__all__ = ["DEFAULT_MAX_TOOL_ROUNDS", "ToolOptions"]
+__all__ = ["DEFAULT_MAX_TOOL_ROUNDS", "DEFAULT_TOOL_TIMEOUT", "ToolOptions"]

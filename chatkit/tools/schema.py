@@ -2,15 +2,15 @@
 
 A callable's schema comes from its signature, type hints and docstring through transformers'
 ``get_json_schema`` (the same function ``apply_chat_template(tools=[fn])`` uses). A call's arguments
-are checked against the schema before the function runs; whatever goes wrong (an unknown tool,
-arguments that do not fit, the function raising) becomes text the model reads as the tool's result,
-unless the session was asked to raise.
+are checked against the schema before the function runs, which runs on a thread of its own with a
+timeout (``run.py``); whatever goes wrong (an unknown tool, arguments that do not fit, the function
+raising or timing out) becomes text the model reads as the tool's result, unless the session was
+asked to raise.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -19,6 +19,8 @@ from typing import Any
 
 from ..errors import InvalidParamsError, ToolExecutionError
 from ..messages import ChatMessage, ToolCall, check_json
+from .check import check_parameters
+from .run import Stopped, TimedOut, ToolRun
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,9 @@ def as_tool(item: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
     """A ``Tool`` from a callable or a schema dict (``{"type": "function", "function": {...}}`` or the
     bare ``{"name", "description", "parameters"}``); ``InvalidParamsError`` for anything else."""
     if isinstance(item, Tool):
-        return item
+        if item.function is not None and not callable(item.function):
+            raise InvalidParamsError(f"Tool.function must be callable or None, got {type(item.function).__name__}.")
+        return Tool(as_tool(item.schema).schema, item.function)  # its schema checked as a dict's
     if isinstance(item, Mapping):
         function = item.get("function", item)
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str) or not function["name"]:
@@ -67,8 +71,13 @@ def as_tool(item: Tool | Callable[..., Any] | Mapping[str, Any]) -> Tool:
 
 
 def _json_ready(schema: dict[str, Any]) -> dict[str, Any]:
-    """``schema``, checked to be JSON text a tokenizer takes (the template renders it into the prompt)."""
-    check_json(f"The schema of tool {schema['function']['name']!r}", schema, InvalidParamsError)
+    """``schema``, checked to be JSON text a tokenizer takes (the template renders it into the prompt)
+    and to hold parameters a call's arguments can be checked against (``check.check_parameters``)."""
+    name = schema["function"]["name"]
+    parameters = schema["function"].get("parameters")
+    if parameters is not None:
+        check_parameters(name, parameters)  # first: it bounds the depth json.dumps would recurse into
+    check_json(f"The schema of tool {name!r}", schema, InvalidParamsError)
     return schema
 
 
@@ -85,18 +94,28 @@ def as_tools(items: Sequence[Any] | None) -> list[Tool] | None:
     return tools
 
 
-def call_tool(tools: Sequence[Tool], call: ToolCall, *, raise_errors: bool = False) -> ChatMessage:
+def call_tool(
+    tools: Sequence[Tool],
+    call: ToolCall,
+    *,
+    raise_errors: bool = False,
+    timeout: float | None = None,
+    stop: threading.Event | None = None,
+) -> ChatMessage:
     """Run ``call`` and return the tool message answering it (``tool_call_id`` and ``name`` set).
 
     Errors become the message's text, so the model can correct itself; with ``raise_errors`` they raise
-    ``ToolExecutionError`` instead."""
+    ``ToolExecutionError`` instead. The tool runs on a thread of its own (``chatkit.tools.run``): after
+    ``timeout`` seconds the call fails; once ``stop`` is set the wait ends and the call is answered as
+    stopped (never raised: nothing failed). Either way an async tool is cancelled and a sync one is
+    left running on its thread, its result dropped."""
 
     def answer(text: str) -> ChatMessage:
         return ChatMessage.tool(text, name=call.name or None, tool_call_id=call.id)
 
-    def fail(text: str, cause: BaseException | None = None) -> ChatMessage:
+    def fail(text: str, cause: BaseException | None = None, hint: str = "") -> ChatMessage:
         if raise_errors:
-            raise ToolExecutionError(f"{text} (raised because the session's tools were set with errors='raise')", call) from cause
+            raise ToolExecutionError(f"{text} (raised because the session's tools were set with errors='raise'){hint}", call) from cause
         return answer(f"Error: {text}")
 
     if call.error is not None:
@@ -108,10 +127,19 @@ def call_tool(tools: Sequence[Tool], call: ToolCall, *, raise_errors: bool = Fal
     problem = check_arguments(tool.schema, call.arguments)
     if problem is not None:
         return fail(f"Invalid arguments for {call.name}: {problem}")
+    run = ToolRun(tool.function, call.arguments, call.name)
+    left = "was cancelled" if run.is_async else "was left running"
     try:
-        result = _run(tool.function, call.arguments)
+        result = run.result(timeout, stop)
+    except TimedOut:
+        return fail(f"{call.name} did not return within {timeout:g} s and {left}.", None,
+                    ": give the builder a larger tool_timeout (None: no limit), or make the tool faster.")
+    except Stopped:
+        return stopped(call, f"{call.name} was stopped before it returned ({left}): the reply was closed.")
     except Exception as exc:  # the tool's own failure is the model's to read
         return fail(f"{call.name} raised {type(exc).__name__}: {exc}", exc)
+    except asyncio.CancelledError as exc:  # an async tool cancelled by something of its own
+        return fail(f"{call.name} was cancelled.", exc)
     if isinstance(result, str):
         return answer(result)
     try:
@@ -121,15 +149,27 @@ def call_tool(tools: Sequence[Tool], call: ToolCall, *, raise_errors: bool = Fal
                     "or JSON-ready data.", exc)
 
 
+def stopped(call: ToolCall, why: str = "not run: the reply was closed first.") -> ChatMessage:
+    """The tool message answering a call that a stopped loop did not finish (so that no call is left
+    without its result in the history)."""
+    return ChatMessage.tool(f"Error: {why}", name=call.name or None, tool_call_id=call.id)
+
+
 def check_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> str | None:
     """Why ``arguments`` do not fit the tool's parameters schema, or ``None`` when they do."""
     parameters = schema.get("function", {}).get("parameters") or {"type": "object"}
     try:
         import jsonschema
+        from referencing import Registry
     except ImportError:  # the `tools` extra is not installed: check the required keys only
         missing = [k for k in parameters.get("required", []) if k not in arguments]
         return f"missing required arguments {missing}." if missing else None
-    errors = sorted(jsonschema.Draft202012Validator(parameters).iter_errors(dict(arguments)), key=lambda e: list(e.path))
+    # An empty registry: a $ref outside the schema is never fetched (as_tool refused those already).
+    validator = jsonschema.Draft202012Validator(parameters, registry=Registry())
+    try:
+        errors = sorted(validator.iter_errors(dict(arguments)), key=lambda e: [str(p) for p in e.path])
+    except Exception as exc:  # a schema changed after as_tool checked it: the call fails, the turn goes on
+        return f"the tool's parameters schema cannot be checked ({type(exc).__name__}: {exc}): fix the schema."
     if not errors:
         return None
     first = errors[0]
@@ -137,29 +177,4 @@ def check_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> 
     return f"{where + ': ' if where else ''}{first.message}."
 
 
-def _run(function: Callable[..., Any], arguments: Mapping[str, Any]) -> Any:
-    """Call a sync or async function; an async one runs on its own event loop (on a worker thread when
-    this thread already runs a loop)."""
-    if not inspect.iscoroutinefunction(function):
-        return function(**arguments)
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(function(**arguments))
-    box: dict[str, Any] = {}
-
-    def worker() -> None:
-        try:
-            box["value"] = asyncio.run(function(**arguments))
-        except BaseException as exc:
-            box["error"] = exc
-
-    thread = threading.Thread(target=worker, name="chatkit-tool")
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
-
-
-__all__ = ["Tool", "as_tool", "as_tools", "call_tool", "check_arguments"]
+__all__ = ["Tool", "as_tool", "as_tools", "call_tool", "check_arguments", "stopped"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -37,29 +38,52 @@ def is_gguf(path: str | Path) -> bool:
         return False
 
 
-def _read(f: BinaryIO, fmt: str) -> Any:
-    size = struct.calcsize("<" + fmt)
-    return struct.unpack("<" + fmt, f.read(size))[0]
+class _Damaged(Exception):
+    """The header ends early or holds what no GGUF writer writes (turned into ``ModelLoadError``)."""
 
 
-def _string(f: BinaryIO) -> str:
-    return f.read(_read(f, "Q")).decode("utf-8", errors="replace")
+class _Header:
+    """The GGUF header of an open file, read field by field; a field past the end of the file (or a
+    length longer than the file) raises ``_Damaged`` instead of ``struct.error``."""
 
+    def __init__(self, f: BinaryIO, size: int) -> None:
+        self._f, self._size = f, size
 
-def _skip_value(f: BinaryIO, kind: int) -> None:
-    if kind in _SCALARS:
-        f.seek(struct.calcsize("<" + _SCALARS[kind]), 1)
-    elif kind == 8:
-        f.seek(_read(f, "Q"), 1)
-    elif kind == 9:
-        item, count = _read(f, "I"), _read(f, "Q")
-        if item in _SCALARS:
-            f.seek(count * struct.calcsize("<" + _SCALARS[item]), 1)
+    def read(self, fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        data = self._f.read(size)
+        if len(data) != size:
+            raise _Damaged(f"the header ends at byte {self._f.tell()}, inside a field")
+        return struct.unpack("<" + fmt, data)[0]
+
+    def skip(self, n: int) -> None:
+        if n > self._size - self._f.tell():
+            raise _Damaged(f"a field at byte {self._f.tell()} is {n} bytes long, past the end of the file")
+        self._f.seek(n, 1)
+
+    def string(self) -> str:
+        n = self.read("Q")
+        if n > self._size - self._f.tell():
+            raise _Damaged(f"a string at byte {self._f.tell()} is {n} bytes long, past the end of the file")
+        return self._f.read(n).decode("utf-8", errors="replace")
+
+    def skip_value(self, kind: int, depth: int = 0) -> None:
+        if kind in _SCALARS:
+            self.skip(struct.calcsize("<" + _SCALARS[kind]))
+        elif kind == 8:
+            self.skip(self.read("Q"))
+        elif kind == 9 and depth < _MAX_ARRAY_DEPTH:
+            item, count = self.read("I"), self.read("Q")
+            if item in _SCALARS:
+                self.skip(count * struct.calcsize("<" + _SCALARS[item]))
+            else:
+                for _ in range(count):
+                    self.skip_value(item, depth + 1)
         else:
-            for _ in range(count):
-                _skip_value(f, item)
-    else:
-        raise ValueError(f"unknown metadata value type {kind}")
+            raise _Damaged(f"unknown metadata value type {kind}" if kind != 9 else "arrays nested too deeply")
+
+
+_MAX_ARRAY_DEPTH = 64  # arrays of arrays: no writer nests deeper; a damaged file could recurse forever
 
 
 def tensor_types(path: str | Path) -> dict[str, str]:
@@ -72,22 +96,41 @@ def tensor_types(path: str | Path) -> dict[str, str]:
 
 
 def tensor_info(path: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Each tensor's ggml type name and element counts per dimension, from the file's header."""
-    with open(path, "rb") as f:
-        if f.read(4) != MAGIC:
-            raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic bytes).")
-        _version, n_tensors, n_kv = _read(f, "I"), _read(f, "Q"), _read(f, "Q")
-        for _ in range(n_kv):
-            _string(f)
-            _skip_value(f, _read(f, "I"))
-        types = {}
-        for _ in range(n_tensors):
-            name = _string(f)
-            dims = tuple(_read(f, "Q") for _ in range(_read(f, "I")))
-            kind = _read(f, "I")
-            f.seek(8, 1)
-            types[name] = (GGML_TYPES.get(kind, f"type {kind}"), dims)
+    """Each tensor's ggml type name and element counts per dimension, from the file's header.
+    ``ModelLoadError`` naming the file when it is not a GGUF file, or is truncated or damaged."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != MAGIC:
+                raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic bytes).")
+            return _tensor_info(_Header(f, os.fstat(f.fileno()).st_size))
+    except _Damaged as exc:
+        raise ModelLoadError(
+            f"GGUF file {path} is truncated or damaged ({exc}): download or copy it again (compare its "
+            "size and checksum with the original's)."
+        ) from None
+    except OSError as exc:
+        raise ModelLoadError(f"Cannot read GGUF file {path}: {exc}.") from exc
+
+
+def _tensor_info(h: _Header) -> dict[str, tuple[str, tuple[int, ...]]]:
+    _version, n_tensors, n_kv = h.read("I"), h.read("Q"), h.read("Q")
+    for _ in range(n_kv):
+        h.string()
+        h.skip_value(h.read("I"))
+    types = {}
+    for _ in range(n_tensors):
+        name = h.string()
+        n_dims = h.read("I")
+        if n_dims > _MAX_DIMS:
+            raise _Damaged(f"tensor {name!r} has {n_dims} dimensions")
+        dims = tuple(h.read("Q") for _ in range(n_dims))
+        kind = h.read("I")
+        h.skip(8)  # the data offset
+        types[name] = (GGML_TYPES.get(kind, f"type {kind}"), dims)
     return types
+
+
+_MAX_DIMS = 8  # ggml's GGML_MAX_DIMS is 4; a larger count is damage
 
 
 def value(meta: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -108,6 +151,11 @@ def read(path: str | Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
             types = tensor_types(path)
         except Exception:
             raise ModelLoadError(f"Could not read GGUF file {path}: {exc} (is it complete?).") from exc
+        if "past the end of the file" in str(exc):  # MLX's words for tensor data the file does not hold
+            raise ModelLoadError(
+                f"GGUF file {path} is truncated ({exc}): download or copy it again (compare its size and "
+                "checksum with the original's)."
+            ) from exc
         odd = sorted({t for t in types.values() if t not in KEPT_QUANTIZED | {"F32", "F16", "BF16"}})
         raise ModelLoadError(
             f"MLX could not read GGUF file {path}: {exc}. Its tensor types besides F32/F16/BF16/Q4_0/"
