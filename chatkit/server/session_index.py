@@ -36,6 +36,8 @@ from ..session import saved
 from ..session.aio import AsyncResponseStream
 from ..session.pool import SessionPool
 from ..session.session import ChatSession
+from .response_store import write_file
+from .write_behind import Job, WriteBehind
 
 log = logging.getLogger("chatkit.server")
 T = TypeVar("T")
@@ -130,9 +132,10 @@ class SessionIndex:
         self._as_sent: dict[str, str] = {}  # guided prompts: as the sessions hold them -> as clients send them
         self._lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="chatkit-server")
+        self._behind = WriteBehind(self._write_job) if persist else None
         if persist:
-            atomic.remove_stale_temps(self._folder)  # a hand-off a killed process was writing
-            (self._folder / (MANIFEST + ".tmp")).unlink(missing_ok=True)  # a list a killed process was writing
+            atomic.remove_stale_temps(self._folder)  # a hand-off or list a killed process was writing
+            (self._folder / (MANIFEST + ".tmp")).unlink(missing_ok=True)  # ... as older versions wrote it
             self._load_manifest()
 
     # -- a turn ---------------------------------------------------------------------------------
@@ -152,6 +155,7 @@ class SessionIndex:
                 conv = None  # a new conversation: independent of another one that starts the same way
             replaces = created = False
             if conv is not None:
+                await self._written(conv)
                 session, conv, replaces = await self._continue(conv, added, keep)
             else:
                 session, conv = await self._begin(instructions, history, added, tools, chain, keep)
@@ -202,6 +206,7 @@ class SessionIndex:
         held = (*history, *added[:-1])
         session = await self._run(self._build, instructions, held, tools)
         if source is not None:
+            await self._written(source)
             await self._run(self._seed, session, source)
         if not keep:
             return session, None
@@ -233,12 +238,16 @@ class SessionIndex:
                                              self._as_sent), self._tools.get(conv))
             await self._run(self.pool.enforce_budget)
             self._trim()
+            if self._behind is not None and conv in self.pool:
+                self._behind.touch(conv)  # written behind the turn, after the reply went out
 
     # -- persistence ----------------------------------------------------------------------------
     async def close(self) -> None:
         """Save every conversation's cache (with ``persist``) and stop the worker thread."""
         async with self._lock:
             try:
+                if self._behind is not None:
+                    await self._behind.close()
                 if self._persist:
                     await self._run(self._save_all)
             finally:
@@ -246,22 +255,43 @@ class SessionIndex:
                 self._io.shutdown(wait=True)
 
     def _save_all(self) -> None:
-        kept = list(self._dormant)
         for conv in self.pool:
-            session = self.pool.get(conv)
-            if session is not None and not self.pool.evicted(conv) and not session.busy \
-                    and session.cache_info().tokens:
-                try:
-                    session.save_cache(self.pool.path(conv))
-                except ChatKitError as exc:
-                    log.warning("could not save conversation %s: %s", conv, exc)
-                    continue
-            if self.pool.path(conv).exists():
-                kept.append(conv)
-        tools = {conv: list(self._tools[conv]) for conv in kept if conv in self._tools}
-        tmp = self._folder / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps({"conversations": kept, "tools": tools}))
-        os.replace(tmp, self._folder / MANIFEST)
+            try:
+                self._save(conv, self.pool.get(conv))
+            except ChatKitError as exc:
+                log.warning("could not save conversation %s: %s", conv, exc)
+        self._write_manifest(*self._manifest())
+
+    def _write_job(self, conv: str) -> Job | None:
+        """(On the loop, when ``conv``'s write is due) the write of its cache and of the manifest, or
+        ``None``: it is gone, or a turn holds it (whose end writes it again)."""
+        if conv not in self.pool or self._busy(conv) or self._behind is None:
+            return None
+        if self._lock.locked():  # a turn is opening or closing, maybe on conv: a moment later
+            self._behind.touch(conv)
+            return None
+        session, manifest = self.pool.get(conv), self._manifest()
+
+        def job() -> None:
+            self._save(conv, session)
+            self._write_manifest(*manifest)
+        return job
+
+    def _save(self, conv: str, session: ChatSession | None) -> None:
+        """Write ``conv``'s cache unless the pool holds it on disk already (or it has none)."""
+        if session is not None and not self.pool.evicted(conv) and not session.busy and session.cache_info().tokens:
+            session.save_cache(self.pool.path(conv))
+
+    def _manifest(self) -> tuple[list[str], dict[str, list[Any]]]:
+        """(On the loop) the conversations to list, those saved by an earlier run first, and their tools."""
+        convs = [*self._dormant, *(conv for conv in self.pool if conv not in self._dormant)]
+        return convs, {conv: list(self._tools[conv]) for conv in convs if conv in self._tools}
+
+    def _write_manifest(self, convs: list[str], tools: dict[str, list[Any]]) -> None:
+        """The list of conversations whose cache file exists, with their tools, written atomically."""
+        kept = [conv for conv in convs if self.pool.path(conv).exists()]
+        data = json.dumps({"conversations": kept, "tools": {c: tools[c] for c in kept if c in tools}}).encode()
+        write_file(self._folder / MANIFEST, "the server's conversation list", data)
 
     def _load_manifest(self) -> None:
         try:
@@ -369,6 +399,8 @@ class SessionIndex:
                 path.unlink(missing_ok=True)
 
     def _forget(self, conv: str) -> None:
+        if self._behind is not None:
+            self._behind.cancel(conv)
         self._unindex(conv)
         self._dormant.pop(conv, None)
         self._tools.pop(conv, None)
@@ -379,8 +411,13 @@ class SessionIndex:
         for conv in list(self.pool):  # least recently used first
             if len(self.pool) <= self._max:
                 break
-            if not self._busy(conv):
+            if not self._busy(conv) and not (self._behind is not None and self._behind.writing(conv)):
                 self._forget(conv)
+
+    async def _written(self, conv: str) -> None:
+        """Until ``conv``'s cache, being written behind its last turn, is written (a turn must not meet it)."""
+        if self._behind is not None:
+            await self._behind.wait(conv)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
