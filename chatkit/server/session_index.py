@@ -28,7 +28,7 @@ import mlx.core as mx
 from ..cache import atomic
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig
-from ..errors import ChatKitError, ContextWindowExceededError, SessionBusyError
+from ..errors import ChatKitError, ContextWindowExceededError, NoCacheAvailableError, SessionBusyError
 from ..messages import ChatMessage, Role
 from ..model.loaded import LoadedModel
 from ..params import GenerateParams
@@ -273,7 +273,10 @@ class SessionIndex:
         session, manifest = self.pool.get(conv), self._manifest()
 
         def job() -> None:
-            self._save(conv, session)
+            try:
+                self._save(conv, session)
+            except (SessionBusyError, NoCacheAvailableError):
+                pass  # the pool is evicting it right now: its file is being written, or was
             self._write_manifest(*manifest)
         return job
 
