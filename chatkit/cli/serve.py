@@ -153,9 +153,10 @@ def check_store(path: str) -> str:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UsageError(f"{where}: cannot write in that folder; pick one you can write to.")
     for part in ("caches", "responses"):
-        if (folder / part).exists() and not (folder / part).is_dir():
-            raise UsageError(f"{where}: {str(folder / part)!r} is a file where the store keeps a folder; "
-                             "move it away or pick another folder.")
+        inside = folder / part
+        if inside.exists() and not (inside.is_dir() and os.access(inside, os.W_OK | os.X_OK)):
+            raise UsageError(f"{where}: the store keeps a folder {str(inside)!r} it can write, and that is "
+                             f"{'not writable' if inside.is_dir() else 'a file'}: fix it or pick another folder.")
     return str(folder)
 
 

@@ -1,5 +1,6 @@
-"""The server's memory: conversations as pooled chat sessions, found by what a request says came before,
-and stored responses that chain by ``previous_response_id``; both kept on disk with ``--store``.
+"""The server's conversations: pooled chat sessions, found by what a request says came before; with
+``--store`` their caches are written behind each turn (``write_behind``) and listed in a manifest, so
+they outlive the process, also a crash (the stored responses: ``response_store``).
 
 A request names a conversation by content: its instructions, its tools and the messages before the
 new ones. ``SessionIndex`` indexes every pooled session by a hash of exactly that (its instructions,

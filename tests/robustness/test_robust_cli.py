@@ -19,6 +19,7 @@ def never_serves(monkeypatch):
     calls = []
     monkeypatch.setattr("chatkit.cli.serve.load_model", lambda name: calls.append(("load", name)) or object())
     monkeypatch.setattr("chatkit.cli.serve.serve", lambda lm, config, **kw: calls.append(("serve", config, kw)))
+    monkeypatch.setattr("logging.basicConfig", lambda **kw: None)  # the test process's logging stays as it is
     return calls
 
 
@@ -35,6 +36,7 @@ def one_error_line(err):
     (["--log-level", "nonsense"], "--log-level"),
     (["--store", "{file}"], "--store"),
     (["--store", "{file}/store"], "--store"),
+    (["--store", "{store}"], "--store"),  # holding a file where the store keeps its responses folder
     (["--host", "0.0.0.0"], "--allow-unauthenticated"),
     (["--host", "::"], "--allow-unauthenticated"),
     (["--host", "192.168.1.20"], "--api-key"),
@@ -48,7 +50,9 @@ def one_error_line(err):
 def test_bad_serve_flags_are_one_error_line_and_exit_2(never_serves, capsys, tmp_path, flags, says):
     file = tmp_path / "a-file"
     file.write_text("")
-    flags = [f.format(file=file) for f in flags]
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "responses").write_text("")
+    flags = [f.format(file=file, store=tmp_path / "store") for f in flags]
     assert main(["serve", *flags]) == 2
     assert says in one_error_line(capsys.readouterr().err)
     assert never_serves == []  # refused before a model loads
