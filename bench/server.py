@@ -1,7 +1,7 @@
 """Time to first token over HTTP: ``chatkit serve`` against the in-process session, a stateless
 re-prefill, and ``mlx_lm.server`` run beside it on the same model folder.
 
-    .venv/bin/python bench/server.py [--turns 20] [--rounds 3] [--max-tokens 16]
+    .venv/bin/python bench/server.py [--turns 20] [--rounds 3] [--max-tokens 16] [--store]
 
 The model is the benchmarks' ~29M-parameter Qwen3 (float32, random weights; ``bench/_common.py``),
 saved in a folder that both servers load. A conversation of ``--turns`` user messages (about 40
@@ -13,6 +13,10 @@ tokens each, a system prompt in front) is played, greedy, up to ``--max-tokens``
 * **chatkit serve** and **mlx_lm.server** (each its own process on 127.0.0.1, mlx_lm.server with the
   OpenBLAS that chatkit loads, through ``LD_PRELOAD``): a stateless client that re-sends the whole
   conversation each turn, streaming (``/v1/chat/completions``), as apps do.
+
+With ``--store``, chatkit serve runs with ``--store`` in a temporary folder: each conversation's
+cache is then written behind its turns (``chatkit/server/write_behind.py``), which must leave the
+request path's TTFT as it is.
 
 Time to first token (TTFT) is from sending the message to the first chunk with text. Each round
 uses its own system prompt (no server can reuse another round's conversation) and runs the four in
@@ -29,6 +33,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import chatkit._blas
@@ -145,7 +150,9 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--store", action="store_true", help="run chatkit serve with --store (a temporary folder)")
     a = ap.parse_args()
+    store = ["--store", tempfile.mkdtemp(prefix="bench-serve-")] if a.store else []
 
     lm = load_model()
     folder = lm.source
@@ -157,7 +164,7 @@ def main() -> None:
     ports = {"chatkit serve": free_port(), "mlx_lm.server": free_port()}
     procs = [
         launch(["chatkit", "serve", "--model", folder, "--port", str(ports["chatkit serve"]),
-                "--max-tokens", str(a.max_tokens), "--log-level", "warning"], ports["chatkit serve"]),
+                "--max-tokens", str(a.max_tokens), "--log-level", "warning", *store], ports["chatkit serve"]),
         launch(["mlx_lm", "server", "--model", folder, "--port", str(ports["mlx_lm.server"]),
                 "--max-tokens", str(a.max_tokens), "--log-level", "WARNING"], ports["mlx_lm.server"]),
     ]

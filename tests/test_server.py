@@ -784,9 +784,9 @@ def test_reasoning_comes_as_reasoning_content_streamed_or_not(think):
 def test_serve_refuses_bad_batch_and_draft_flags(capsys):
     from chatkit.cli.serve import main
 
-    assert main(["--batch", "-1"]) == 1 and "--batch >= 0" in capsys.readouterr().err
-    assert main(["--batch", "4", "--parallel", "8"]) == 1 and "leave out --parallel 8" in capsys.readouterr().err
-    assert main(["--draft", "demo", "--num-draft", "many"]) == 1
+    assert main(["--batch", "-1"]) == 2 and "--batch >= 0" in capsys.readouterr().err  # 2: a bad flag, as in chat
+    assert main(["--batch", "4", "--parallel", "8"]) == 2 and "leave out --parallel 8" in capsys.readouterr().err
+    assert main(["--draft", "demo", "--num-draft", "many"]) == 2
     assert "'auto'" in capsys.readouterr().err
 
 
@@ -797,7 +797,7 @@ def test_serve_checks_the_model_flags_as_chat_does(capsys):
 
     for flags, rule in ((["--num-draft", "65"], "use 'auto' or 1 to 64"), (["--temp", "nan"], "use 0 (greedy)"),
                         (["--max-tokens", "0"], "use 1 or more")):
-        assert main(flags) == 1 and rule in capsys.readouterr().err
+        assert main(flags) == 2 and rule in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arguments, unread", [('{"x": "\\ud800"}', None), ("\ud800", None), ('{"x": ' * 100_000, True)])

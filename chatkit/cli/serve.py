@@ -4,9 +4,12 @@ before anything loads; then the model is loaded and ``chatkit.server`` serves it
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from ..decode.speculative import SpeculativeConfig
@@ -17,25 +20,43 @@ from ..server.state import ServerConfig
 from .args import UsageError, add_model_flags, add_sampling_flags, load_draft, load_model
 
 SERVE_MAX_TOKENS = 512  # a reply's length when neither --max-tokens nor the request sets one
-LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 class _Parser(argparse.ArgumentParser):
-    """A bad flag is a ``UsageError``: one ``error:`` line and exit code 1, as ``chatkit serve``'s other
-    refusals (``chatkit chat`` exits 2 on a usage error; tests pin serve's 1)."""
+    """A bad flag is a ``UsageError``: one ``error:`` line and exit status 2, as every other flag that
+    cannot work (and as ``chatkit chat``)."""
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (chatkit serve --help lists the flags)")
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; use 1 to 65535") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port number; use 1 to 65535")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
     """``chatkit serve [flags]``."""
     p = _Parser(prog="chatkit serve", description="Serve a model over an OpenAI-compatible HTTP API.")
     add_model_flags(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8080, help="port (default 8080)")
-    p.add_argument("--store", metavar="DIR", help="keep conversations and responses in DIR across restarts")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only); any other than a loopback "
+                        "address needs --api-key (or --allow-unauthenticated)")
+    p.add_argument("--port", type=_port, default=8080, help="port, 1 to 65535 (default 8080)")
+    p.add_argument("--store", metavar="DIR",
+                   help="keep conversations and responses in DIR (created if missing) across restarts; each "
+                        "conversation's cache is written there behind its turn")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a --host other than loopback without --api-key: anyone who can reach it can use it")
     p.add_argument("--max-cache-mb", type=int, default=2048,
                    help="KV cache memory for all conversations; beyond it caches go to disk (default 2048)")
     p.add_argument("--max-conversations", type=int, default=256, help="conversations kept (default 256)")
@@ -45,16 +66,22 @@ def parser() -> argparse.ArgumentParser:
                         "for many clients, some latency for one; default: off)")
     p.add_argument("--queue", type=int, default=32, help="requests waiting beyond those; more get 503 (default 32)")
     add_sampling_flags(p, max_tokens=SERVE_MAX_TOKENS, otherwise="for requests that set none")
-    p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
+                   help=f"uvicorn's log level: {', '.join(LOG_LEVELS)} (default info)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``chatkit serve ...``: check the flags, load the model(s) and serve until Ctrl-C. Returns 1 (after
-    one ``error:`` line) when a flag cannot work or a model does not load."""
+    """``chatkit serve ...``: check the flags, load the model(s) and serve until Ctrl-C. After one
+    ``error:`` line, returns 2 when a flag cannot work (checked before anything loads) and 1 when a
+    model does not load."""
     try:
         args = parser().parse_args(argv)
         config = server_config(args)
+    except ChatKitError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
         lm = load_model(args.model)
         draft = load_draft(args.draft)
         if draft is not None:
@@ -62,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ChatKitError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if args.host not in LOCAL_HOSTS and not args.api_key:
+    if not is_loopback(args.host) and not args.api_key:
         print(f"warning: serving on {args.host} without --api-key: anyone who can reach it can use it.",
               file=sys.stderr)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(message)s")
@@ -83,11 +110,54 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if parallel < 1 or args.queue < 0 or args.max_cache_mb < 0 or args.max_conversations < 1 or args.batch < 0:
         raise UsageError("--parallel and --max-conversations must be >= 1, --queue, --max-cache-mb and "
                          "--batch >= 0.")
+    check_exposure(args.host, args.api_key, args.allow_unauthenticated)
     return ServerConfig(
-        model_id=args.model or "demo", store=args.store, max_cache_bytes=args.max_cache_mb * 2**20,
+        model_id=args.model or "demo", store=check_store(args.store) if args.store is not None else None,
+        max_cache_bytes=args.max_cache_mb * 2**20,
         max_conversations=args.max_conversations, parallel=parallel, queue=args.queue,
         api_key=args.api_key, defaults=defaults, batch=args.batch > 0,
     )
 
 
-__all__ = ["main", "parser", "server_config"]
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine only: ``localhost`` or a loopback address (127.x, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a name: it may resolve to any address
+        return False
+
+
+def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
+    """``UsageError`` for an empty key, and for a non-loopback ``host`` without a key unless allowed."""
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        raise UsageError("--api-key: give a key without spaces at its ends (clients send 'Authorization: Bearer KEY').")
+    if not api_key and not allow_unauthenticated and not is_loopback(host):
+        raise UsageError(
+            f"--host {host} lets other machines reach the server, and without --api-key anyone who can reach it "
+            "could use it: add --api-key KEY (clients then send 'Authorization: Bearer KEY'), or "
+            "--allow-unauthenticated if that network is trusted.")
+
+
+def check_store(path: str) -> str:
+    """The ``--store`` folder, created if missing; ``UsageError`` when it cannot hold the store."""
+    folder = Path(os.path.expanduser(path))
+    where = f"--store {path}"
+    if folder.exists() and not folder.is_dir():
+        raise UsageError(f"{where}: that is a file; give a folder (it is created if missing).")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{where}: the folder cannot be created ({exc.strerror or exc}); pick another.") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UsageError(f"{where}: cannot write in that folder; pick one you can write to.")
+    for part in ("caches", "responses"):
+        inside = folder / part
+        if inside.exists() and not (inside.is_dir() and os.access(inside, os.W_OK | os.X_OK)):
+            raise UsageError(f"{where}: the store keeps a folder {str(inside)!r} it can write, and that is "
+                             f"{'not writable' if inside.is_dir() else 'a file'}: fix it or pick another folder.")
+    return str(folder)
+
+
+__all__ = ["check_exposure", "check_store", "is_loopback", "main", "parser", "server_config"]

@@ -36,7 +36,8 @@ def line_reader(interactive: bool, prompt: str = "> ") -> Callable[[str], str]:
     """A function returning the next line (``EOFError`` at the end, ``KeyboardInterrupt`` on Ctrl-C).
 
     ``interactive`` (stdin and stdout are a terminal): prompt_toolkit, with line editing, the history
-    file, Ctrl-R and multi-line paste; ``default`` pre-fills the line. Otherwise, or without
+    file, Ctrl-R and multi-line paste; ``default`` pre-fills the line, and one that ends with ``"\n"``
+    is taken as typed (a line typed ahead, Enter included). Otherwise, or without
     prompt_toolkit: plain ``input`` (piped input).
     """
     if interactive:
@@ -46,6 +47,9 @@ def line_reader(interactive: bool, prompt: str = "> ") -> Callable[[str], str]:
             pass
 
     def plain(default: str = "") -> str:
+        if default.endswith("\n"):  # a whole line typed ahead (ReplyKeys.take_typed)
+            print(prompt + default if interactive else "", end="")
+            return default[:-1]
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C here: KeyboardInterrupt
         try:
             return input(prompt if interactive else "")
@@ -80,16 +84,30 @@ def _prompt_toolkit_reader(prompt: str) -> Callable[[str], str]:
         event.current_buffer.insert_text("\n")
 
     # Enter sends the line; pasted text (bracketed paste) keeps its newlines and is sent as one message.
-    session: Any = PromptSession(history=history, key_bindings=keys, enable_history_search=False)
+    session: Any = PromptSession(history=history, key_bindings=keys, enable_history_search=False,
+                                 output=_output_without_cpr())
 
     def read(default: str = "") -> str:
         previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            return session.prompt(prompt, default=default)
+        try:  # a line typed ahead with its Enter (ReplyKeys.take_typed) is shown and taken as it is
+            return session.prompt(prompt, default=default.rstrip("\n"), accept_default=default.endswith("\n"))
         finally:
             signal.signal(signal.SIGINT, previous)
 
     return read
+
+
+def _output_without_cpr() -> Any:
+    """prompt_toolkit's terminal output, told not to ask the terminal where the cursor is (a CPR,
+    ``ESC [6n``). A terminal that never answers (some emulators, pexpect, a serial console) made
+    each line wait for the answer, then print a warning, and a line typed meanwhile was held; the
+    REPL draws no menus below the prompt, so it never needs the answer (as PROMPT_TOOLKIT_NO_CPR=1)."""
+    from prompt_toolkit.output import create_output
+
+    output = create_output()
+    if hasattr(output, "enable_cpr"):  # a VT100 terminal (Windows consoles are asked otherwise)
+        output.enable_cpr = False
+    return output
 
 
 class ReplyKeys:
@@ -102,7 +120,8 @@ class ReplyKeys:
     the terminal does not turn Ctrl-C into a signal (ISIG off): a thread reads the key from the
     terminal instead, and no child of this process ever sees it. Between reading a line and that
     switch, and for a SIGINT sent by other means (``kill -INT``), :meth:`installed`'s handler sets
-    the flag. Other keys typed meanwhile are kept for the next prompt.
+    the flag. Other keys typed meanwhile are kept for the next prompt, and a line ended with Enter is
+    read there as if typed at it (type-ahead, as a terminal in its usual mode keeps it).
     """
 
     def __init__(self) -> None:
@@ -164,13 +183,14 @@ class ReplyKeys:
                 self.pressed.set()
                 data = data.replace(intr, b"")
             text = data.decode("utf-8", "ignore")
-            if text and "\x1b" not in text:  # keep plain typing; drop escape sequences (arrows...)
-                self.typed += "".join(c for c in text if c.isprintable())
+            if text and "\x1b" not in text:  # keep plain typing and Enter; drop escape sequences (arrows...)
+                self.typed += "".join(c if c.isprintable() else "\n" for c in text if c.isprintable() or c in "\r\n")
 
     def take_typed(self) -> str:
-        """What was typed during the last replies, to pre-fill the next prompt."""
-        typed, self.typed = self.typed, ""
-        return typed
+        """What was typed during the last replies, for the next prompt: a line with its Enter (ending in
+        ``"\n"``: the prompt takes it as typed; the rest waits for the prompt after), or text to pre-fill it."""
+        line, end, self.typed = self.typed.partition("\n")
+        return line + end
 
 
 def _terminal_fd() -> int | None:

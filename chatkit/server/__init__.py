@@ -6,10 +6,12 @@
     server.url ... server.stop()                 notebooks, the README); ``chatkit serve`` runs it in front
 
 One module per job: ``app`` (``create_app`` and its route table), a handler module per API
-(``chat_completions``, ``responses``), ``wire`` (what both APIs read: messages, tools, sampling
-parameters), ``state`` (``ServerConfig`` and what every handler shares), ``session_index`` (conversations
-as pooled sessions, stored responses), ``errors`` (HTTP statuses), ``run`` (uvicorn). The flags of
-``chatkit serve`` are the command line's: chatkit/cli/serve.py.
+(``chat_completions``, ``responses``), ``body`` (a request body checked whole before it is read),
+``wire`` (what both APIs read: messages, tools, sampling parameters), ``state`` (``ServerConfig`` and
+what every handler shares), ``session_index`` (conversations as pooled sessions), ``write_behind``
+(each conversation's cache written behind its turn), ``response_store`` (stored responses),
+``errors`` (HTTP statuses), ``run`` (uvicorn). The flags of ``chatkit serve`` are the command line's:
+chatkit/cli/serve.py.
 
 Needs the ``server`` extra (starlette, uvicorn).
 """

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..messages import ChatMessage, ToolCall
 from ..params import GenerateParams
 from ..session.results import TurnStats
+from .body import read_body, read_metadata, read_object
 from .errors import BadRequestError, error_body
 from .session_index import Lease
 from .state import ServerState, reply_of
@@ -25,10 +26,8 @@ from .wire import (
     format_schema,
     link_tool_results,
     new_id,
-    read_body,
     read_bool,
     read_message,
-    read_object,
     read_params,
     read_tools,
     split_conversation,
@@ -75,6 +74,7 @@ async def _events(state: ServerState, lease: Lease, req: TurnRequest, cid: str) 
 def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
     """A ``POST /v1/chat/completions`` body."""
     body = read_object(body)
+    read_metadata(body)  # checked as OpenAI does; chatkit keeps no chat completions to attach it to
     tools, choice, strict = read_tools(body, flat=False)
     if body.get("n", 1) != 1:
         raise BadRequestError("n: chatkit answers with one choice per request; send n=1.", param="n")

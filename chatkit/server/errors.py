@@ -8,6 +8,7 @@ from ..errors import (
     ChatKitError,
     ContextWindowExceededError,
     InvalidMessageError,
+    InvalidOutputSpecError,
     InvalidParamsError,
     SessionBusyError,
     TemplateError,
@@ -46,8 +47,8 @@ def status_of(exc: BaseException) -> tuple[int, str, str | None]:
         return 503, "server_overloaded", "overloaded"
     if isinstance(exc, UnauthorizedError):
         return 401, "authentication_error", "invalid_api_key"
-    if isinstance(exc, (InvalidMessageError, InvalidParamsError, TemplateError)):
-        return 400, "invalid_request_error", None
+    if isinstance(exc, (InvalidMessageError, InvalidParamsError, InvalidOutputSpecError, TemplateError)):
+        return 400, "invalid_request_error", None  # the request's fault: a client must not retry it as is
     return 500, "server_error", None
 
 

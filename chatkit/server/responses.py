@@ -16,9 +16,11 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..errors import ChatKitError
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
 from ..session.results import TurnStats
+from .body import read_body, read_metadata, read_object
 from .errors import BadRequestError, error_body
 from .session_index import Lease
 from .state import ServerState, reply_of
@@ -29,10 +31,8 @@ from .wire import (
     format_schema,
     link_tool_results,
     new_id,
-    read_body,
     read_bool,
     read_message,
-    read_object,
     read_params,
     read_text,
     read_tool_call,
@@ -81,7 +81,8 @@ class ResponseTurn:
 
     def keep(self, finish: str | None, ended: str = "done") -> dict[str, Any]:
         """The response as stored; ``ended``: "done", or "cancelled" (the client went away) or
-        "failed" (an error mid-stream), each stored as far as the turn got."""
+        "failed" (an error mid-stream), each stored as far as the turn got. ``ChatKitError`` when it
+        cannot be stored (e.g. the disk is full)."""
         reply = reply_of(self.lease)
         status = ended if ended != "done" else "incomplete" if finish == "length" else "completed"
         obj = self.object(status, self.items.of(reply, status != "completed"), finish)
@@ -94,7 +95,8 @@ async def _events(state: ServerState, turn: ResponseTurn) -> AsyncIterator[str]:
     """The response as server-sent events: created, in progress, its output items as they stream, then
     completed (or incomplete). However the stream ends (an error, the client gone) the response is kept."""
     out = _EventWriter(turn.items)
-    finish, kept, ended = None, {}, "cancelled"  # until the stream ends or fails
+    finish, ended = None, "cancelled"  # until the stream ends or fails
+    kept: dict[str, Any] | ChatKitError = {}
     try:
         async with state.settled(turn.lease):
             try:
@@ -115,7 +117,13 @@ async def _events(state: ServerState, turn: ResponseTurn) -> AsyncIterator[str]:
                 yield out.event("error", **error_body(exc)[1]["error"])
                 return
     finally:  # also when the client went away: the turn committed as far as it got, so is stored
-        kept = turn.keep(finish, ended)
+        try:
+            kept = turn.keep(finish, ended)
+        except ChatKitError as exc:  # not stored: the client is told instead of "completed"
+            kept = exc
+    if isinstance(kept, ChatKitError):
+        yield out.event("error", **error_body(kept)[1]["error"])
+        return
     for text in out.end():
         yield text
     yield out.event("response.incomplete" if kept["status"] == "incomplete" else "response.completed", response=kept)
@@ -224,7 +232,8 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
         raise BadRequestError("input: the last message is empty: send some text.", param="input")
     text = body.get("text") or {}
     schema = format_schema(text.get("format") if isinstance(text, Mapping) else None, "text.format")
-    echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "temperature", "top_p", "metadata")}
+    echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "temperature", "top_p")}
+    echo["metadata"] = read_metadata(body)
     echo["tools"] = [{"type": "function", **t["function"], "strict": strict} for t in tools or ()]
     echo["tool_choice"] = choice
     return TurnRequest(

@@ -1,5 +1,6 @@
-"""The server's memory: conversations as pooled chat sessions, found by what a request says came before,
-and stored responses that chain by ``previous_response_id``; both kept on disk with ``--store``.
+"""The server's conversations: pooled chat sessions, found by what a request says came before; with
+``--store`` their caches are written behind each turn (``write_behind``) and listed in a manifest, so
+they outlive the process, also a crash (the stored responses: ``response_store``).
 
 A request names a conversation by content: its instructions, its tools and the messages before the
 new ones. ``SessionIndex`` indexes every pooled session by a hash of exactly that (its instructions,
@@ -25,17 +26,19 @@ from typing import Any, TypeVar
 
 import mlx.core as mx
 
+from ..cache import atomic
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig
-from ..errors import ChatKitError, ContextWindowExceededError, SessionBusyError
-from ..messages import ChatMessage, Role, saved_dict
+from ..errors import ChatKitError, ContextWindowExceededError, NoCacheAvailableError, SessionBusyError
+from ..messages import ChatMessage, Role
 from ..model.loaded import LoadedModel
 from ..params import GenerateParams
 from ..session import saved
 from ..session.aio import AsyncResponseStream
 from ..session.pool import SessionPool
 from ..session.session import ChatSession
-from .errors import UnknownResponseError
+from .response_store import write_file
+from .write_behind import Job, WriteBehind
 
 log = logging.getLogger("chatkit.server")
 T = TypeVar("T")
@@ -130,7 +133,10 @@ class SessionIndex:
         self._as_sent: dict[str, str] = {}  # guided prompts: as the sessions hold them -> as clients send them
         self._lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="chatkit-server")
+        self._behind = WriteBehind(self._write_job) if persist else None
         if persist:
+            atomic.remove_stale_temps(self._folder)  # a hand-off or list a killed process was writing
+            (self._folder / (MANIFEST + ".tmp")).unlink(missing_ok=True)  # ... as older versions wrote it
             self._load_manifest()
 
     # -- a turn ---------------------------------------------------------------------------------
@@ -150,6 +156,7 @@ class SessionIndex:
                 conv = None  # a new conversation: independent of another one that starts the same way
             replaces = created = False
             if conv is not None:
+                await self._written(conv)
                 session, conv, replaces = await self._continue(conv, added, keep)
             else:
                 session, conv = await self._begin(instructions, history, added, tools, chain, keep)
@@ -200,6 +207,7 @@ class SessionIndex:
         held = (*history, *added[:-1])
         session = await self._run(self._build, instructions, held, tools)
         if source is not None:
+            await self._written(source)
             await self._run(self._seed, session, source)
         if not keep:
             return session, None
@@ -231,12 +239,16 @@ class SessionIndex:
                                              self._as_sent), self._tools.get(conv))
             await self._run(self.pool.enforce_budget)
             self._trim()
+            if self._behind is not None and conv in self.pool:
+                self._behind.touch(conv)  # written behind the turn, after the reply went out
 
     # -- persistence ----------------------------------------------------------------------------
     async def close(self) -> None:
         """Save every conversation's cache (with ``persist``) and stop the worker thread."""
         async with self._lock:
             try:
+                if self._behind is not None:
+                    await self._behind.close()
                 if self._persist:
                     await self._run(self._save_all)
             finally:
@@ -244,22 +256,46 @@ class SessionIndex:
                 self._io.shutdown(wait=True)
 
     def _save_all(self) -> None:
-        kept = list(self._dormant)
         for conv in self.pool:
-            session = self.pool.get(conv)
-            if session is not None and not self.pool.evicted(conv) and not session.busy \
-                    and session.cache_info().tokens:
-                try:
-                    session.save_cache(self.pool.path(conv))
-                except ChatKitError as exc:
-                    log.warning("could not save conversation %s: %s", conv, exc)
-                    continue
-            if self.pool.path(conv).exists():
-                kept.append(conv)
-        tools = {conv: list(self._tools[conv]) for conv in kept if conv in self._tools}
-        tmp = self._folder / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps({"conversations": kept, "tools": tools}))
-        os.replace(tmp, self._folder / MANIFEST)
+            try:
+                self._save(conv, self.pool.get(conv))
+            except ChatKitError as exc:
+                log.warning("could not save conversation %s: %s", conv, exc)
+        self._write_manifest(*self._manifest())
+
+    def _write_job(self, conv: str) -> Job | None:
+        """(On the loop, when ``conv``'s write is due) the write of its cache and of the manifest, or
+        ``None``: it is gone, or a turn holds it (whose end writes it again)."""
+        if conv not in self.pool or self._busy(conv) or self._behind is None:
+            return None
+        if self._lock.locked():  # a turn is opening or closing, maybe on conv: a moment later
+            self._behind.touch(conv)
+            return None
+        session, manifest = self.pool.get(conv), self._manifest()
+
+        def job() -> None:
+            try:
+                self._save(conv, session)
+            except (SessionBusyError, NoCacheAvailableError):
+                pass  # the pool is evicting it right now: its file is being written, or was
+            self._write_manifest(*manifest)
+        return job
+
+    def _save(self, conv: str, session: ChatSession | None) -> None:
+        """Write ``conv``'s cache unless the pool holds it on disk already (or it has none)."""
+        if session is not None and not self.pool.evicted(conv) and not session.busy and session.cache_info().tokens:
+            session.save_cache(self.pool.path(conv))
+
+    def _manifest(self) -> tuple[list[str], dict[str, list[Any]]]:
+        """(On the loop) the conversations to list, those saved by an earlier run first, and their tools."""
+        convs = [*self._dormant, *(conv for conv in self.pool if conv not in self._dormant)]
+        return convs, {conv: list(self._tools[conv]) for conv in convs if conv in self._tools}
+
+    def _write_manifest(self, convs: list[str], tools: dict[str, list[Any]]) -> None:
+        """The list of conversations whose cache file exists, with their tools, written atomically."""
+        kept = [conv for conv in convs if self.pool.path(conv).exists()]
+        data = json.dumps({"conversations": kept, "tools": {c: tools[c] for c in kept if c in tools}}).encode()
+        write_file(self._folder / MANIFEST, "the server's conversation list", data)
 
     def _load_manifest(self) -> None:
         try:
@@ -367,6 +403,8 @@ class SessionIndex:
                 path.unlink(missing_ok=True)
 
     def _forget(self, conv: str) -> None:
+        if self._behind is not None:
+            self._behind.cancel(conv)
         self._unindex(conv)
         self._dormant.pop(conv, None)
         self._tools.pop(conv, None)
@@ -377,67 +415,16 @@ class SessionIndex:
         for conv in list(self.pool):  # least recently used first
             if len(self.pool) <= self._max:
                 break
-            if not self._busy(conv):
+            if not self._busy(conv) and not (self._behind is not None and self._behind.writing(conv)):
                 self._forget(conv)
+
+    async def _written(self, conv: str) -> None:
+        """Until ``conv``'s cache, being written behind its last turn, is written (a turn must not meet it)."""
+        if self._behind is not None:
+            await self._behind.wait(conv)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
 
-class ResponseStore:
-    """Responses by id, each with what it added to its conversation; one JSON file per response in
-    ``folder`` (written atomically) when given, so chains outlive the server."""
-
-    def __init__(self, folder: str | os.PathLike[str] | None) -> None:
-        self._folder = Path(folder) if folder is not None else None
-        self._records: dict[str, dict[str, Any]] = {}
-        if self._folder is not None:
-            self._folder.mkdir(parents=True, exist_ok=True)
-            for path in self._folder.glob("resp_*.json"):
-                try:
-                    record = json.loads(path.read_text())
-                    self._records[record["response"]["id"]] = record
-                except (OSError, ValueError, KeyError, TypeError) as exc:
-                    log.warning("ignoring the unreadable stored response %s: %s", path.name, exc)
-
-    def add(self, response: dict[str, Any], added: Sequence[ChatMessage], reply: ChatMessage) -> None:
-        """Keep ``response`` (an OpenAI response object) with the messages it added and its reply."""
-        record = {"response": response, "added": [saved_dict(m) for m in added], "reply": saved_dict(reply)}
-        self._records[response["id"]] = record
-        if self._folder is not None:
-            path = self._folder / f"{response['id']}.json"
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(record, ensure_ascii=False))
-            os.replace(tmp, path)
-
-    def get(self, rid: str) -> dict[str, Any]:
-        """The stored response object; ``UnknownResponseError`` if there is none with that id."""
-        return self._record(rid)["response"]
-
-    def transcript(self, rid: str) -> tuple[ChatMessage, ...]:
-        """The conversation up to and including response ``rid``'s reply."""
-        chain = []
-        while rid is not None:
-            record = self._record(rid)
-            chain.append(record)
-            rid = record["response"].get("previous_response_id")
-            if len(chain) > len(self._records):
-                raise UnknownResponseError("The stored responses form a loop: start a new conversation.")
-        messages: list[ChatMessage] = []
-        for record in reversed(chain):
-            messages += [ChatMessage.from_dict(m) for m in record["added"]]
-            reply = record.get("reply")
-            messages.append(ChatMessage.from_dict(reply) if reply else ChatMessage.assistant(record["output"]))
-        return tuple(messages)
-
-    def _record(self, rid: str) -> dict[str, Any]:
-        record = self._records.get(rid)
-        if record is None:
-            raise UnknownResponseError(
-                f"No stored response {rid!r}: it was never stored (store=false) or belongs to another server; "
-                "send the conversation again without previous_response_id."
-            )
-        return record
-
-
-__all__ = ["SessionIndex", "Lease", "ResponseStore", "conversation_key"]
+__all__ = ["Lease", "SessionIndex", "conversation_key"]

@@ -22,7 +22,8 @@ from ..model.loaded import LoadedModel
 from ..params import GenerateParams
 from ..text import reply as segments
 from .errors import BadRequestError, OverloadedError
-from .session_index import Lease, ResponseStore, SessionIndex
+from .response_store import ResponseStore
+from .session_index import Lease, SessionIndex
 from .wire import TurnRequest
 
 

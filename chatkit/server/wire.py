@@ -22,8 +22,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from starlette.requests import Request
-
 from ..errors import ChatKitError
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
@@ -123,21 +121,6 @@ def link_tool_results(messages: Sequence[ChatMessage], param: str, offset: int =
     if pending and out[-1].role is Role.TOOL:
         raise unanswered()
     return out
-
-
-async def read_body(request: Request) -> Any:
-    """The request's body as JSON; a 400 when it is not JSON."""
-    try:
-        return json.loads(await request.body())
-    except ValueError as exc:
-        raise BadRequestError(f"The request body is not valid JSON ({exc}).") from exc
-
-
-def read_object(body: Any) -> Mapping[str, Any]:
-    """The parsed body as an object; a 400 when it is another JSON value."""
-    if not isinstance(body, Mapping):
-        raise BadRequestError("The request body must be a JSON object.")
-    return body
 
 
 def read_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -396,6 +379,6 @@ class Deltas:
 
 __all__ = [
     "Deltas", "TurnRequest", "arguments_text", "format_schema", "guided_available", "link_tool_results", "new_id",
-    "read_body", "read_bool", "read_message", "read_object", "read_params", "read_text", "read_tool_call",
+    "read_bool", "read_message", "read_params", "read_text", "read_tool_call",
     "read_tools", "split_conversation",
 ]

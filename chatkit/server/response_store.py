@@ -1,0 +1,115 @@
+"""Stored responses (``POST /v1/responses`` with ``store``), by id, each with what it added to its
+conversation, so that ``previous_response_id`` chains on it; with a folder (``--store``), one JSON
+file per response that outlives the process.
+
+A response is written only if it reads back: its JSON is made first (strict JSON: no ``NaN``, text
+UTF-8 can hold), then written atomically (a locked temporary file, fsync, rename), so a stored
+response never answers a ``GET`` with a 500. At start the temporary files of killed writes are
+removed and a file that does not read back (damaged, or written by an older version) is skipped
+with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ..cache import atomic
+from ..errors import ChatKitError
+from ..messages import ChatMessage, saved_dict
+from .errors import UnknownResponseError
+
+log = logging.getLogger("chatkit.server")
+
+
+class ResponseStore:
+    """Responses by id, each with the messages it added to its conversation and its reply; kept in
+    ``folder`` when given (``None``: in memory only)."""
+
+    def __init__(self, folder: str | os.PathLike[str] | None) -> None:
+        self._folder = Path(folder) if folder is not None else None
+        self._responses: dict[str, dict[str, Any]] = {}
+        self._messages: dict[str, tuple[ChatMessage, ...]] = {}  # what each added, its reply last
+        if self._folder is not None:
+            self._open(self._folder)
+
+    def add(self, response: dict[str, Any], added: Sequence[ChatMessage], reply: ChatMessage) -> None:
+        """Keep ``response`` (an OpenAI response object) with the messages it added and its reply.
+        ``ChatKitError`` (and nothing kept) if it cannot be written so that it reads back."""
+        rid = response["id"]
+        record = {"response": response, "added": [saved_dict(m) for m in added], "reply": saved_dict(reply)}
+        try:
+            data = json.dumps(record, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        except (TypeError, ValueError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
+            raise ChatKitError(f"Response {rid} cannot be stored: it does not make JSON that reads back ({exc}). "
+                               "Nothing was stored; send the request again without the offending value.") from None
+        if self._folder is not None:
+            write_file(self._folder / f"{rid}.json", f"response {rid}", data)
+        self._responses[rid], self._messages[rid] = response, (*added, reply)
+
+    def get(self, rid: str) -> dict[str, Any]:
+        """The stored response object; ``UnknownResponseError`` if there is none with that id."""
+        self._check(rid)
+        return self._responses[rid]
+
+    def transcript(self, rid: str) -> tuple[ChatMessage, ...]:
+        """The conversation up to and including response ``rid``'s reply."""
+        chain: list[str] = []
+        current: str | None = rid
+        while current is not None:
+            self._check(current)
+            chain.append(current)
+            current = self._responses[current].get("previous_response_id")
+            if len(chain) > len(self._responses):
+                raise UnknownResponseError("The stored responses form a loop: start a new conversation.")
+        return tuple(m for r in reversed(chain) for m in self._messages[r])
+
+    def _check(self, rid: str) -> None:
+        if rid not in self._responses:
+            raise UnknownResponseError(
+                f"No stored response {rid!r}: it was never stored (store=false) or belongs to another server; "
+                "send the conversation again without previous_response_id."
+            )
+
+    def _open(self, folder: Path) -> None:
+        """Create ``folder`` if needed, remove what killed writes left, read every response that reads back."""
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if not folder.is_dir():
+                raise NotADirectoryError(f"{str(folder)!r} is a file")
+            legacy = list(folder.glob("resp_*.tmp"))  # the temporary files of older versions' writes
+        except OSError as exc:
+            raise ChatKitError(f"The response store {str(folder)!r} cannot be used: {exc.strerror or exc}. "
+                               "Give --store a folder chatkit can create and write.") from exc
+        atomic.remove_stale_temps(folder)
+        for path in legacy:
+            path.unlink(missing_ok=True)
+        for path in sorted(folder.glob("resp_*.json")):
+            try:
+                self._load(path)
+            except (OSError, ValueError, KeyError, TypeError, RecursionError, ChatKitError) as exc:
+                log.warning("ignoring the unreadable stored response %s: %s", path.name, exc)
+
+    def _load(self, path: Path) -> None:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        response, rid = record["response"], record["response"]["id"]
+        if rid != path.stem or not isinstance(record["added"], list):
+            raise ValueError("not a response this store wrote")
+        json.dumps(response, ensure_ascii=False, allow_nan=False).encode("utf-8")  # sent back as it is
+        messages = [ChatMessage.from_dict(m) for m in (*record["added"], record["reply"])]
+        self._responses[rid], self._messages[rid] = response, tuple(messages)
+
+
+def write_file(path: Path, what: str, data: bytes) -> None:
+    """``path`` holds ``data``, written atomically (``CacheFileError`` saying what went wrong)."""
+    def write_to(tmp: str) -> None:
+        Path(tmp).write_bytes(data)
+
+    atomic.write(path, what, write_to)
+
+
+__all__ = ["ResponseStore", "write_file"]
