@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .errors import InvalidParamsError
+from .messages import check_text
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
@@ -76,7 +77,7 @@ class GenerateParams:
             "seed": self.seed,
             "stop": list(_stops(self.stop)),
             "logit_bias": {str(k): v for k, v in (self.logit_bias or {}).items()} or None,
-            "template_kwargs": json.loads(json.dumps(dict(self.template_kwargs), default=str)),
+            "template_kwargs": json.loads(_kwargs_text(self.template_kwargs)),
             "thinking": self.thinking,
             "max_thinking_tokens": self.max_thinking_tokens,
         }
@@ -142,13 +143,16 @@ class GenerateParams:
         stop = _stops(self.stop)
         if not isinstance(stop, tuple) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop", "must be a non-empty string or a list of them")
+        for s in stop:
+            check_text(f"GenerateParams.stop string {_short(s)}", s, InvalidParamsError)
         if self.logit_bias is not None and (
             not isinstance(self.logit_bias, Mapping)
             or not all(_is_int(k) and k >= 0 and _is_number(v) for k, v in self.logit_bias.items())
         ):
             raise bad("logit_bias", "must map token ids (int >= 0) to finite numbers")
-        if not isinstance(self.template_kwargs, Mapping):
-            raise bad("template_kwargs", "must be a dict")
+        if not isinstance(self.template_kwargs, Mapping) or not all(isinstance(k, str) for k in self.template_kwargs):
+            raise bad("template_kwargs", "must be a dict with str keys (the names the template reads)")
+        _kwargs_text(self.template_kwargs)
         if self.thinking is not None and not isinstance(self.thinking, bool):
             raise bad("thinking", "must be True, False or None")
         if self.max_thinking_tokens is not None and (not _is_int(self.max_thinking_tokens) or self.max_thinking_tokens < 0):
@@ -188,6 +192,17 @@ def _stops(value: Any) -> Any:
     if isinstance(value, str):
         return (value,)
     return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _kwargs_text(kwargs: Mapping[str, Any]) -> str:
+    """The JSON a saved session holds for ``template_kwargs`` (values JSON cannot hold are saved as
+    their str); ``InvalidParamsError`` if there is none (a cycle) or it is not Unicode text."""
+    try:
+        text = json.dumps(dict(kwargs), ensure_ascii=False, default=str)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidParamsError(f"GenerateParams.template_kwargs cannot be saved ({exc}): pass plain data.") from None
+    check_text("GenerateParams.template_kwargs", text, InvalidParamsError)
+    return text
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
