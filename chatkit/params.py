@@ -12,21 +12,34 @@ import mlx.core as mx
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 from .errors import InvalidParamsError
+from .messages import check_text
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 Sampler = Callable[[mx.array], mx.array]
+
+GREEDY_BELOW = 1e-3
+"""Temperatures below this are greedy decoding. Sampling scales log-probabilities by 1/temperature:
+near zero that overflows to inf (and 0 * inf is NaN), so mlx-lm would sample garbage (float32 and
+bfloat16 below about 1e-38; float16 logits, whose largest value is 65504, below about 2e-4). Below
+1e-3, sampling differs from greedy decoding only among tokens whose log-probabilities are within
+about 0.01 of the best one's."""
 
 
 @dataclass
 class GenerateParams:
     """Sampling and length settings for a turn. Mutable: changes apply from the next turn.
 
-    ``temperature=0`` is greedy decoding. ``top_p`` (1.0 = off), ``top_k`` (0 = off) and ``min_p``
-    (0 = off) filter before sampling. ``repetition_penalty`` looks at the last
+    ``temperature=0`` is greedy decoding, and so is any temperature below ``GREEDY_BELOW`` (1e-3:
+    smaller ones overflow when the log-probabilities are scaled, and would sample almost greedily
+    anyway; ``top_p``, ``top_k`` and ``min_p`` are then moot). ``top_p`` (1.0 = off), ``top_k``
+    (0 = off) and ``min_p`` (0 = off) filter before sampling. ``repetition_penalty`` looks at the last
     ``repetition_context_size`` tokens. ``seed`` reseeds MLX's random generator at the start of each
     turn. ``stop`` strings end the reply (they are cut from it; one string or a list). ``logit_bias``
-    adds to the logits of token ids. ``template_kwargs`` go to the chat template (e.g. ``{"enable_thinking": False}``).
-    ``logits_processors`` are extra mlx-lm-style callables ``(tokens, logits) -> logits``.
+    adds to the logits of token ids. ``template_kwargs`` go to the chat template (e.g.
+    ``{"enable_thinking": False}``; str keys, values saved as JSON). ``logits_processors`` are extra
+    mlx-lm-style callables ``(tokens, logits) -> logits`` that must return float logits of the shape
+    they were given: anything else ends the turn with ``InvalidParamsError`` naming the processor
+    (nothing is committed).
     ``thinking`` turns the template's thinking switch on or off (``None``: the template's default;
     mlx-lm names it for the template, e.g. ``enable_thinking``). ``max_thinking_tokens`` ends the
     reasoning after that many tokens: the end-of-thinking marker is forced and the model answers.
@@ -76,7 +89,7 @@ class GenerateParams:
             "seed": self.seed,
             "stop": list(_stops(self.stop)),
             "logit_bias": {str(k): v for k, v in (self.logit_bias or {}).items()} or None,
-            "template_kwargs": json.loads(json.dumps(dict(self.template_kwargs), default=str)),
+            "template_kwargs": json.loads(_kwargs_text(self.template_kwargs)),
             "thinking": self.thinking,
             "max_thinking_tokens": self.max_thinking_tokens,
         }
@@ -142,13 +155,16 @@ class GenerateParams:
         stop = _stops(self.stop)
         if not isinstance(stop, tuple) or not all(isinstance(s, str) and s for s in stop):
             raise bad("stop", "must be a non-empty string or a list of them")
+        for s in stop:
+            check_text(f"GenerateParams.stop string {_short(s)}", s, InvalidParamsError)
         if self.logit_bias is not None and (
             not isinstance(self.logit_bias, Mapping)
             or not all(_is_int(k) and k >= 0 and _is_number(v) for k, v in self.logit_bias.items())
         ):
             raise bad("logit_bias", "must map token ids (int >= 0) to finite numbers")
-        if not isinstance(self.template_kwargs, Mapping):
-            raise bad("template_kwargs", "must be a dict")
+        if not isinstance(self.template_kwargs, Mapping) or not all(isinstance(k, str) for k in self.template_kwargs):
+            raise bad("template_kwargs", "must be a dict with str keys (the names the template reads)")
+        _kwargs_text(self.template_kwargs)
         if self.thinking is not None and not isinstance(self.thinking, bool):
             raise bad("thinking", "must be True, False or None")
         if self.max_thinking_tokens is not None and (not _is_int(self.max_thinking_tokens) or self.max_thinking_tokens < 0):
@@ -165,9 +181,10 @@ class GenerateParams:
                 raise bad("top_k", f"must be smaller than the model's vocabulary ({vocab_size} tokens; 0 turns it off)")
 
     def make_sampler(self) -> Sampler:
-        """mlx-lm's sampler for these settings."""
+        """mlx-lm's sampler for these settings (greedy below ``GREEDY_BELOW``)."""
+        temperature = float(self.temperature)
         return make_sampler(
-            temp=float(self.temperature),
+            temp=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=float(self.top_p) if self.top_p < 1 else 0.0,
             min_p=float(self.min_p),
             top_k=int(self.top_k),
@@ -180,7 +197,36 @@ class GenerateParams:
             repetition_penalty=self.repetition_penalty,
             repetition_context_size=self.repetition_context_size,
         )
-        return processors + list(self.logits_processors)
+        return processors + [_checked(p, i) for i, p in enumerate(self.logits_processors)]
+
+
+def _checked(processor: LogitsProcessor, index: int) -> LogitsProcessor:
+    """``processor`` with its result checked at each call (a look at its type, shape and dtype, no
+    copy): anything but float logits of the shape it was given (``None``, a list, one row) would
+    fail later inside MLX or, one column too many, sample a token id outside the vocabulary."""
+
+    def run(tokens: mx.array, logits: mx.array) -> mx.array:
+        out = processor(tokens, logits)
+        if not (isinstance(out, mx.array) and out.shape == logits.shape and out.dtype in _FLOATS):
+            raise InvalidParamsError(_bad_result(processor, index, out, logits))
+        return out
+
+    return run
+
+
+_FLOATS = frozenset({mx.float16, mx.bfloat16, mx.float32, mx.float64})
+
+
+def _bad_result(processor: LogitsProcessor, index: int, out: Any, logits: mx.array) -> str:
+    name = getattr(processor, "__qualname__", None) or type(processor).__qualname__
+    module = getattr(processor, "__module__", None)
+    got = (f"an mx.array of shape {tuple(out.shape)} and dtype {out.dtype}" if isinstance(out, mx.array)
+           else "None" if out is None else f"a {type(out).__name__}")
+    return (
+        f"GenerateParams.logits_processors[{index}] ({f'{module}.{name}' if module else name}) returned {got}: "
+        f"a logits processor takes (tokens, logits) and returns float logits of the same shape "
+        f"({tuple(logits.shape)}). Fix it to return the (changed) logits; the turn was not committed."
+    )
 
 
 def _stops(value: Any) -> Any:
@@ -188,6 +234,17 @@ def _stops(value: Any) -> Any:
     if isinstance(value, str):
         return (value,)
     return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
+def _kwargs_text(kwargs: Mapping[str, Any]) -> str:
+    """The JSON a saved session holds for ``template_kwargs`` (values JSON cannot hold are saved as
+    their str); ``InvalidParamsError`` if there is none (a cycle) or it is not Unicode text."""
+    try:
+        text = json.dumps(dict(kwargs), ensure_ascii=False, default=str)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidParamsError(f"GenerateParams.template_kwargs cannot be saved ({exc}): pass plain data.") from None
+    check_text("GenerateParams.template_kwargs", text, InvalidParamsError)
+    return text
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
@@ -200,7 +257,10 @@ def _short(value: Any) -> str:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    try:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
-__all__ = ["GenerateParams", "LogitsProcessor", "Sampler"]
+__all__ = ["GREEDY_BELOW", "GenerateParams", "LogitsProcessor", "Sampler"]

@@ -144,6 +144,13 @@ def path_text(path: Any) -> str:
         raise CacheFileError("The cache file path is empty: give a path such as chat.safetensors.")
     if "\x00" in text:
         raise CacheFileError(f"{text!r} contains a NUL character, which no file name can hold: fix the path.")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a lone surrogate, or bytes of another encoding (os.fsdecode)
+        raise CacheFileError(
+            f"{text!r} is not a UTF-8 path (it holds {text[exc.start]!r} at position {exc.start}): MLX reads "
+            "and writes cache files only by UTF-8 names. Rename the file or use another path."
+        ) from None
     return text
 
 

@@ -193,7 +193,7 @@ class ChatSessionBuilder(Generic[S]):
         fingerprint. Settings given to this builder win over the
         file's (the transcript is the truth; the cache only saves work).
         """
-        if not isinstance(source, (str, os.PathLike)) and not _is_layer_list(source):
+        if not isinstance(source, (str, bytes, os.PathLike)) and not _is_layer_list(source):
             raise InvalidParamsError("cache() takes a file path or a list of mlx-lm cache layers.")
         if not isinstance(verify, bool):
             raise InvalidParamsError(f"cache(verify=...) takes True or False, got {verify!r}.")

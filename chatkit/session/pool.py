@@ -12,7 +12,7 @@ from pathlib import Path
 from .. import distributed
 from ..cache import atomic
 from ..decode.batch import BatchEngine, check_engine
-from ..errors import CacheFileError, ChatKitError, InvalidParamsError, SessionBusyError
+from ..errors import CacheFileError, ChatKitError, InvalidParamsError, NoCacheAvailableError, SessionBusyError
 from ..model.loaded import LoadedModel
 from .builder import ChatSessionBuilder
 from .session import ChatSession
@@ -29,6 +29,10 @@ class SessionPool:
     built elsewhere (with a history, a restored cache, a fork) joins the pool with ``add``; ``get``
     looks one up without using it. With ``engine`` (a ``chatkit.BatchEngine`` over ``lm``) the
     sessions' concurrent turns decode together.
+
+    A key is any non-empty str (``InvalidParamsError`` otherwise); its cache file is named by a hash
+    of the key (:meth:`path`), so no key can name a file outside ``folder`` or one the file system
+    refuses. Temporary files left in ``folder`` by saves that were killed are removed at start.
 
     Over a sharded model every rank makes the same pool calls; the budget applies to the rank whose
     caches are largest, so that every rank evicts the same sessions (each saves its own shard).
@@ -65,8 +69,7 @@ class SessionPool:
 
     def session(self, key: str) -> ChatSession:
         """The session for ``key``, created on first use, its cache restored if it was evicted."""
-        if not isinstance(key, str) or not key:
-            raise InvalidParamsError("A session key is a non-empty str.")
+        _check_key(key)
         with self._lock:
             session = self._sessions.get(key)
             if session is None:
@@ -87,14 +90,13 @@ class SessionPool:
         """The session for ``key`` as it is (``None`` if there is none), to look at: it is neither
         created, nor marked as used, nor given back an evicted cache. Use ``session(key)`` to use it."""
         with self._lock:
-            return self._sessions.get(key)
+            return self._sessions.get(key) if isinstance(key, str) else None
 
     def add(self, key: str, session: ChatSession) -> ChatSession:
         """Put ``session`` (built by the caller over the pool's model) in the pool under ``key`` as the
         most recently used, replacing the session there; returns it. ``SessionBusyError`` if the
         session it would replace is generating; ``InvalidParamsError`` for a session over another model."""
-        if not isinstance(key, str) or not key:
-            raise InvalidParamsError("A session key is a non-empty str.")
+        _check_key(key)
         if not isinstance(session, ChatSession) or session.model is not self._lm:
             raise InvalidParamsError("SessionPool.add takes a ChatSession built over the pool's own model.")
         with self._lock:
@@ -126,10 +128,10 @@ class SessionPool:
                 try:
                     session.save_cache(self.path(key))
                     self._evicted.add(key)
-                except CacheFileError:
-                    pass  # the disk failed us: still free the memory; the transcript rebuilds the cache
-                except ChatKitError:
+                except (SessionBusyError, NoCacheAvailableError):
                     continue  # busy meanwhile, or nothing to save: try the next one
+                except ChatKitError:
+                    pass  # the disk failed us, or its settings cannot be saved: still free the memory
                 try:
                     session.release_cache()
                 except ChatKitError:
@@ -147,10 +149,11 @@ class SessionPool:
 
     def evicted(self, key: str) -> bool:
         """Whether ``key``'s cache is on disk rather than in memory."""
-        return key in self._evicted
+        return isinstance(key, str) and key in self._evicted
 
     def remove(self, key: str) -> None:
         """Forget a conversation and delete its saved cache."""
+        _check_key(key)
         with self._lock:
             self._sessions.pop(key, None)
             self._evicted.discard(key)
@@ -162,17 +165,32 @@ class SessionPool:
                 ) from exc
 
     def path(self, key: str) -> Path:
-        """Where ``key``'s cache is saved when evicted."""
-        return self._folder / f"{hashlib.sha256(key.encode('utf-8')).hexdigest()[:32]}.safetensors"
+        """Where ``key``'s cache is saved when evicted: a name made of a hash of the key, so that any
+        str (a path, a lone surrogate) names a safe file in ``folder``."""
+        _check_key(key)
+        # surrogatepass: a key that is not Unicode text still hashes (and to its own name); valid
+        # text encodes as plain UTF-8, so files saved by earlier versions keep their names.
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+        return self._folder / f"{digest[:32]}.safetensors"
 
     def __contains__(self, key: object) -> bool:
-        return key in self._sessions
+        return isinstance(key, str) and key in self._sessions
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._sessions))
+
+
+def _check_key(key: object) -> None:
+    if not isinstance(key, str) or not key:
+        raise InvalidParamsError(f"A session key is a non-empty str, got {_shown(key)}.")
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _bytes(session: ChatSession) -> int:

@@ -139,6 +139,8 @@ def load(lm: LoadedModel, source: str | os.PathLike[str] | Sequence[Any], *, ver
     this rank's, all ranks agreeing), a raw mlx-lm prompt-cache file, or (``raw``) a list of cache layers.
     chatkit files are checked against ``lm``'s fingerprint; the layers against the model unless
     ``verify=False`` (then the tensors are not checked against their checksums either)."""
+    if isinstance(source, bytes):  # a path, as save_cache takes it
+        source = os.fsdecode(source)
     if isinstance(source, (str, os.PathLike)):
         return distributed.restore(lm.distributed, source, lambda f: _load_file(lm, f, verify, raw))
     return _from_layers(lm, source, verify)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InvalidParamsError, TemplateError
-from ..messages import ChatMessage
+from ..messages import ChatMessage, check_text
 from ..model import tokenizer as _tokenizer
 from .capabilities import Capabilities, adapt, probe, warn_dropped_tool_messages, warn_ignored_tools
 from .encoder import PromptEncoder, apply_chat_template
@@ -26,15 +26,16 @@ def read_template(source: str | os.PathLike[str]) -> str:
         path = Path(source)
     elif isinstance(source, str):
         if "{{" in source or "{%" in source:
+            check_text("The chat template", source, TemplateError)  # else every turn fails in the tokenizer
             return source
         path = Path(source)
     else:
         raise TemplateError(f"A chat template is a str or a path, got {type(source).__name__}.")
     try:
         return path.read_text(encoding="utf-8")
-    except OSError as exc:
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a path that is not UTF-8, or a file that is not
         raise TemplateError(
-            f"Could not read chat template file {str(path)!r}: {exc.strerror or exc}. "
+            f"Could not read chat template file {str(path)!r}: {getattr(exc, 'strerror', None) or exc}. "
             "Pass the template text itself or the path of an existing file."
         ) from exc
 
