@@ -14,13 +14,16 @@ tokens each, a system prompt in front) is played, greedy, up to ``--max-tokens``
   OpenBLAS that chatkit loads, through ``LD_PRELOAD``): a stateless client that re-sends the whole
   conversation each turn, streaming (``/v1/chat/completions``), as apps do.
 
-With ``--store``, chatkit serve runs with ``--store`` in a temporary folder: each conversation's
-cache is then written behind its turns (``chatkit/server/write_behind.py``), which must leave the
-request path's TTFT as it is.
+With ``--store``, a third server runs beside them, **chatkit serve --store** (a temporary folder):
+each conversation's cache is written behind its turns (``chatkit/server/write_behind.py``), which
+must leave the request path's TTFT as it is; the summary gives its TTFT against ``chatkit serve``
+without a store, turn by turn. ``--think S``: the HTTP clients wait S seconds after each reply (a
+user reading it), so that with ``--think 0.6`` a write behind the last turn (it starts half a second
+after the reply) runs while the next request arrives.
 
 Time to first token (TTFT) is from sending the message to the first chunk with text. Each round
-uses its own system prompt (no server can reuse another round's conversation) and runs the four in
-an order that rotates from round to round; the table shows per-turn medians over the rounds.
+uses its own system prompt (no server can reuse another round's conversation) and runs the
+contenders in an order that rotates from round to round, ``--settle`` seconds apart; the table shows per-turn medians over the rounds.
 Checks: all four produce the same replies, token for token (greedy), and the servers report how many
 prompt tokens they took from their cache (``usage.prompt_tokens_details.cached_tokens``).
 """
@@ -42,6 +45,7 @@ from chatkit import ChatSession, GenerateParams
 import httpx
 from _common import OtherLoad, describe, load_model, median, wait_until_quiet
 
+STORED = "chatkit serve --store"
 WORDS = ("castle river winter market bridge tower harvest road library mill shepherd valley snow wool "
          "cheese salt iron cloth honey ledger steward gate well fire wall autumn merchant village").split()
 
@@ -91,8 +95,10 @@ def re_prefill(lm, system: str, messages: list[str], params: GenerateParams) -> 
     return ttfts, replies
 
 
-def over_http(url: str, system: str, messages: list[str], max_tokens: int) -> tuple[list[float], list[str], list[int]]:
-    """A stateless client: re-sends the whole conversation every turn. (TTFTs, replies, cached tokens)."""
+def over_http(url: str, system: str, messages: list[str], max_tokens: int,
+              think: float = 0.0) -> tuple[list[float], list[str], list[int]]:
+    """A stateless client: re-sends the whole conversation every turn, ``think`` seconds after the last
+    reply. (TTFTs, replies, cached tokens)"""
     convo = [{"role": "system", "content": system}]
     ttfts, replies, cached = [], [], []
     with httpx.Client(timeout=600) as http:
@@ -118,7 +124,19 @@ def over_http(url: str, system: str, messages: list[str], max_tokens: int) -> tu
             replies.append(text)
             cached.append(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", -1))
             convo.append({"role": "assistant", "content": text})
+            time.sleep(think)
     return ttfts, replies, cached
+
+
+def order(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order: rotated by one each round; the two chatkit servers side by side, their
+    order swapped every other round (each of the pair follows the same contenders equally often)."""
+    names = names[r % len(names):] + names[:r % len(names)]
+    if STORED in names:
+        names.remove(STORED)
+        at = names.index("chatkit serve")
+        names.insert(at + (r % 2 == 0), STORED)
+    return names
 
 
 def free_port() -> int:
@@ -150,9 +168,10 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--store", action="store_true", help="run chatkit serve with --store (a temporary folder)")
+    ap.add_argument("--store", action="store_true", help="also run chatkit serve --store (a temporary folder)")
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds between two contenders")
+    ap.add_argument("--think", type=float, default=0.0, help="seconds an HTTP client waits after each reply")
     a = ap.parse_args()
-    store = ["--store", tempfile.mkdtemp(prefix="bench-serve-")] if a.store else []
 
     lm = load_model()
     folder = lm.source
@@ -161,13 +180,13 @@ def main() -> None:
     print(describe(lm))
     print(f"model folder: {folder}\n")
 
-    ports = {"chatkit serve": free_port(), "mlx_lm.server": free_port()}
-    procs = [
-        launch(["chatkit", "serve", "--model", folder, "--port", str(ports["chatkit serve"]),
-                "--max-tokens", str(a.max_tokens), "--log-level", "warning", *store], ports["chatkit serve"]),
-        launch(["mlx_lm", "server", "--model", folder, "--port", str(ports["mlx_lm.server"]),
-                "--max-tokens", str(a.max_tokens), "--log-level", "WARNING"], ports["mlx_lm.server"]),
-    ]
+    servers = {"chatkit serve": ["chatkit", "serve", "--log-level", "warning"],
+               "mlx_lm.server": ["mlx_lm", "server", "--log-level", "WARNING"]}
+    if a.store:
+        servers[STORED] = [*servers["chatkit serve"], "--store", tempfile.mkdtemp(prefix="bench-serve-")]
+    ports = {n: free_port() for n in servers}
+    procs = [launch([*cmd, "--model", folder, "--port", str(ports[n]), "--max-tokens", str(a.max_tokens)], ports[n])
+             for n, cmd in servers.items()]
     try:
         # warm-up: one short conversation each
         in_process(lm, "warm-up", messages[:2], params)
@@ -175,19 +194,21 @@ def main() -> None:
             over_http(f"http://127.0.0.1:{port}", "warm-up", messages[:2], a.max_tokens)
         print(wait_until_quiet())
         load = OtherLoad()
-        names = ["in-process", "re-prefill", "chatkit serve", "mlx_lm.server"]
+        names = ["in-process", "re-prefill", *servers]
         ttft = {n: [[] for _ in messages] for n in names}
         cached: dict[str, list[int]] = {}
         replies: dict[str, list[list[str]]] = {n: [] for n in names}  # per system, per round
         for r in range(a.rounds):
             system = f"Round {r + 1}. You are the archivist of a mountain castle; answer precisely."
-            for n in names[r % 4:] + names[:r % 4]:
+            for n in order(names, r):
                 if n == "in-process":
                     times, said = in_process(lm, system, messages, params)
                 elif n == "re-prefill":
                     times, said = re_prefill(lm, system, messages, params)
                 else:
-                    times, said, cached[n] = over_http(f"http://127.0.0.1:{ports[n]}", system, messages, a.max_tokens)
+                    times, said, cached[n] = over_http(f"http://127.0.0.1:{ports[n]}", system, messages, a.max_tokens,
+                                                       a.think)
+                time.sleep(a.settle)  # a server may still be busy after its last reply (mlx_lm.server is)
                 for t, x in enumerate(times):
                     ttft[n][t].append(x)
                 replies[n].append(said)
@@ -202,8 +223,8 @@ def main() -> None:
         print(f"replies equal to the in-process session's: {n}: {same}/{a.rounds * len(messages)}")
     print(f"\nTTFT per turn, median of {a.rounds} rounds, ms (ratio to in-process); cached = prompt tokens the"
           " server reused (last round)\n")
-    print("| turn | in-process | re-prefill | chatkit serve | mlx_lm.server | cached: chatkit / mlx_lm |")
-    print("|---|---|---|---|---|---|")
+    print("| turn | " + " | ".join(names) + " | cached: chatkit / mlx_lm |")
+    print("|---" * (len(names) + 2) + "|")
     med = {n: [median(ts) for ts in ttft[n]] for n in names}
     for t in range(len(messages)):
         ip = med["in-process"][t]
@@ -214,6 +235,11 @@ def main() -> None:
         ratios = [med[n][t] / med["in-process"][t] for t in range(len(messages))]
         print(f"{n}: median ratio to in-process over all turns {median(ratios):.2f}x; "
               f"turn 1 {ratios[0]:.2f}x, turn {len(messages)} {ratios[-1]:.2f}x")
+    if a.store:
+        ratios = [med[STORED][t] / med["chatkit serve"][t] for t in range(len(messages))]
+        print(f"\nwrite-behind: {STORED} / chatkit serve, TTFT per turn: median {median(ratios):.3f}x, "
+              f"mean {sum(ratios) / len(ratios):.3f}x, worst {max(ratios):.3f}x (target <= 1.02x); cached tokens "
+              f"equal: {cached[STORED] == cached['chatkit serve']}")
 
 
 if __name__ == "__main__":
