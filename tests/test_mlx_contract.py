@@ -57,6 +57,20 @@ def test_copies_trims_and_prompt_cache_helpers():
     assert not _mlx.can_trim([full]) and _mlx.held_tokens(full) == 8
 
 
+def test_the_fields_the_state_checks_read_come_back_from_a_file():
+    # _mlx.state_problem judges a loaded layer by these fields: each is in its class's state tuple.
+    chunked = mlx_cache.ChunkedKVCache(chunk_size=8)
+    chunked.update_and_fetch(mx.ones((1, 2, 12, 32)), mx.ones((1, 2, 12, 32)))
+    chunked.maybe_trim_front()
+    assert chunked.state[2:] == (12, 8, 4) and chunked.start_position == 4
+    arrays = mlx_cache.ArraysCache(2)
+    assert arrays.state == ([None, None], None, None)
+    rotating = mlx_cache.RotatingKVCache(max_size=8, keep=2)
+    assert _mlx.window_of(rotating) == (8, 2) and _mlx.window_of(kv(3)) is None
+    for layer in (chunked, arrays, rotating, kv(3), kv(3).to_quantized(group_size=32, bits=4)):
+        assert _mlx.state_problem(type(layer).from_state(layer.state)) is None
+
+
 def test_text_state_machine_stops_on_a_transition_to_none():
     machine = TextStateMachine({"normal": [("STOP", None)]})
     state = machine.make_state()

@@ -13,6 +13,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import (
+    ArraysCache,
+    ChunkedKVCache,
+    ConcatenateKVCache,
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
@@ -40,7 +43,9 @@ __all__ = [
     "same_kind",
     "save_prompt_cache",
     "speculation_room",
+    "state_problem",
     "trim_layers",
+    "window_of",
 ]
 
 
@@ -160,3 +165,131 @@ def speculation_room(layers: Sequence[Any], kv_bits: int | None, quantized_kv_st
         elif kv_bits is not None and isinstance(c, KVCache):
             room = min(room, quantized_kv_start - 2 - offset)
     return max(room, 0)
+
+
+# -- the state of a layer read from a file --------------------------------------------------------------
+# A file can be forged with valid checksums; mlx-lm trusts every field of a layer's state, and fails
+# mid-turn (or writes past its buffers) when one disagrees with the tensors. These checks read only
+# types, shapes and the fields mlx-lm sets, and follow how its classes fill their buffers.
+_FLOATS = frozenset({mx.float16, mx.bfloat16, mx.float32})
+_BITS, _GROUPS = (2, 3, 4, 5, 6, 8), (32, 64, 128)
+
+
+def state_problem(layer: Any) -> str | None:
+    """What in a loaded layer's own state cannot be (a field of the wrong type or out of range for its
+    tensors, buffers not shaped as one sequence's), as words after the layer's name; ``None`` if nothing."""
+    check = _STATE_CHECKS.get(type(layer))
+    if check is None:
+        return "is of a class chatkit does not restore"
+    return check(layer)
+
+
+def window_of(layer: Any) -> tuple[int, int] | None:
+    """A rotating layer's (window size, tokens kept at the start); ``None`` for other layers."""
+    return (layer.max_size, layer.keep) if isinstance(layer, RotatingKVCache) else None
+
+
+def _not_ints(layer: Any, *names: str) -> str | None:
+    for name in names:
+        value = getattr(layer, name, None)
+        if not isinstance(value, int) or isinstance(value, bool):
+            return f"has {name} {_shown(value)}, not an int"
+    return None
+
+
+def _shown(value: Any) -> str:
+    text = f"{type(value).__name__} {tuple(value.shape)}" if isinstance(value, mx.array) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _buffers(keys: Any, values: Any) -> str | None:
+    """Attention buffers: none, or float keys and values of one sequence, (1, heads, tokens, width)."""
+    if keys is None and values is None:
+        return None
+    if not (isinstance(keys, mx.array) and isinstance(values, mx.array)):
+        return f"holds keys {_shown(keys)} and values {_shown(values)}, not arrays"
+    if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3] or keys.shape[0] != 1:
+        return f"holds keys {tuple(keys.shape)} and values {tuple(values.shape)}, not one sequence's buffers"
+    if keys.dtype not in _FLOATS or values.dtype not in _FLOATS:
+        return f"holds keys of dtype {keys.dtype} and values of dtype {values.dtype}, not floats"
+    return None
+
+
+def _held(keys: Any) -> int:
+    return 0 if keys is None else int(keys.shape[2])
+
+
+def _kv_state(c: KVCache) -> str | None:
+    problem = _buffers(c.keys, c.values) or _not_ints(c, "offset")
+    if problem is None and not 0 <= c.offset <= _held(c.keys):
+        problem = f"counts {c.offset} tokens in buffers of {_held(c.keys)}"
+    return problem
+
+
+def _quantized_state(c: QuantizedKVCache) -> str | None:
+    problem = _not_ints(c, "offset", "group_size", "bits")
+    if problem is None and (c.bits not in _BITS or c.group_size not in _GROUPS):
+        problem = f"is quantized with bits={c.bits}, group_size={c.group_size}, which MLX does not take"
+    if problem is not None or (c.keys is None and c.values is None and c.offset == 0):
+        return problem
+    parts: list[Any] = [c.keys, c.values]
+    if not all(isinstance(p, (list, tuple)) and len(p) == 3 and all(isinstance(a, mx.array) and a.ndim == 4 for a in p)
+               for p in parts):
+        return "holds quantized keys or values that are not (packed, scales, biases) arrays"
+    rows = parts[0][0].shape[:3]
+    for packed, scales, biases in parts:
+        if (packed.dtype != mx.uint32 or scales.dtype not in _FLOATS or biases.dtype != scales.dtype
+                or packed.shape[:3] != rows or scales.shape != biases.shape or scales.shape[:3] != rows
+                or rows[0] != 1 or packed.shape[-1] * 32 != scales.shape[-1] * c.group_size * c.bits):
+            return f"holds quantized buffers that do not fit bits={c.bits} and group_size={c.group_size}"
+    if not 0 <= c.offset <= rows[2]:
+        return f"counts {c.offset} tokens in buffers of {rows[2]}"
+    return None
+
+
+def _rotating_state(c: RotatingKVCache) -> str | None:
+    problem = _buffers(c.keys, c.values) or _not_ints(c, "offset", "keep", "max_size", "_idx")
+    if problem is not None:
+        return problem
+    held, size = _held(c.keys), c.max_size
+    if not 0 <= c.keep < size:
+        return f"keeps {c.keep} tokens of a window of {size}"
+    if c.offset < size:  # not full yet: the buffer is in order and written up to offset
+        fits = c._idx == c.offset <= held <= size
+    else:  # full: a ring of the window's size (written up to _idx), or just after a multi-token step
+        fits = (held == size and c.keep <= c._idx <= held) or (held > size and c._idx == held)
+    return None if fits else (
+        f"has offset {c.offset}, write position {c._idx} and a buffer of {held} tokens, which a window "
+        f"of {size} keeping {c.keep} cannot hold"
+    )
+
+
+def _arrays_state(c: ArraysCache) -> str | None:
+    if c.left_padding is not None or c.lengths is not None:
+        return "holds a batch's padding, not one conversation's state"
+    # Any dtype: some models keep token ids there (mlx-lm's n-gram caches); the shapes are checked
+    # against the model's (``layers_fit``).
+    if not isinstance(c.cache, list) or not all(
+        a is None or (isinstance(a, mx.array) and a.ndim >= 1 and a.shape[0] == 1) for a in c.cache
+    ):
+        return "holds states that are not one sequence's arrays"
+    return None
+
+
+def _chunked_state(c: ChunkedKVCache) -> str | None:
+    problem = _buffers(c.keys, c.values) or _not_ints(c, "offset", "chunk_size", "start_position")
+    if problem is None and not (c.chunk_size >= 1 and 0 <= c.start_position <= c.offset
+                                and c.offset - c.start_position <= _held(c.keys)):
+        problem = (f"has offset {c.offset}, start {c.start_position} and chunk size {c.chunk_size}, "
+                   f"which its buffers of {_held(c.keys)} tokens cannot hold")
+    return problem
+
+
+_STATE_CHECKS: dict[type, Any] = {
+    KVCache: _kv_state,
+    QuantizedKVCache: _quantized_state,
+    RotatingKVCache: _rotating_state,
+    ArraysCache: _arrays_state,
+    ChunkedKVCache: _chunked_state,
+    ConcatenateKVCache: lambda c: _buffers(c.keys, c.values),
+}

@@ -27,7 +27,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import CacheFileError, ChatKitError, IncompatibleCacheError
 from . import atomic
-from ._mlx import cut_to_offset, load_prompt_cache, save_prompt_cache
+from ._mlx import cut_to_offset, load_prompt_cache, save_prompt_cache, state_problem
 from .header import cache_classes, is_int, is_text, read_header, read_target, short
 from .ledger import Ledger
 from .state import CacheOptions, Checkpoint, layers_fit
@@ -37,6 +37,7 @@ FORMAT_VERSION = 2
 _KEY = "chatkit"  # the metadata entry holding chatkit's JSON
 _SUM_KEY = "chatkit_crc32"  # the CRC-32 of that JSON (an entry of its own: a checksum cannot cover itself)
 CONVERSATION_KEYS = ("instructions", "messages", "generate_params", "context")  # the session's part of the metadata
+MAX_TOKENS = 2**31  # MLX indexes a cache's positions with 32-bit ints
 
 
 @dataclass(frozen=True)
@@ -176,11 +177,12 @@ def load(path: str | os.PathLike[str], *, verify: bool = True) -> LoadedCache:
         return _raw(layers, info, where)
     if verify and "checksum" in meta:
         _verify_tensors(layers, meta["checksum"]["state"], where)
+    _check_states(layers, where)
     ledger = Ledger(tuple(meta["ledger"]["tokens"]), meta["ledger"]["opaque"])
     n = len(meta["layer_classes"])
     layers, extra = layers[:n], layers[n:]
     try:
-        checkpoints = _checkpoints(meta["checkpoints"], extra, n)
+        checkpoints = _checkpoints(meta["checkpoints"], layers, extra, ledger.opaque)
     except (KeyError, TypeError, ValueError, IndexError) as exc:
         raise CacheFileError(f"{where} has damaged checkpoint metadata ({exc}).") from exc
     offsets = {c.offset for c in layers if isinstance(getattr(c, "offset", None), int)}
@@ -193,11 +195,24 @@ def load(path: str | os.PathLike[str], *, verify: bool = True) -> LoadedCache:
 
 def _raw(layers: list[Any], info: CacheFileInfo, where: str) -> LoadedCache:
     """A raw mlx-lm prompt cache: every position an opaque prefix."""
+    _check_states(layers, where)
     offsets = {c.offset for c in layers if isinstance(getattr(c, "offset", None), int)}
     if len(offsets) != 1 or min(offsets) < 0:
         raise CacheFileError(f"{where}: its layers disagree on how many tokens they hold ({sorted(offsets)}).")
     ledger = Ledger((), offsets.pop())
     return LoadedCache(layers, ledger, replace(info, tokens=len(ledger), opaque_tokens=len(ledger)))
+
+
+def _check_states(layers: Sequence[Any], where: str) -> None:
+    """``CacheFileError`` for the first entry whose state disagrees with its own tensors (a forged
+    file passes the checksums: its layers would fail mid-turn in MLX)."""
+    for i, layer in enumerate(layers):
+        problem = state_problem(layer)
+        if problem is not None:
+            raise CacheFileError(
+                f"{where} is damaged: its cache entry {i} (a {type(layer).__name__}) {problem}. "
+                "Use another copy, or start a new session."
+            )
 
 
 def _verify_tensors(layers: list[Any], expected: Mapping[str, Any], where: str) -> None:
@@ -281,6 +296,8 @@ def _check_ledger(meta: Mapping[str, Any], where: str) -> None:
         raise damaged(where, "ledger tokens")
     if not (is_int(opaque) and opaque >= 0):
         raise damaged(where, "ledger opaque count")
+    if opaque + len(tokens) >= MAX_TOKENS:
+        raise damaged(where, f"a ledger of {opaque + len(tokens)} tokens, more than any cache holds")
 
 
 def _check_conversation(meta: Mapping[str, Any], where: str) -> None:
@@ -310,13 +327,14 @@ def _check_layers_and_checkpoints(meta: Mapping[str, Any], classes: tuple[str, .
     entries = meta.get("checkpoints")
     if not isinstance(entries, list):
         raise damaged(where, "checkpoints")
-    copies = 0
+    copies, previous = 0, -1
     for entry in entries:
         if not isinstance(entry, dict):
             raise damaged(where, "checkpoints")
         length, layer_ids = entry.get("length"), entry.get("layers")
-        if not (is_int(length) and 0 <= length <= len(meta["ledger"]["tokens"])):
-            raise damaged(where, "checkpoint length")
+        if not (is_int(length) and previous < length <= len(meta["ledger"]["tokens"])):
+            raise damaged(where, "checkpoint length (lengths rise from 0 to the ledger's)")
+        previous = length
         if not (isinstance(layer_ids, list) and all(is_int(i) and 0 <= i < len(names) for i in layer_ids)
                 and len(set(layer_ids)) == len(layer_ids)):
             raise damaged(where, "checkpoint layers")
@@ -325,12 +343,20 @@ def _check_layers_and_checkpoints(meta: Mapping[str, Any], classes: tuple[str, .
         raise damaged(where, f"it names {len(names) + copies} cache entries, the file holds {len(classes)}")
 
 
-def _checkpoints(entries: Sequence[Mapping[str, Any]], extra: list[Any], n: int) -> tuple[Checkpoint, ...]:
+def _checkpoints(entries: Sequence[Mapping[str, Any]], layers: list[Any], extra: list[Any],
+                 opaque: int) -> tuple[Checkpoint, ...]:
+    """The checkpoints, each copy of the class of the layer it stands for and (if it counts tokens)
+    at the checkpoint's position; ``ValueError`` otherwise."""
     result, used = [], 0
     for entry in entries:
-        copies: list[Any] = [None] * n
+        copies: list[Any] = [None] * len(layers)
         for i in entry["layers"]:
-            copies[int(i)] = extra[used]
+            copy, length = extra[used], int(entry["length"])
+            if type(copy) is not type(layers[i]):
+                raise ValueError(f"a {type(copy).__name__} stands for layer {i}, which is of class {type(layers[i]).__name__}")
+            if isinstance(getattr(copy, "offset", None), int) and copy.offset != opaque + length:
+                raise ValueError(f"the copy of layer {i} holds {copy.offset} tokens, its checkpoint {opaque + length}")
+            copies[int(i)] = copy
             used += 1
         result.append(Checkpoint(int(entry["length"]), tuple(copies)))
     if used != len(extra):

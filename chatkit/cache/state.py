@@ -20,6 +20,7 @@ from ._mlx import (
     make_prompt_cache,
     same_kind,
     trim_layers,
+    window_of,
 )
 from .ledger import Ledger
 from .planner import Action, Plan, common_prefix_length, plan
@@ -77,14 +78,19 @@ def _is_int(value: Any) -> TypeGuard[int]:
 
 
 def layers_fit(model: Any, layers: Sequence[Any], max_kv_size: int | None = None) -> str | None:
-    """Why ``layers`` cannot be this model's cache (count, classes, batch, KV heads and widths, the
-    shapes of recurrent states); ``None`` if they fit. ``max_kv_size``: the layers are rotating."""
+    """Why ``layers`` cannot be this model's cache (count, classes, rotating windows, batch, KV heads
+    and widths, the shapes of recurrent states); ``None`` if they fit. ``max_kv_size``: the layers
+    are rotating."""
     fresh = make_prompt_cache(model, max_kv_size=max_kv_size)
     if len(layers) != len(fresh):
         return f"it has {len(layers)} layers, the model {len(fresh)}"
     for i, (got, want) in enumerate(zip(layers, fresh)):
         if not same_kind(got, want):
             return f"layer {i} is a {type(got).__name__}, the model uses {type(want).__name__}"
+        window, model_window = window_of(got), window_of(want)
+        if window is not None and model_window is not None and window != model_window:
+            return (f"layer {i} is a window of {window[0]} tokens keeping the first {window[1]}, "
+                    f"the model's of {model_window[0]} keeping {model_window[1]}")
     model(mx.array([[0]]), cache=fresh)  # one token shows the shapes the model writes
     for i, (got, want) in enumerate(zip(layers, fresh)):
         have, need = fixed_shapes(got), fixed_shapes(want)

@@ -43,3 +43,24 @@ def regions(path: Path) -> list[tuple[str, int, int]]:
             start, stop = entry["data_offsets"]
             out.append((name, 8 + n + start, 8 + n + stop))
     return sorted(out, key=lambda r: r[1])
+
+
+def rewrite_state(src: Path, dst: Path, edit_layers=None, edit_meta=None) -> None:
+    """Copy the chatkit file ``src`` to ``dst`` with its cache entries (mlx-lm's objects, as
+    ``load_prompt_cache`` builds them: ``edit_layers(layers, meta)`` changes them in place or returns
+    new ones) and its metadata (``edit_meta(meta)``) edited, every checksum recomputed: a forgery
+    that only a check of the entries' state can catch."""
+    from chatkit.cache.file import _state_digest
+
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    layers = load_prompt_cache(str(src))
+    header, _ = split(src)
+    meta = json.loads(header["__metadata__"]["0.chatkit"])
+    if edit_layers is not None:
+        layers = edit_layers(layers, meta) or layers
+    if edit_meta is not None:
+        meta = edit_meta(meta) or meta
+    meta["checksum"]["state"] = _state_digest(layers)
+    text = json.dumps(meta, ensure_ascii=False)
+    save_prompt_cache(str(dst), layers, {"chatkit": text, "chatkit_crc32": f"{zlib.crc32(text.encode('utf-8')):08x}"})
