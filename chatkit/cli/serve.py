@@ -14,7 +14,15 @@ from ..errors import ChatKitError
 from ..params import GenerateParams
 from ..server.run import serve
 from ..server.state import ServerConfig
-from .args import UsageError, add_model_flags, add_sampling_flags, load_draft, load_model
+from .args import (
+    UsageError,
+    add_context_flag,
+    add_model_flags,
+    add_sampling_flags,
+    context_policy,
+    load_draft,
+    load_model,
+)
 
 SERVE_MAX_TOKENS = 512  # a reply's length when neither --max-tokens nor the request sets one
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -45,6 +53,7 @@ def parser() -> argparse.ArgumentParser:
                         "for many clients, some latency for one; default: off)")
     p.add_argument("--queue", type=int, default=32, help="requests waiting beyond those; more get 503 (default 32)")
     add_sampling_flags(p, max_tokens=SERVE_MAX_TOKENS, otherwise="for requests that set none")
+    add_context_flag(p)
     p.add_argument("--log-level", default="info", help="uvicorn's log level (default info)")
     return p
 
@@ -86,7 +95,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(
         model_id=args.model or "demo", store=args.store, max_cache_bytes=args.max_cache_mb * 2**20,
         max_conversations=args.max_conversations, parallel=parallel, queue=args.queue,
-        api_key=args.api_key, defaults=defaults, batch=args.batch > 0,
+        api_key=args.api_key, defaults=defaults, batch=args.batch > 0, context_policy=context_policy(args.context_policy),
     )
 
 

@@ -1,12 +1,13 @@
 """The server's memory: conversations as pooled chat sessions, found by what a request says came before,
-and stored responses that chain by ``previous_response_id``; both kept on disk with ``--store``.
+kept on disk with ``--store`` (the responses that chain by ``previous_response_id``: ``response_store.py``).
 
 A request names a conversation by content: its instructions, its tools and the messages before the
 new ones. ``SessionIndex`` indexes every pooled session by a hash of exactly that (its instructions,
 tools and history), so a client that re-sends the whole conversation lands on the session that holds
 it and pays only for the new message (or the results of the tools the last reply called: the client
 runs them, each session is built with ``tool_execution="manual"``). After each turn the session is indexed
-under its new history.
+under its new history. Every session has the server's context policy: a conversation that outgrows the
+window goes on (its history whole, so it is still found by what the client re-sends).
 """
 
 from __future__ import annotations
@@ -28,14 +29,14 @@ import mlx.core as mx
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig
 from ..errors import ChatKitError, ContextWindowExceededError, SessionBusyError
-from ..messages import ChatMessage, Role, saved_dict
+from ..messages import ChatMessage, Role
 from ..model.loaded import LoadedModel
 from ..params import GenerateParams
 from ..session import saved
 from ..session.aio import AsyncResponseStream
+from ..session.context import ContextPolicy, exchange_starts
 from ..session.pool import SessionPool
 from ..session.session import ChatSession
-from .errors import UnknownResponseError
 
 log = logging.getLogger("chatkit.server")
 T = TypeVar("T")
@@ -92,6 +93,16 @@ class Lease:
             return history[-1]
         return None
 
+    def compaction(self) -> dict[str, int] | None:
+        """What the context policy did at this turn, once it ended: ``None``, or (it compacted) how many
+        messages of the conversation the model no longer sees, the prompt tokens it dropped, and the
+        new summary's tokens."""
+        stats = self.stream.stats
+        if stats is None or not stats.compacted:
+            return None
+        return {"dropped_messages": len(self.session.dropped_messages), "dropped_tokens": stats.dropped_tokens,
+                "summary_tokens": stats.summary_tokens}
+
 
 class SessionIndex:
     """Pooled sessions over one model, indexed by content (see the module docstring).
@@ -111,8 +122,10 @@ class SessionIndex:
         speculative: SpeculativeConfig | None = None,
         persist: bool = False,
         engine: BatchEngine | None = None,
+        context_policy: ContextPolicy | None = None,
     ) -> None:
         self._lm = lm
+        self._policy = context_policy if context_policy is not None else ContextPolicy()
         self._engine = engine
         self._defaults = defaults or GenerateParams()
         self._speculative = speculative
@@ -291,26 +304,39 @@ class SessionIndex:
             except ChatKitError as exc:  # an unreadable evicted cache: the next turn prefills again
                 log.warning("conversation %s: cache not restored (%s)", conv, exc)
                 return self.pool.session(conv)
-        session = self._build(*dormant, self._tools.get(conv))
-        try:
-            session.restore_cache(self.pool.path(conv))
-        except ChatKitError as exc:  # the transcript is the truth: the first turn prefills it again
-            log.warning("conversation %s: cache not restored (%s)", conv, exc)
+        tools, path = self._tools.get(conv), self.pool.path(conv)
+        try:  # the file's conversation: its history, and what the context policy showed of it (its summary)
+            session = self._build(*dormant, tools, restore=path)
+        except ChatKitError:  # e.g. a draft model (its cache is not saved): the transcript, then the cache
+            session = self._build(*dormant, tools)
+            try:
+                session.restore_cache(path)
+            except ChatKitError as exc:  # the transcript is the truth: the first turn prefills it again
+                log.warning("conversation %s: cache not restored (%s)", conv, exc)
         return self.pool.add(conv, session)
 
-    def _build(self, instructions: str | None, history: Sequence[ChatMessage], tools: Tools) -> ChatSession:
+    def _build(self, instructions: str | None, history: Sequence[ChatMessage], tools: Tools,
+               restore: Path | None = None) -> ChatSession:
+        """A session over ``instructions`` + ``history``, or (``restore``) the conversation saved there."""
         builder = ChatSession.builder(self._lm).generate_params(self._defaults.copy()).engine(self._engine)
-        builder = builder.instructions(instructions).history(history)
+        builder = builder.context_policy(self._policy)
+        builder = builder.cache(restore) if restore is not None else builder.instructions(instructions).history(history)
         if tools:  # the client runs the tools: a reply that calls them ends the turn
             builder = builder.tools([dict(t) for t in tools], tool_execution="manual")
         return (builder.speculative(self._speculative) if self._speculative is not None else builder).build()
 
     def _check_fits(self, session: ChatSession, message: ChatMessage) -> None:
         """A session with tools opens its turn only as its stream is read, after the response's status
-        went out: check the prompt fits the context window now, so that it is a 413 (the turn checks again)."""
+        went out: check the prompt fits the context window now, so that it is a 413 (the turn checks again).
+        With a policy that compacts, what must fit is the instructions and the exchange ``message`` is part of."""
         limit = self._lm.context_length
         if limit is None:
             return
+        if session.context_policy.mode != "error":
+            history = session.history
+            starts = exchange_starts([*history, message])
+            current = history[starts[-1]:] if starts and starts[-1] < len(history) else []
+            session = self._build(session.instructions, current, session.tools)  # renders only: no cache work
         needed = len(self._lm.tokenizer.encode(session.render(message, role=message.role), add_special_tokens=False))
         if needed >= limit:
             raise ContextWindowExceededError(
@@ -384,60 +410,4 @@ class SessionIndex:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
 
-class ResponseStore:
-    """Responses by id, each with what it added to its conversation; one JSON file per response in
-    ``folder`` (written atomically) when given, so chains outlive the server."""
-
-    def __init__(self, folder: str | os.PathLike[str] | None) -> None:
-        self._folder = Path(folder) if folder is not None else None
-        self._records: dict[str, dict[str, Any]] = {}
-        if self._folder is not None:
-            self._folder.mkdir(parents=True, exist_ok=True)
-            for path in self._folder.glob("resp_*.json"):
-                try:
-                    record = json.loads(path.read_text())
-                    self._records[record["response"]["id"]] = record
-                except (OSError, ValueError, KeyError, TypeError) as exc:
-                    log.warning("ignoring the unreadable stored response %s: %s", path.name, exc)
-
-    def add(self, response: dict[str, Any], added: Sequence[ChatMessage], reply: ChatMessage) -> None:
-        """Keep ``response`` (an OpenAI response object) with the messages it added and its reply."""
-        record = {"response": response, "added": [saved_dict(m) for m in added], "reply": saved_dict(reply)}
-        self._records[response["id"]] = record
-        if self._folder is not None:
-            path = self._folder / f"{response['id']}.json"
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(record, ensure_ascii=False))
-            os.replace(tmp, path)
-
-    def get(self, rid: str) -> dict[str, Any]:
-        """The stored response object; ``UnknownResponseError`` if there is none with that id."""
-        return self._record(rid)["response"]
-
-    def transcript(self, rid: str) -> tuple[ChatMessage, ...]:
-        """The conversation up to and including response ``rid``'s reply."""
-        chain = []
-        while rid is not None:
-            record = self._record(rid)
-            chain.append(record)
-            rid = record["response"].get("previous_response_id")
-            if len(chain) > len(self._records):
-                raise UnknownResponseError("The stored responses form a loop: start a new conversation.")
-        messages: list[ChatMessage] = []
-        for record in reversed(chain):
-            messages += [ChatMessage.from_dict(m) for m in record["added"]]
-            reply = record.get("reply")
-            messages.append(ChatMessage.from_dict(reply) if reply else ChatMessage.assistant(record["output"]))
-        return tuple(messages)
-
-    def _record(self, rid: str) -> dict[str, Any]:
-        record = self._records.get(rid)
-        if record is None:
-            raise UnknownResponseError(
-                f"No stored response {rid!r}: it was never stored (store=false) or belongs to another server; "
-                "send the conversation again without previous_response_id."
-            )
-        return record
-
-
-__all__ = ["SessionIndex", "Lease", "ResponseStore", "conversation_key"]
+__all__ = ["SessionIndex", "Lease", "conversation_key"]
