@@ -201,7 +201,8 @@ def test_resume_applies_the_flags_given_with_it(tmp_path):
     assert "with a system prompt" in out.stdout  # --system applied
     assert "--system, --max-tokens from the command line override the file's" in out.stderr
 
-    window = run("--resume", str(saved), "--max-kv-size", "16", stdin="What is 7 + 5?\nSpell tiger.\n/stats\n")
+    window = run("--resume", str(saved), "--max-kv-size", "16", "--context-policy", "error",  # a plain rotating cache
+                 stdin="What is 7 + 5?\nSpell tiger.\n/stats\n")
     assert window.returncode == 0 and "cache: 16 tokens" in window.stdout and "RotatingKVCache" in window.stdout
     assert "not made with --max-kv-size 16" in window.stderr, window.stderr
 
@@ -231,7 +232,8 @@ def test_cache_flags_follow_one_rule_and_errors_name_flags(tmp_path):
         assert "Traceback" not in out.stderr and not LIBRARY_NAMES.search(out.stderr), (flags, out.stderr)
     helped = run("chat", "--help")
     assert "N >= 8 (default: no limit)" in " ".join(helped.stdout.split())
-    for flags in (("--draft", "demo", "--kv-bits", "8"), ("--draft", "prompt_lookup", "--max-kv-size", "64")):
+    for flags in (("--draft", "demo", "--kv-bits", "8"),
+                  ("--draft", "prompt_lookup", "--max-kv-size", "64", "--context-policy", "error")):  # a rotating cache
         out = run(*flags, stdin="My name is Ada.\nWhat is my name?\n/stats\n")  # speculative over these caches
         assert out.returncode == 0 and "Your name is Ada." in out.stdout, (flags, out.stderr)
         assert "proposed tokens accepted" in out.stdout, (flags, out.stdout)
@@ -243,9 +245,15 @@ def test_a_message_longer_than_the_context_window(tmp_path):
     assert "Send a shorter message" in alone.stderr and "would not help" in alone.stderr
 
     system = " ".join(["Answer briefly."] * 330)  # ~990 of the demo's 1,024 tokens: one exchange fits
-    full = run("--system", system, stdin="My name is Ada.\nWhat is 7 + 5?\nSpell tiger.\n/stats\n")
+    script = "My name is Ada.\nSpell tiger.\nSpell lion.\n/stats\n"
+    full = run("--system", system, "--context-policy", "error", stdin=script)
     assert "context window" in full.stderr and "/undo drops the last exchange" in full.stderr, full.stderr
+    assert "--context-policy rolling" in full.stderr
     assert "last turn: failed" in full.stdout and "conversation: 2 messages" in full.stdout
+    rolling = run("--system", system, stdin=script)  # the default: the chat goes on, the oldest exchange dropped
+    assert rolling.returncode == 0 and "error" not in rolling.stderr, rolling.stderr
+    assert "The word lion is spelled" in rolling.stdout and "conversation: 6 messages" in rolling.stdout
+    assert "· context compacted: dropped 2 earlier messages" in rolling.stderr
 
 
 def test_stats_report_what_the_cache_holds(tmp_path):
@@ -255,9 +263,104 @@ def test_stats_report_what_the_cache_holds(tmp_path):
     assert "last turn: undone" in undone and "prompt" not in undone and "2 messages" in undone
     assert "cache: empty" in cleared and "last turn: none since /clear" in cleared and "layers" not in cleared
 
-    rotating = run("--max-kv-size", "50", stdin="My name is Ada.\nWhat is 7 + 5?\nSpell tiger.\nI live in Lyon.\n/stats\n")
+    rotating = run("--max-kv-size", "50", "--context-policy", "error",
+                   stdin="My name is Ada.\nWhat is 7 + 5?\nSpell tiger.\nI live in Lyon.\n/stats\n")
     assert rotating.returncode == 0, rotating.stderr
     assert "cache: 50 tokens" in rotating.stdout and "window of the last 50 tokens" in rotating.stdout
+
+
+def test_a_chat_past_its_window_goes_on_and_says_what_it_dropped(tmp_path):
+    """The default policy (rolling) keeps a chat going past its window (here --max-kv-size's): a notice
+    line when a turn compacts, /context showing the window, the tokens in use and what was dropped."""
+    script = ["My name is Ada.", "What is 7 + 5?", "I live in Lyon.", "Spell tiger.", "Where do I live?", "/context",
+              f"/save {tmp_path / 'chat.safetensors'}", "/help"]
+    out = run("--max-kv-size", "96", "--max-tokens", "24", stdin="\n".join(script) + "\n")
+    assert out.returncode == 0 and "Traceback" not in out.stderr and "error" not in out.stderr, out.stderr
+    notices = re.findall(r"· context compacted: dropped (\d+) earlier messages \((\d+) tokens\)", out.stderr)
+    assert notices and all(int(n) >= 2 and int(t) > 0 for n, t in notices)
+    assert "Noted: you live in Lyon." in out.stdout and "The word tiger is spelled t-i-g-e-r." in out.stdout
+    used = re.search(r"context: (\d+) of 96 tokens in use", out.stdout)
+    assert used and int(used.group(1)) <= 96 and "policy: rolling" in out.stdout
+    dropped = re.search(r"dropped: (\d+) of (\d+) messages are no longer shown", out.stdout)
+    assert dropped and int(dropped.group(1)) == sum(int(n) for n, _ in notices) and dropped.group(2) == "12"
+    assert "/context       the context window" in out.stdout  # in /help
+
+    # Resumed, the file's policy goes on unless the flag says otherwise; summarize shows its summary.
+    resumed = run("--resume", str(tmp_path / "chat.safetensors"), stdin="/context\n")
+    assert "policy: rolling" in resumed.stdout and "of 96 tokens" in resumed.stdout, resumed.stderr
+    summarized = run("--resume", str(tmp_path / "chat.safetensors"), "--context-policy", "summarize",
+                     "--max-tokens", "24", stdin="My name is Ada.\nSpell lion.\nWhat is 2 + 2?\n/context\n")
+    assert summarized.returncode == 0 and "Traceback" not in summarized.stderr, summarized.stderr
+    assert "--context-policy from the command line overrides" in summarized.stderr or \
+        "--context-policy from the command line override the file's" in summarized.stderr
+    assert "policy: summarize" in summarized.stdout and "\nsummary: " in summarized.stdout
+    assert re.search(r"· context compacted: .*summary \d+ tokens", summarized.stderr), summarized.stderr
+
+    bad = run("--context-policy", "forget", stdin="Hi\n")
+    assert bad.returncode == 2 and "--context-policy" in bad.stderr and "'rolling'" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+class _Terminal:
+    """A stand-in for a terminal's stderr (so notes are dimmed), collecting what is printed."""
+
+    def __init__(self):
+        import io
+
+        self.buffer = io.StringIO()
+        self.write, self.flush = self.buffer.write, self.buffer.flush
+
+    def isatty(self):
+        return True
+
+
+def test_the_repl_prepares_the_next_compaction_while_the_user_types():
+    import io
+    import threading
+
+    from chatkit import ContextPolicy
+    from chatkit.cli import Repl, parser
+    from chatkit.cli.compaction import context_report
+
+    calls = []
+
+    def summarizer(messages):
+        calls.append(threading.current_thread().name)
+        return "The user is Ada."
+
+    lines = ["My name is Ada.", "I live in Lyon.", "Spell tiger.", "Spell lion.", "I live in Oslo.", "Spell horse.",
+             "Call me Bo.", "Spell zebra.", "I live in Rome."]
+    repl = Repl(parser().parse_args(["chat", "--max-kv-size", "128", "--max-tokens", "24"]), out=io.StringIO(),
+                err=_Terminal())
+    repl.session.context_policy = ContextPolicy.summarize(summarizer=summarizer, high_water=0.6)
+    for line in lines:
+        repl.prepared()  # as the loop does before it handles the next line
+        repl.turn(line)  # the reply, then the preparation starts on its thread
+        if repl.session.last_stats.compacted:
+            break
+    repl.prepared()
+    stats = repl.session.last_stats
+    assert stats.compacted and stats.prefilled_tokens < 30  # the compacted context was prefilled ahead
+    assert calls and set(calls) == {"chatkit-prepare"}  # every summary was written between turns
+    shown = repl.err.buffer.getvalue()
+    assert "\x1b[2m· context compacted: dropped" in shown and f"summary {stats.summary_tokens} tokens" in shown
+    assert "summary: The user is Ada." in context_report(repl.session)
+
+    def broken(messages):
+        raise RuntimeError("no summaries today")
+
+    repl.prepared()
+    repl.session.context_policy = ContextPolicy.summarize(summarizer=broken, high_water=0.6)
+    for line in lines:
+        repl.turn(line)
+        repl.prepared()
+        if "could not be prepared ahead" in repl.err.buffer.getvalue():
+            break
+    shown = repl.err.buffer.getvalue()
+    assert "\x1b[2m· the next compaction could not be prepared ahead (The context policy's summarizer failed" in shown
+    repl.session.context_policy = ContextPolicy.rolling()  # the chat goes on
+    repl.turn("Spell tiger.")
+    assert repl.last.stats is not None and "Traceback" not in shown
 
 
 def test_version_help_and_inspect(tmp_path):

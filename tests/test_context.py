@@ -294,6 +294,61 @@ def test_async_turns_prepare_the_next_compaction_by_themselves(lm):
     assert len(calls) == len(crossing) + (1 if session._preparer.get(tuple(session.history), session._conversation.window) else 0)
 
 
+def test_a_pooled_session_prepares_its_next_compaction_in_the_background(lm, tmp_path):
+    from chatkit import SessionPool
+
+    calls = []
+
+    def summarizer(messages):
+        calls.append(len(messages))
+        return f"Summary {len(calls)}."
+
+    policy = ContextPolicy.summarize(summarizer=summarizer, high_water=0.7, fallback="wait")
+    pool = SessionPool(lm, folder=tmp_path, max_cache_bytes=2**30, configure=lambda b: b.instructions(
+        "Be brief.").generate_params(PARAMS).context_policy(policy))
+    stats = []
+    for prompt in PROMPTS[:24]:
+        session = pool.session("a")
+        session.respond(prompt)  # a plain sync turn: the pool prepares after it, on a thread of its own
+        stats.append(session.last_stats)
+    assert pool.wait_idle(60)
+    crossing = [s for s in stats if s.compacted]
+    assert crossing and all(s.prefilled_tokens < 45 for s in crossing)  # every compaction was ready
+    assert len(calls) >= len(crossing) and [m.content for m in session.history[::2]] == PROMPTS[:24]
+    assert_answers_as_fresh(pool.session("a"), ["And now?"])
+    assert pool.wait_idle(60) and session._preparer.get(tuple(session.history), session._conversation.window)
+    pool.enforce_budget()  # nothing to evict under the budget; with none, the prepared cache goes too
+    pool._budget = 0
+    assert pool.enforce_budget() == ["a"]
+    assert session._preparer.get(tuple(session.history), session._conversation.window) is None
+
+
+def test_a_pooled_turn_that_comes_during_a_preparation_never_fails(lm, tmp_path):
+    import threading
+
+    from chatkit import SessionPool
+
+    started, release = threading.Event(), threading.Event()
+
+    def summarizer(messages):
+        started.set()
+        release.wait(60)  # a slow summary: the next turns come while it is being written
+        return "Slow summary."
+
+    policy = ContextPolicy.summarize(summarizer=summarizer, high_water=0.6)  # fallback="rolling"
+    pool = SessionPool(lm, folder=tmp_path, max_cache_bytes=2**30, configure=lambda b: b.instructions(
+        "Be brief.").generate_params(PARAMS).context_policy(policy))
+    stats = []
+    for prompt in PROMPTS[:30]:
+        pool.session("a").respond(prompt)
+        stats.append(pool.session("a").last_stats)
+    release.set()
+    assert started.is_set() and pool.wait_idle(60)
+    assert any(s.compacted for s in stats)  # compacted by itself, without a summary, while one was written
+    session = pool.session("a")
+    assert [m.content for m in session.history[::2]] == PROMPTS[:30] and session.token_count <= WINDOW
+
+
 # -- any sequence of turns and edits under a policy, in a tiny window ---------------------------------
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather.",

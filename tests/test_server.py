@@ -800,6 +800,18 @@ def test_serve_checks_the_model_flags_as_chat_does(capsys):
         assert main(flags) == 2 and rule in capsys.readouterr().err
 
 
+def test_serve_takes_a_context_policy(capsys):
+    """--context-policy is chatkit chat's flag too (default rolling); a bad value is refused before loading."""
+    from chatkit.cli.serve import main, parser, server_config
+
+    assert server_config(parser().parse_args([])).context_policy == chatkit.ContextPolicy.rolling()
+    assert server_config(parser().parse_args(["--context-policy", "summarize"])).context_policy.mode == "summarize"
+    assert server_config(parser().parse_args(["--context-policy", "error"])).context_policy == chatkit.ContextPolicy.error()
+    assert main(["--context-policy", "forget"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--context-policy" in err and "'rolling'" in err
+
+
 @pytest.mark.parametrize("arguments, unread", [('{"x": "\\ud800"}', None), ("\ud800", None), ('{"x": ' * 100_000, True)])
 def test_re_sent_calls_no_tokenizer_takes_are_a_400_never_a_500(arguments, unread):
     """A lone surrogate is a 400; JSON nested too deeply to read comes back as an unread call."""
@@ -816,3 +828,98 @@ def test_re_sent_calls_no_tokenizer_takes_are_a_400_never_a_500(arguments, unrea
     request = parse_chat(body, GenerateParams())
     (sent,) = next(m for m in (*request.history, *request.added) if m.tool_calls).tool_calls
     assert sent.error is not None and sent.arguments == {}
+
+
+# -- conversations that outlive the context window ----------------------------------------------------
+WINDOW = 256
+COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white"]
+LONG = [f"Message {i}: tell me about the colour {c}." for i, c in enumerate(COLOURS * 3)]
+
+
+def small_window(lm, window=WINDOW):
+    """The same model and weights, with a small context window."""
+    return chatkit.LoadedModel(lm.model, lm.tokenizer, {**lm.config, "max_position_embeddings": window}, lm.source)
+
+
+def summary_of(messages):
+    return f"{len(messages)} messages about colours."
+
+
+def test_a_responses_chain_past_the_window_goes_on_as_a_session_with_the_policy_does(lm, tmp_path):
+    """previous_response_id chains past the window: the server applies its context policy (here one that
+    summarizes, waiting for the compaction prepared after each turn), answers as an in-process session
+    with that policy does, and says when a turn compacted: a header and ``usage.context``. Across a
+    restart the conversation keeps what the model saw (the summary, the dropped messages)."""
+    small = small_window(lm)
+    policy = chatkit.ContextPolicy.summarize(summarizer=summary_of, fallback="wait")
+    params = GenerateParams(max_tokens=8, temperature=0.0)
+    truth = ChatSession.builder(small).instructions(SYSTEM).generate_params(params.copy()).context_policy(policy).build()
+    config = ServerConfig(defaults=params, context_policy=policy, store=str(tmp_path / "store"))
+    previous, reported = None, []
+    with start(small, config) as running:
+        c = client(running)
+        for prompt in LONG[:16]:
+            raw = c.responses.with_raw_response.create(model="any", input=prompt, instructions=SYSTEM,
+                                                       previous_response_id=previous)
+            r = raw.parse()
+            assert r.output_text == truth.respond(prompt), prompt
+            truth.prepare_compaction()  # as the server does after each turn
+            usage = r.usage.model_dump()
+            assert usage["input_tokens"] + params.max_tokens <= WINDOW
+            header = raw.headers.get("chatkit-context-compacted")
+            if truth.last_stats.compacted:
+                stats = truth.last_stats
+                context = {"compacted": True, "dropped_messages": len(truth.dropped_messages),
+                           "dropped_tokens": stats.dropped_tokens, "summary_tokens": stats.summary_tokens}
+                assert usage["context"] == context and c.responses.retrieve(r.id).usage.model_dump()["context"] == context
+                assert header == ", ".join(f"{k}={v}" for k, v in context.items() if k != "compacted")
+                reported.append(context)
+            else:
+                assert "context" not in usage and header is None
+            previous = r.id
+    assert reported and any(r["summary_tokens"] > 0 for r in reported) and reported[-1]["dropped_messages"] >= 4
+    with start(small, config) as running:  # restarted: the saved conversation keeps its window and summary
+        r = client(running).responses.create(model="any", input=LONG[16], instructions=SYSTEM,
+                                             previous_response_id=previous)
+    assert r.output_text == truth.respond(LONG[16])
+    assert (r.usage.input_tokens, r.usage.input_tokens_details.cached_tokens) == (
+        truth.last_stats.prompt_tokens, truth.last_stats.reused_tokens)
+
+
+def test_a_re_sent_chat_past_the_window_goes_on_on_its_pooled_session(lm):
+    """A stateless client re-sending the whole conversation: the server's default policy (rolling) keeps
+    it going; the pooled session is still found by what is re-sent (only the new message is prefilled
+    between compactions), and a compaction is reported streamed too (in the usage chunk). With
+    ``ContextPolicy.error()`` the same conversation is a 413."""
+    small = small_window(lm)
+    params = GenerateParams(max_tokens=8, temperature=0.0)
+    with start(small, ServerConfig(defaults=params)) as running:
+        c = client(running)
+        messages, usages, headers = [{"role": "system", "content": SYSTEM}], [], []
+        for i, prompt in enumerate(LONG[:14]):
+            messages.append(user(prompt))
+            if i % 2:
+                chunks = list(chat(c, messages, stream=True, stream_options={"include_usage": True}))
+                text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+                usages.append(chunks[-1].usage)
+                headers.append(None)
+            else:
+                raw = c.chat.completions.with_raw_response.create(model="any", messages=messages)
+                r = raw.parse()
+                text, headers = r.choices[0].message.content, [*headers, raw.headers.get("chatkit-context-compacted")]
+                usages.append(r.usage)
+            messages.append({"role": "assistant", "content": text})
+    contexts = [u.model_dump().get("context") for u in usages]
+    compacted = [i for i, ctx in enumerate(contexts) if ctx]
+    assert compacted and all(contexts[i]["compacted"] and contexts[i]["summary_tokens"] == 0 for i in compacted)
+    assert any(i % 2 for i in compacted) or any(headers[i] for i in compacted)
+    assert all(headers[i] == f"dropped_messages={contexts[i]['dropped_messages']}, dropped_tokens="
+               f"{contexts[i]['dropped_tokens']}, summary_tokens=0" for i in compacted if i % 2 == 0)
+    for i in range(1, len(usages)):
+        assert usages[i].prompt_tokens + params.max_tokens <= WINDOW
+        if i not in compacted:  # found by what was re-sent: what the model saw before is reused
+            assert usages[i].prompt_tokens_details.cached_tokens >= usages[i - 1].prompt_tokens
+
+    with start(small, ServerConfig(defaults=params, context_policy=chatkit.ContextPolicy.error())) as running:
+        status, data = post(running, "/chat/completions", {"messages": messages[:-1]})
+    assert status == 413 and data["error"]["code"] == "context_length_exceeded"

@@ -16,6 +16,7 @@ from ..errors import ChatKitError
 
 if TYPE_CHECKING:
     from ..model.loaded import LoadedModel
+    from ..session.context import ContextPolicy
 
 COMMANDS = """commands:
   /save FILE     save the conversation and its cache
@@ -25,6 +26,7 @@ COMMANDS = """commands:
   /clear         forget the conversation
   /system TEXT   set the system prompt (/system alone removes it)
   /stats         what the last turn cost and what the cache holds
+  /context       the context window: tokens in use, what was dropped from it, the summary
   /help          this help
   /quit          leave (or Ctrl-D on an empty line); Ctrl-C stops a reply and keeps it as far as it got"""
 
@@ -41,6 +43,8 @@ CHAT_MAX_TOKENS = 256  # a chat reply's length without --max-tokens (or a resume
 MIN_KV_SIZE = 8  # CacheOptions' lower bound: mlx-lm's rotating cache keeps 4 tokens and needs room past them
 KV_BITS = (2, 3, 4, 5, 6, 8)
 KV_GROUP_SIZES = (32, 64, 128)
+CONTEXT_POLICIES = ("error", "rolling", "summarize")
+DEFAULT_CONTEXT_POLICY = "rolling"  # a chat should go on
 
 
 class UsageError(ChatKitError):
@@ -112,6 +116,23 @@ def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, otherwise
                    help=f"longest reply in tokens (default: {max_tokens}, {otherwise})")
 
 
+def add_context_flag(p: argparse.ArgumentParser, *, otherwise: str = "") -> None:
+    """``--context-policy`` (``None`` when not given: ``DEFAULT_CONTEXT_POLICY``, or ``otherwise``)."""
+    p.add_argument("--context-policy", choices=CONTEXT_POLICIES, metavar="error|rolling|summarize",
+                   help="when the conversation outgrows the model's context window: 'rolling' takes the oldest "
+                        "exchanges out of what the model sees (the transcript keeps them), 'summarize' also folds "
+                        "them into a summary the model writes, 'error' refuses the message "
+                        f"(default: {DEFAULT_CONTEXT_POLICY}{otherwise})")
+
+
+def context_policy(name: str | None) -> ContextPolicy:
+    """The ``chatkit.ContextPolicy`` that ``--context-policy NAME`` names (``None``: the default)."""
+    from ..session.context import ContextPolicy
+
+    made = {"error": ContextPolicy.error, "rolling": ContextPolicy.rolling, "summarize": ContextPolicy.summarize}
+    return made[name or DEFAULT_CONTEXT_POLICY]()
+
+
 def parser() -> argparse.ArgumentParser:
     """``chatkit [--version] {chat,inspect,models}``; ``chat`` is the default command (``chatkit serve``
     has its own parser: serve.py)."""
@@ -161,6 +182,7 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     chat.add_argument("--save", metavar="FILE",
                       help="save the conversation to FILE after every turn and on exit (its folder must exist)")
     add_sampling_flags(chat, max_tokens=CHAT_MAX_TOKENS, otherwise="or the saved one with --resume")
+    add_context_flag(chat, otherwise=", or the saved one with --resume")
     chat.add_argument("--max-kv-size", type=_int_at_least(MIN_KV_SIZE, f"use {MIN_KV_SIZE} or more, or leave the flag out"),
                       metavar="N",
                       help=f"keep at most the last N tokens in the KV cache (a rotating cache), N >= {MIN_KV_SIZE} "
@@ -229,7 +251,8 @@ def kv_group_size(args: argparse.Namespace, head_dim: int | None) -> int:
 
 def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The generation flags the user gave, by flag name (the ones that override a resumed file's)."""
-    given = {"--system": args.system, "--temp": args.temp, "--max-tokens": args.max_tokens}
+    given = {"--system": args.system, "--temp": args.temp, "--max-tokens": args.max_tokens,
+             "--context-policy": args.context_policy}
     return {flag: value for flag, value in given.items() if value is not None}
 
 
@@ -250,6 +273,6 @@ def load_draft(name: str | None) -> LoadedModel | str | None:
 
 
 __all__ = [
-    "COMMANDS", "UsageError", "add_model_flags", "add_sampling_flags", "check_combination", "check_save_path",
-    "kv_group_size", "load_draft", "load_model", "parser", "version",
+    "COMMANDS", "CONTEXT_POLICIES", "UsageError", "add_context_flag", "add_model_flags", "add_sampling_flags",
+    "check_combination", "check_save_path", "context_policy", "kv_group_size", "load_draft", "load_model", "parser", "version",
 ]

@@ -18,11 +18,13 @@ from .args import (
     KEYS,
     UsageError,
     check_save_path,
+    context_policy,
     explicit_settings,
     kv_group_size,
     load_draft,
     load_model,
 )
+from .compaction import Preparation, compaction_notice, context_report
 from .terminal import ReplyKeys, history_path, line_reader
 
 
@@ -50,6 +52,7 @@ class Repl:
         # A draft model, "prompt_lookup" (drafts from the conversation itself), or None.
         self.draft = load_draft(args.draft)
         self.last = _LastTurn()
+        self.preparation = Preparation()  # the next compaction, prepared while the user types
         self.session = self._build(resume=args.resume)
 
     # -- building the session ---------------------------------------------------------------------
@@ -68,6 +71,10 @@ class Repl:
         explicit = explicit_settings(a)
         if a.system is not None:
             builder = builder.instructions(a.system)
+        if a.context_policy is not None or resume is None:
+            builder = builder.context_policy(context_policy(a.context_policy))
+        else:  # the file's policy (one saved before policies existed: the chat's default)
+            builder = builder.context_policy(_unreadable_as_file_error(lambda: _saved_policy(resume), resume))
         if resume is None:
             builder = builder.generate_params(GenerateParams(
                 max_tokens=a.max_tokens if a.max_tokens is not None else CHAT_MAX_TOKENS,
@@ -127,6 +134,10 @@ class Repl:
     def note(self, text: str) -> None:
         print(text, file=self.err, flush=True)
 
+    def dim_note(self, text: str) -> None:
+        """A note about the conversation rather than part of it (dimmed in a terminal)."""
+        self.note(f"\x1b[2m{text}\x1b[0m" if getattr(self.err, "isatty", lambda: False)() else text)
+
     def error(self, exc: BaseException) -> None:
         if self.group is not None and not self.group.leader and not isinstance(exc, DistributedError):
             return  # the ranks run the same calls: rank 0 reports the error
@@ -143,6 +154,7 @@ class Repl:
             self.say(f"chatkit: chatting with {self.args.model or 'the demo model'}. /help for commands, Ctrl-D to quit.")
         with self.keys.installed():
             self._loop(read, interactive)
+        self.prepared()
         self.autosave()
         return 0
 
@@ -155,6 +167,7 @@ class Repl:
                 break
             except KeyboardInterrupt:
                 continue
+            self.prepared()
             line = line.strip()
             if not line:
                 continue
@@ -182,14 +195,30 @@ class Repl:
         return line
 
     def turn(self, line: str) -> None:
-        """Answer ``line``: stream the reply, then save it when --save was given."""
+        """Answer ``line``: stream the reply, then save it when --save was given and prepare the next
+        compaction while the user types."""
         if self.reply(lambda: self.session.stream_respond(line), line):
             self.autosave()
+            self.prepare()
+
+    def prepare(self) -> None:
+        """Prepare the next compaction on a thread (when the policy compacts: it is cheap until the context
+        nears the window); :meth:`prepared` waits for it."""
+        if self.group is None and self.session.context_policy.mode != "error":
+            self.preparation.start(self.session)
+
+    def prepared(self) -> None:
+        """Wait for the preparation started after the last reply; say why it failed, if it did."""
+        error = self.preparation.wait()
+        if error is not None:
+            detail = str(error) if isinstance(error, ChatKitError) else f"{type(error).__name__}: {error}"
+            self.dim_note(f"· the next compaction could not be prepared ahead ({detail}); the turn that needs "
+                          "it compacts by itself")
 
     def reply(self, start: Callable[[], Any], message: str) -> bool:
         """Stream a reply; Ctrl-C stops it after the token being computed and keeps what came.
         Returns whether a reply was committed."""
-        printed = False
+        printed, dropped = False, len(self.session.dropped_messages)
         with self.keys.active() as keys:
             try:
                 with start() as stream:
@@ -212,6 +241,9 @@ class Repl:
             stopped = keys.pressed.is_set()
         self.say(" [stopped]" if stopped else "")
         self.last = _LastTurn(stream.stats)
+        notice = compaction_notice(stream.stats, len(self.session.dropped_messages) - dropped)
+        if notice is not None:
+            self.dim_note(notice)
         return True
 
     def _too_long(self, exc: ContextWindowExceededError, message: str) -> str:
@@ -219,17 +251,26 @@ class Repl:
         from ..session.session import ChatSession
 
         s = self.session
-        alone = ChatSession.builder(s.model).instructions(s.instructions).generate_params(s.generate_params.copy()).build()
+        kv = s.cache_options.max_kv_size
+        builder = ChatSession.builder(s.model).instructions(s.instructions).generate_params(s.generate_params.copy())
+        alone = builder.max_kv_size(kv).context_policy(s.context_policy).build()
+        rotating = kv is not None and kv == s.context_window and s.context_policy.mode != "error"  # the policy's window
+        window = "--max-kv-size window" if rotating else "model's context window"
         try:
             alone.stream_respond(message).close()  # raises at once if it cannot fit; runs nothing
         except ContextWindowExceededError as own:
             system = " and the system prompt take" if s.instructions else " takes"
             shorter = " (or a shorter system prompt: /system TEXT)" if s.instructions else ""
-            return (f"This message{system} {own.prompt_tokens} tokens, more than the model's context window "
-                    f"of {own.context_length}: /clear or /undo would not help. Send a shorter message{shorter}.")
-        return (f"The conversation no longer fits the model's context window ({exc.prompt_tokens} tokens with "
+            larger = f"; or start again with a larger --max-kv-size than {kv}" if rotating else ""
+            return (f"This message{system} {own.prompt_tokens} tokens, more than the {window} "
+                    f"of {own.context_length}: /clear or /undo would not help. Send a shorter message{shorter}{larger}.")
+        if s.context_policy.mode != "error":
+            return (f"Even with the older exchanges dropped from what the model sees, this message does not fit the "
+                    f"{window} ({exc.prompt_tokens} tokens, the window is {exc.context_length}): /undo drops the last "
+                    "exchange, /clear starts over (the system prompt stays).")
+        return (f"The conversation no longer fits the {window} ({exc.prompt_tokens} tokens with "
                 f"this message, the window is {exc.context_length}): /undo drops the last exchange, "
-                "/clear starts over (the system prompt stays).")
+                "/clear starts over (the system prompt stays), or start again with --context-policy rolling.")
 
     def autosave(self) -> None:
         if self.save_path is None or self.session.cache_info().tokens == 0:
@@ -275,6 +316,7 @@ class Repl:
             history = s.history
             if self.reply(s.stream_regenerate, history[-2].content if len(history) >= 2 else ""):
                 self.autosave()
+                self.prepare()
         elif name == "/clear":
             s.clear()
             self.last = _LastTurn(note="none since /clear")
@@ -284,6 +326,8 @@ class Repl:
             self.say(f"system prompt {'set' if rest else 'removed'}")
         elif name == "/stats":
             self.say(self.stats())
+        elif name == "/context":
+            self.say(context_report(s))
         else:
             self.say(f"unknown command {name}; /help lists them")
         return None
@@ -307,6 +351,7 @@ class Repl:
                 f"last turn: prompt {st.prompt_tokens} tokens ({st.reused_tokens} reused, {st.prefilled_tokens} prefilled "
                 f"at {st.prompt_tps:.0f} tok/s), {st.generation_tokens} generated at {st.generation_tps:.1f} tok/s, "
                 f"peak memory {st.peak_memory_bytes / 2**20:.0f} MiB, finish: {st.finish_reason}"
+                + (f"; compacted: {st.dropped_tokens} tokens dropped from the context" if st.compacted else "")
             )
             if self.session.speculative is not None:
                 lines.append(f"draft: {st.draft_tokens_accepted}/{st.draft_tokens_proposed} proposed tokens accepted, "
@@ -342,6 +387,15 @@ def _from_transcript(builder: Any, path: str, keep_instructions: bool) -> Any:
     if saved.generate_params is not None:
         builder = builder.generate_params(saved.generate_params)
     return builder
+
+
+def _saved_policy(path: str) -> Any:
+    """The context policy a saved file was made with (the chat's default for a file without one)."""
+    from ..session.saved import SavedConversation, inspect
+
+    info = inspect(path)
+    saved = SavedConversation.of(info).context.policy if info.kind == "chatkit" else None
+    return saved if saved is not None else context_policy(None)
 
 
 def _shown(chunk: Any, args: argparse.Namespace, out: Any) -> str:

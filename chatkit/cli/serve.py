@@ -17,7 +17,15 @@ from ..errors import ChatKitError
 from ..params import GenerateParams
 from ..server.run import serve
 from ..server.state import ServerConfig
-from .args import UsageError, add_model_flags, add_sampling_flags, load_draft, load_model
+from .args import (
+    UsageError,
+    add_context_flag,
+    add_model_flags,
+    add_sampling_flags,
+    context_policy,
+    load_draft,
+    load_model,
+)
 
 SERVE_MAX_TOKENS = 512  # a reply's length when neither --max-tokens nor the request sets one
 
@@ -66,6 +74,7 @@ def parser() -> argparse.ArgumentParser:
                         "for many clients, some latency for one; default: off)")
     p.add_argument("--queue", type=int, default=32, help="requests waiting beyond those; more get 503 (default 32)")
     add_sampling_flags(p, max_tokens=SERVE_MAX_TOKENS, otherwise="for requests that set none")
+    add_context_flag(p)
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
                    help=f"uvicorn's log level: {', '.join(LOG_LEVELS)} (default info)")
     return p
@@ -115,7 +124,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         model_id=args.model or "demo", store=check_store(args.store) if args.store is not None else None,
         max_cache_bytes=args.max_cache_mb * 2**20,
         max_conversations=args.max_conversations, parallel=parallel, queue=args.queue,
-        api_key=args.api_key, defaults=defaults, batch=args.batch > 0,
+        api_key=args.api_key, defaults=defaults, batch=args.batch > 0, context_policy=context_policy(args.context_policy),
     )
 
 

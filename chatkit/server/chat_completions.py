@@ -17,12 +17,14 @@ from ..params import GenerateParams
 from ..session.results import TurnStats
 from .body import read_body, read_metadata, read_object
 from .errors import BadRequestError, error_body
-from .session_index import Lease
+from .lease import Lease
 from .state import ServerState, reply_of
 from .wire import (
     Deltas,
     TurnRequest,
     arguments_text,
+    compaction_headers,
+    compaction_usage,
     format_schema,
     link_tool_results,
     new_id,
@@ -44,7 +46,9 @@ async def create(state: ServerState, request: Request) -> Response:
     if req.stream:
         return StreamingResponse(_events(state, lease, req, cid), media_type="text/event-stream")
     finish = await state.complete(lease)
-    return JSONResponse(chat_completion(cid, state.config.model_id, reply_of(lease), finish, lease.stream.stats))
+    compaction = lease.compaction()
+    body = chat_completion(cid, state.config.model_id, reply_of(lease), finish, lease.stream.stats, compaction)
+    return JSONResponse(body, headers=compaction_headers(compaction))
 
 
 async def _events(state: ServerState, lease: Lease, req: TurnRequest, cid: str) -> AsyncIterator[str]:
@@ -64,7 +68,7 @@ async def _events(state: ServerState, lease: Lease, req: TurnRequest, cid: str) 
             yield _sse(chat_chunk(cid, model, {}, finish_reason(finish, calls > 0)))
             if req.include_usage:
                 await lease.stream.aclose()
-                yield _sse(chat_chunk(cid, model, {}, usage=chat_usage(lease.stream.stats)))
+                yield _sse(chat_chunk(cid, model, {}, usage=chat_usage(lease.stream.stats, lease.compaction())))
             yield "data: [DONE]\n\n"
         except Exception as exc:  # after the headers: the error goes into the stream
             yield _sse(error_body(exc)[1])
@@ -139,7 +143,8 @@ def chat_message(reply: ChatMessage) -> dict[str, Any]:
     return message
 
 
-def chat_usage(stats: TurnStats | None) -> dict[str, Any]:
+def chat_usage(stats: TurnStats | None, compaction: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The ``usage`` object (with ``context`` when the turn compacted the conversation's context)."""
     prompt = stats.prompt_tokens if stats else 0
     completion = stats.generation_tokens if stats else 0
     return {
@@ -147,16 +152,17 @@ def chat_usage(stats: TurnStats | None) -> dict[str, Any]:
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": stats.reused_tokens if stats else 0},
+        **compaction_usage(compaction),
     }
 
 
 def chat_completion(cid: str, model: str, reply: ChatMessage, finish: str | None,
-                    stats: TurnStats | None) -> dict[str, Any]:
+                    stats: TurnStats | None, compaction: Mapping[str, int] | None = None) -> dict[str, Any]:
     return {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": chat_message(reply), "finish_reason": finish_reason(finish, bool(reply.tool_calls)),
                      "logprobs": None}],
-        "usage": chat_usage(stats),
+        "usage": chat_usage(stats, compaction),
     }
 
 

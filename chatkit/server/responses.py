@@ -22,12 +22,14 @@ from ..params import GenerateParams
 from ..session.results import TurnStats
 from .body import read_body, read_metadata, read_object
 from .errors import BadRequestError, error_body
-from .session_index import Lease
+from .lease import Lease
 from .state import ServerState, reply_of
 from .wire import (
     Deltas,
     TurnRequest,
     arguments_text,
+    compaction_headers,
+    compaction_usage,
     format_schema,
     link_tool_results,
     new_id,
@@ -52,7 +54,8 @@ async def create(state: ServerState, request: Request) -> Response:
     turn = ResponseTurn(state, req, lease, added)
     if req.stream:
         return StreamingResponse(_events(state, turn), media_type="text/event-stream")
-    return JSONResponse(turn.keep(await state.complete(lease)))
+    kept = turn.keep(await state.complete(lease))
+    return JSONResponse(kept, headers=compaction_headers(lease.compaction()))
 
 
 async def retrieve(state: ServerState, request: Request) -> Response:
@@ -75,7 +78,7 @@ class ResponseTurn:
         return response_object(
             self.id, self._state.config.model_id, created_at=self.created, status=status, output=output,
             previous_response_id=req.previous_response_id, store=req.store,
-            usage=responses_usage(stats) if stats is not None else None, echo=req.echo,
+            usage=responses_usage(stats, self.lease.compaction()) if stats is not None else None, echo=req.echo,
             incomplete=finish == "length",
         )
 
@@ -296,7 +299,8 @@ def _input_items(raw: list[Any]) -> list[ChatMessage]:
 
 
 # -- building the response ----------------------------------------------------------------------
-def responses_usage(stats: TurnStats | None) -> dict[str, Any]:
+def responses_usage(stats: TurnStats | None, compaction: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """The ``usage`` object (with ``context`` when the turn compacted the conversation's context)."""
     prompt = stats.prompt_tokens if stats else 0
     output = stats.generation_tokens if stats else 0
     return {
@@ -305,6 +309,7 @@ def responses_usage(stats: TurnStats | None) -> dict[str, Any]:
         "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + output,
+        **compaction_usage(compaction),
     }
 
 

@@ -7,7 +7,8 @@ new ones. ``SessionIndex`` indexes every pooled session by a hash of exactly tha
 tools and history), so a client that re-sends the whole conversation lands on the session that holds
 it and pays only for the new message (or the results of the tools the last reply called: the client
 runs them, each session is built with ``tool_execution="manual"``). After each turn the session is indexed
-under its new history.
+under its new history. Every session has the server's context policy: a conversation that outgrows the
+window goes on (its history whole, so it is still found by what the client re-sends).
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import os
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,9 +34,10 @@ from ..messages import ChatMessage, Role
 from ..model.loaded import LoadedModel
 from ..params import GenerateParams
 from ..session import saved
-from ..session.aio import AsyncResponseStream
+from ..session.context import ContextPolicy, exchange_starts
 from ..session.pool import SessionPool
 from ..session.session import ChatSession
+from .lease import Lease
 from .response_store import write_file
 from .write_behind import Job, WriteBehind
 
@@ -76,26 +77,6 @@ def conversation_key(instructions: str | None, history: Sequence[ChatMessage], t
     return prefix_keys(instructions, history, tools)[-1]
 
 
-@dataclass
-class Lease:
-    """A turn in progress on a session: ``conv`` is its pool key (``None`` for a throwaway session);
-    ``replaces``: the session is a copy that takes the pooled one's place once its turn commits."""
-
-    session: ChatSession
-    stream: AsyncResponseStream
-    conv: str | None
-    base: int  # messages the session held when the turn started
-    replaces: bool = False
-    asked: ChatMessage | None = None  # the prompt as the client sent it, when the session holds it changed
-
-    def reply(self) -> ChatMessage | None:
-        """The assistant message the turn committed (``None`` before it committed, or if it never did)."""
-        history = self.session.history
-        if len(history) > self.base + 1 and history[-1].role is Role.ASSISTANT:
-            return history[-1]
-        return None
-
-
 class SessionIndex:
     """Pooled sessions over one model, indexed by content (see the module docstring).
 
@@ -114,8 +95,10 @@ class SessionIndex:
         speculative: SpeculativeConfig | None = None,
         persist: bool = False,
         engine: BatchEngine | None = None,
+        context_policy: ContextPolicy | None = None,
     ) -> None:
         self._lm = lm
+        self._policy = context_policy if context_policy is not None else ContextPolicy()
         self._engine = engine
         self._defaults = defaults or GenerateParams()
         self._speculative = speculative
@@ -327,26 +310,39 @@ class SessionIndex:
             except ChatKitError as exc:  # an unreadable evicted cache: the next turn prefills again
                 log.warning("conversation %s: cache not restored (%s)", conv, exc)
                 return self.pool.session(conv)
-        session = self._build(*dormant, self._tools.get(conv))
-        try:
-            session.restore_cache(self.pool.path(conv))
-        except ChatKitError as exc:  # the transcript is the truth: the first turn prefills it again
-            log.warning("conversation %s: cache not restored (%s)", conv, exc)
+        tools, path = self._tools.get(conv), self.pool.path(conv)
+        try:  # the file's conversation: its history, and what the context policy showed of it (its summary)
+            session = self._build(*dormant, tools, restore=path)
+        except ChatKitError:  # e.g. a draft model (its cache is not saved): the transcript, then the cache
+            session = self._build(*dormant, tools)
+            try:
+                session.restore_cache(path)
+            except ChatKitError as exc:  # the transcript is the truth: the first turn prefills it again
+                log.warning("conversation %s: cache not restored (%s)", conv, exc)
         return self.pool.add(conv, session)
 
-    def _build(self, instructions: str | None, history: Sequence[ChatMessage], tools: Tools) -> ChatSession:
+    def _build(self, instructions: str | None, history: Sequence[ChatMessage], tools: Tools,
+               restore: Path | None = None) -> ChatSession:
+        """A session over ``instructions`` + ``history``, or (``restore``) the conversation saved there."""
         builder = ChatSession.builder(self._lm).generate_params(self._defaults.copy()).engine(self._engine)
-        builder = builder.instructions(instructions).history(history)
+        builder = builder.context_policy(self._policy)
+        builder = builder.cache(restore) if restore is not None else builder.instructions(instructions).history(history)
         if tools:  # the client runs the tools: a reply that calls them ends the turn
             builder = builder.tools([dict(t) for t in tools], tool_execution="manual")
         return (builder.speculative(self._speculative) if self._speculative is not None else builder).build()
 
     def _check_fits(self, session: ChatSession, message: ChatMessage) -> None:
         """A session with tools opens its turn only as its stream is read, after the response's status
-        went out: check the prompt fits the context window now, so that it is a 413 (the turn checks again)."""
+        went out: check the prompt fits the context window now, so that it is a 413 (the turn checks again).
+        With a policy that compacts, what must fit is the instructions and the exchange ``message`` is part of."""
         limit = self._lm.context_length
         if limit is None:
             return
+        if session.context_policy.mode != "error":
+            history = session.history
+            starts = exchange_starts([*history, message])
+            current = history[starts[-1]:] if starts and starts[-1] < len(history) else []
+            session = self._build(session.instructions, current, session.tools)  # renders only: no cache work
         needed = len(self._lm.tokenizer.encode(session.render(message, role=message.role), add_special_tokens=False))
         if needed >= limit:
             raise ContextWindowExceededError(
@@ -427,4 +423,4 @@ class SessionIndex:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
 
-__all__ = ["Lease", "SessionIndex", "conversation_key"]
+__all__ = ["SessionIndex", "conversation_key"]

@@ -20,10 +20,12 @@ from ..decode.speculative import SpeculativeConfig
 from ..messages import ChatMessage
 from ..model.loaded import LoadedModel
 from ..params import GenerateParams
+from ..session.context import ContextPolicy
 from ..text import reply as segments
 from .errors import BadRequestError, OverloadedError
+from .lease import Lease
 from .response_store import ResponseStore
-from .session_index import Lease, SessionIndex
+from .session_index import SessionIndex
 from .wire import TurnRequest
 
 
@@ -33,7 +35,8 @@ class ServerConfig:
     process (``None``: a temporary folder, forgotten at exit). ``parallel`` turns generate at once (with
     ``batch``, decoded together by one ``chatkit.BatchEngine``: one forward pass per step for all of
     them, more throughput for many clients, some latency for one) and ``queue`` more may wait;
-    beyond that, 503. ``api_key``: require ``Authorization: Bearer KEY``."""
+    beyond that, 503. ``api_key``: require ``Authorization: Bearer KEY``. ``context_policy``: what a
+    conversation does when it outgrows the context window (``chatkit serve --context-policy``)."""
 
     model_id: str = "chatkit"
     store: str | None = None
@@ -45,6 +48,7 @@ class ServerConfig:
     api_key: str | None = None
     defaults: GenerateParams = field(default_factory=lambda: GenerateParams(max_tokens=512))
     speculative: SpeculativeConfig | None = None
+    context_policy: ContextPolicy = field(default_factory=ContextPolicy.rolling)
 
 
 class Limiter:
@@ -98,7 +102,7 @@ class ServerState:
             self.sessions = SessionIndex(
                 lm, folder=root, max_cache_bytes=config.max_cache_bytes, max_conversations=config.max_conversations,
                 defaults=config.defaults, speculative=config.speculative, persist=config.store is not None,
-                engine=engine,
+                engine=engine, context_policy=config.context_policy,
             )
             self.responses = ResponseStore(root / "responses" if config.store is not None else None)
             self.limiter = Limiter(config.parallel, config.queue)

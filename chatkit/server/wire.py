@@ -335,6 +335,23 @@ def arguments_text(call: ToolCall) -> str:
     return text[key.end() :] if key else text
 
 
+COMPACTED_HEADER = "Chatkit-Context-Compacted"  # on a reply whose turn compacted its conversation's context
+
+
+def compaction_usage(compaction: Mapping[str, int] | None) -> dict[str, Any]:
+    """The ``usage`` key that reports a compaction (``Lease.compaction()``): ``{"context": {"compacted":
+    true, "dropped_messages": M, "dropped_tokens": N, "summary_tokens": S}}``, or nothing."""
+    return {} if compaction is None else {"context": {"compacted": True, **compaction}}
+
+
+def compaction_headers(compaction: Mapping[str, int] | None) -> dict[str, str] | None:
+    """The response header that reports a compaction: ``Chatkit-Context-Compacted: dropped_messages=M,
+    dropped_tokens=N, summary_tokens=S`` (a structured-field dictionary), or none."""
+    if compaction is None:
+        return None
+    return {COMPACTED_HEADER: ", ".join(f"{k}={v}" for k, v in compaction.items())}
+
+
 class Deltas:
     """A reply's chunks as the pieces a client is sent, ``("reasoning" | "text", str)`` or ``("call",
     ToolCall)``, so that they add up to the message the session commits: when a reply reasons or calls
@@ -378,7 +395,7 @@ class Deltas:
         return [] if self._glue else [(kind, text) for kind, text in held.items() if text]
 
 __all__ = [
-    "Deltas", "TurnRequest", "arguments_text", "format_schema", "guided_available", "link_tool_results", "new_id",
+    "COMPACTED_HEADER", "Deltas", "TurnRequest", "arguments_text", "compaction_headers", "compaction_usage", "format_schema", "guided_available", "link_tool_results", "new_id",
     "read_bool", "read_message", "read_params", "read_text", "read_tool_call",
     "read_tools", "split_conversation",
 ]

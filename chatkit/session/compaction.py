@@ -88,6 +88,10 @@ class Preparer:
 
     def used(self) -> None:
         """A turn took the prepared compaction (its cache now belongs to the conversation)."""
+        self.discard()
+
+    def discard(self) -> None:
+        """Forget the prepared compaction (its cache's memory is freed)."""
         with self._lock:
             self._prepared = None
 

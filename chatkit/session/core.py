@@ -86,6 +86,7 @@ class SessionCore:
         self._progress = prefill_progress
         self._gate = TurnGate()
         self._preparer = Preparer()
+        self._between_turns: Callable[[Callable[[], None]], None] | None = None  # runs work between turns (a pool's)
         self._last_stats: TurnStats | None = None
         self._guided: tuple[ChatMessage, dict[str, Any]] | None = None  # the last guided prompt and its spec
 
@@ -150,6 +151,8 @@ class SessionCore:
         if result is not None:
             self._last_stats = result.stats
         self._gate.release()
+        if result is not None:
+            self._prepare_between_turns()
 
     def _tool_loop(self, message: ChatMessage, *, strict: bool = False) -> ToolLoopStream:
         """The rounds of a reply with tools (``tool_loop``), over this session's turns; with ``strict``
@@ -165,8 +168,13 @@ class SessionCore:
         return ToolLoopStream(
             lambda m: self._open_turn(m, strict=strict, loop=hold), lambda ms: self._append(ms, loop=hold),
             tools, message, execute=self._runs_tools(), max_rounds=options.max_rounds,
-            raise_errors=options.errors == "raise", timeout=options.timeout, on_end=lambda: self._gate.let_go(hold),
+            raise_errors=options.errors == "raise", timeout=options.timeout, on_end=lambda: self._loop_ended(hold),
         )
+
+    def _loop_ended(self, hold: LoopHold) -> None:
+        """A tool loop is over: the session is free again (and the next compaction may be prepared)."""
+        self._gate.let_go(hold)
+        self._prepare_between_turns()
 
     def _append(self, messages: Sequence[ChatMessage], loop: LoopHold | None = None) -> None:
         """Tool results enter the history (the next round prefills them)."""
@@ -236,6 +244,23 @@ class SessionCore:
             except ChatKitError:
                 pass
         return work
+
+    def _prepare_between_turns(self) -> None:
+        """When a pool runs this session's work between turns (``_between_turns``): claim the next
+        compaction's preparation now, as the turn ends (so a turn that comes next knows it is coming),
+        and hand the work over. Never raises: the turn has committed, and the next one compacts by itself."""
+        run = self._between_turns
+        if run is None or self._gate.busy:  # a tool loop between its rounds: prepared once it ends
+            return
+        try:
+            work = self._claim_preparation()
+        except Exception:  # a preparation is only a saving
+            return
+        if work is not None:
+            try:
+                run(work)
+            except Exception:  # it will not run: the next turn must not wait for it
+                self._preparer.finish(None)
 
     def _can_prepare(self) -> bool:
         """Preparations are for policies that compact, in one process (sharded ranks must run in step)."""

@@ -1,13 +1,16 @@
-"""``SessionPool``: many conversations over one loaded model, their KV caches kept under a byte budget."""
+"""``SessionPool``: many conversations over one loaded model, their KV caches kept under a byte budget,
+and their next compactions prepared between turns."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import mlx.core as mx
 
 from .. import distributed
 from ..cache import atomic
@@ -36,6 +39,12 @@ class SessionPool:
 
     Over a sharded model every rank makes the same pool calls; the budget applies to the rank whose
     caches are largest, so that every rank evicts the same sessions (each saves its own shard).
+
+    With a context policy that compacts (``ContextPolicy.rolling`` / ``summarize``), a pooled session
+    prepares its next compaction in the background after each turn (``session.prepare_compaction()``
+    on a thread of the pool's), once its context passes the policy's high-water mark; a turn that comes
+    meanwhile waits for it or compacts by itself (the policy's ``fallback``). ``wait_idle()`` waits
+    for those preparations.
     """
 
     def __init__(
@@ -66,6 +75,7 @@ class SessionPool:
         self._sessions: OrderedDict[str, ChatSession] = OrderedDict()  # least recently used first
         self._evicted: set[str] = set()
         self._lock = threading.RLock()
+        self._between = BetweenTurns()
 
     def session(self, key: str) -> ChatSession:
         """The session for ``key``, created on first use, its cache restored if it was evicted."""
@@ -76,6 +86,7 @@ class SessionPool:
                 builder = ChatSession.builder(self._lm).engine(self._engine)
                 session = (self._configure(builder) if self._configure else builder).build()
                 self._sessions[key] = session
+                session._between_turns = self._between.submit
             self._sessions.move_to_end(key)
             if key in self._evicted:
                 self._evicted.discard(key)
@@ -104,6 +115,7 @@ class SessionPool:
             if old is not None and old is not session and old.busy:
                 raise SessionBusyError(f"The session {key!r} is generating a reply: replace it once its stream is closed.")
             self._sessions[key] = session
+            session._between_turns = self._between.submit
             self._sessions.move_to_end(key)
             self._evicted.discard(key)  # the new session's cache is in memory; a saved file is stale
             self.enforce_budget(keep=key)
@@ -146,6 +158,11 @@ class SessionPool:
         with self._lock:
             local = sum(_bytes(s) for s in self._sessions.values())
         return distributed.largest(self._lm.distributed, local)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no compaction is being prepared in the background (at most ``timeout`` seconds);
+        returns whether none is."""
+        return self._between.wait(timeout)
 
     def evicted(self, key: str) -> bool:
         """Whether ``key``'s cache is on disk rather than in memory."""
@@ -191,6 +208,48 @@ def _check_key(key: object) -> None:
 def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+class BetweenTurns:
+    """Work the pool's sessions hand over as their turns end (preparing the next compaction), run one
+    at a time, in order, on a thread started when there is some (and ended, its MLX streams cleared,
+    when there is no more)."""
+
+    def __init__(self) -> None:
+        self._work: deque[Callable[[], None]] = deque()
+        self._cond = threading.Condition()
+        self._running = False
+
+    def submit(self, work: Callable[[], None]) -> None:
+        with self._cond:
+            self._work.append(work)
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="chatkit-pool-prepare", daemon=False).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._running, timeout)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    if not self._work:
+                        break
+                    work = self._work.popleft()
+                try:
+                    work()
+                except Exception:  # a preparation is only a saving: the next turn compacts by itself
+                    pass
+        finally:
+            mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+                if self._work:  # handed over after the loop looked: run it too
+                    self._running = True
+                    threading.Thread(target=self._run, name="chatkit-pool-prepare", daemon=False).start()
 
 
 def _bytes(session: ChatSession) -> int:

@@ -199,9 +199,11 @@ class ChatSession(SessionCore):
         return self._conversation.cache.info()
 
     def release_cache(self) -> None:
-        """Free the KV cache's memory; the next turn prefills the whole conversation again."""
+        """Free the KV cache's memory (a prepared compaction's too); the next turn prefills the whole
+        conversation again."""
         with self._gate.idle("release the cache"):
             self._conversation.cache.reset()
+            self._preparer.discard()
 
     def save_cache(self, path: str | os.PathLike[str]) -> int:
         """Save the KV cache with the conversation to ``path`` (a ``.safetensors`` file), atomically.

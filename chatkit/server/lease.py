@@ -1,0 +1,42 @@
+"""A turn in progress on one of the server's pooled sessions, and what it reports when it ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..messages import ChatMessage, Role
+from ..session.aio import AsyncResponseStream
+from ..session.session import ChatSession
+
+
+@dataclass
+class Lease:
+    """A turn in progress on a session: ``conv`` is its pool key (``None`` for a throwaway session);
+    ``replaces``: the session is a copy that takes the pooled one's place once its turn commits."""
+
+    session: ChatSession
+    stream: AsyncResponseStream
+    conv: str | None
+    base: int  # messages the session held when the turn started
+    replaces: bool = False
+    asked: ChatMessage | None = None  # the prompt as the client sent it, when the session holds it changed
+
+    def reply(self) -> ChatMessage | None:
+        """The assistant message the turn committed (``None`` before it committed, or if it never did)."""
+        history = self.session.history
+        if len(history) > self.base + 1 and history[-1].role is Role.ASSISTANT:
+            return history[-1]
+        return None
+
+    def compaction(self) -> dict[str, int] | None:
+        """What the context policy did at this turn, once it ended: ``None``, or (it compacted) how many
+        messages of the conversation the model no longer sees, the prompt tokens it dropped, and the
+        new summary's tokens."""
+        stats = self.stream.stats
+        if stats is None or not stats.compacted:
+            return None
+        return {"dropped_messages": len(self.session.dropped_messages), "dropped_tokens": stats.dropped_tokens,
+                "summary_tokens": stats.summary_tokens}
+
+
+__all__ = ["Lease"]
