@@ -180,6 +180,21 @@ def test_the_model_itself_can_summarize(lm):
     assert isinstance(summary, str) and summary and SUMMARY_HEADER in session.context[0].content
 
 
+def test_a_long_history_compacted_at_once_is_summarized_from_what_fits(lm):
+    """A session built with a history far past its window (a conversation sent whole, as a stateless
+    server request is) drops most of it at its first turn: the model is shown the newest part of the
+    dropped messages that fits its own window, not all of them (which could never fit)."""
+    history = []
+    for i, prompt in enumerate(PROMPTS * 2):
+        history += [{"role": "user", "content": prompt}, {"role": "assistant", "content": f"Noted {i}, it is lovely."}]
+    session = ChatSession.builder(lm).instructions("Be brief.").generate_params(PARAMS).history(history) \
+        .context_policy(ContextPolicy.summarize()).build()
+    session.respond("And what about grey?")
+    assert session.last_stats.compacted and session.token_count <= session.context_window
+    assert len(session.dropped_messages) > 150 and len(session.history) == len(history) + 2
+    assert SUMMARY_HEADER in session.context[0].content
+
+
 @pytest.mark.parametrize("bad", [lambda messages: 42, lambda messages: "", lambda messages: 1 / 0])
 def test_a_failing_summarizer_changes_nothing(lm, bad):
     session = session_over(lm, ContextPolicy.summarize(summarizer=bad))

@@ -807,7 +807,7 @@ def test_serve_takes_a_context_policy(capsys):
     assert server_config(parser().parse_args([])).context_policy == chatkit.ContextPolicy.rolling()
     assert server_config(parser().parse_args(["--context-policy", "summarize"])).context_policy.mode == "summarize"
     assert server_config(parser().parse_args(["--context-policy", "error"])).context_policy == chatkit.ContextPolicy.error()
-    assert main(["--context-policy", "forget"]) == 1
+    assert main(["--context-policy", "forget"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and "--context-policy" in err and "'rolling'" in err
 

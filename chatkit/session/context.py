@@ -289,9 +289,28 @@ def summarizer_for(policy: ContextPolicy, lm: Any, size: int | None, new_session
         # One user message holding the transcript, then the request: small models summarize a transcript
         # they are shown far better than a chat they are in (measured on SmolLM2-135M).
         session = new_session(model, None, [], summary_tokens(size))
-        request = f"{transcript(previous, dropped)}\n\n{policy.prompt or SUMMARY_PROMPT}"
+        ask_for = f"\n\n{policy.prompt or SUMMARY_PROMPT}"
+        room = (session.context_window or 2**31) - summary_tokens(size) - session.count_tokens(ask_for)
+        request = fitted_transcript(previous, dropped, room, session.count_tokens) + ask_for
         return _summary_text(lambda: session.respond(request))
     return ask
+
+
+def fitted_transcript(previous: str | None, messages: Sequence[ChatMessage], room: int,
+                      count: Callable[[str], int]) -> str:
+    """:func:`transcript`, its oldest messages left out (then the summary so far cut from its start)
+    until it takes at most ``room`` tokens: a long history compacted at once (a conversation restored
+    or sent whole) would not fit the summarizing session's own window."""
+    low, high = 0, len(messages)  # the fewest messages left out: a binary search (fewer never grow it)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if count(transcript(previous, messages[mid:])) <= room else (mid + 1, high)
+    if low < len(messages) or count(transcript(previous, [])) <= room:
+        return transcript(previous, messages[low:])
+    kept = previous or ""
+    while kept and count(transcript(kept, [])) > room:
+        kept = kept[len(kept) // 4 or 1:]  # a quarter at a time: the newest part stays
+    return transcript(kept or None, [])
 
 
 def transcript(previous: str | None, messages: Sequence[ChatMessage]) -> str:
@@ -332,5 +351,5 @@ def system_text(instructions: str | None, summary: str | None) -> str | None:
 
 __all__ = [
     "SUMMARY_HEADER", "SUMMARY_PROMPT", "ContextPolicy", "Fit", "Fitter", "Window", "exchange_starts", "summarizer_for",
-    "summary_tokens", "system_text", "transcript", "window_size",
+    "fitted_transcript", "summary_tokens", "system_text", "transcript", "window_size",
 ]
