@@ -191,12 +191,13 @@ class Fitter:
                 return Fit(prepared, ready, True, max(0, len(prompt) - len(ready)), self.count(new) if new else 0)
         return self._compact(window, messages, prompt, room, opaque)
 
-    def ahead(self, window: Window, messages: Sequence[ChatMessage], opaque: int = 0) -> Window | None:
+    def ahead(self, window: Window, messages: Sequence[ChatMessage], opaque: int = 0, room: int = 0) -> Window | None:
         """The window the next compaction will use, chosen now (its summary written): ``None`` while the
-        context is under the policy's high-water mark."""
+        context and the next reply's ``room`` are under the policy's high-water mark (counting the room:
+        with a small window, one more turn could otherwise cross it before anything was prepared)."""
         if self.size is None or self.policy.mode == "error":
             return None
-        if opaque + len(self.render(window, messages)) < self.size * self.policy.high_water:
+        if opaque + len(self.render(window, messages)) + room < self.size * self.policy.high_water:
             return None
         nxt = ChatMessage.user(" ")  # the next prompt, unknown yet: it starts an exchange
         return self._compact(window, [*messages, nxt], self.render(window, [*messages, nxt]), 0, opaque).window

@@ -206,6 +206,10 @@ class SessionCore:
         return self._prompting(window.summary).ids(visible, params or self._params,
                                                    add_generation_prompt=add_generation_prompt)
 
+    def _room(self, params: GenerateParams) -> int:
+        """What a reply needs after its prompt: the policy's ``reserve``, else ``max_tokens``."""
+        return self._policy.reserve if self._policy.reserve is not None else params.max_tokens
+
     def _fitter(self, params: GenerateParams, *, summaries: bool = True) -> Fitter:
         """How this turn's prompt is fitted into the window (the context policy, the summarizer; without
         ``summaries`` a compaction keeps the summary it has: the fallback while one is being prepared)."""
@@ -292,7 +296,7 @@ class SessionCore:
         prepared = None
         try:
             compacted = s.earlier.compacted if s.earlier is not None else (
-                self._fitter(s.params).ahead(s.window, s.messages, s.spare.ledger.opaque))
+                self._fitter(s.params).ahead(s.window, s.messages, s.spare.ledger.opaque, self._room(s.params)))
             if compacted is not None:
                 fill(s.spare, self._rendered_ids(compacted, s.messages, s.params), self._lm.model, self._draft_model)
                 prepared = Prepared(s.messages, s.window, compacted, s.spare)
