@@ -17,24 +17,14 @@ from chatkit.testing import Scripted
 
 import pytest
 from conftest import session_for
+from helpers.cachefiles import saved_chat, talk
 
 PARAMS = GenerateParams(max_tokens=8)
 
 
-def talk(lm, turns=("My name is Ada.", "What is my name?"), **options):
-    session = session_for(lm, params=PARAMS, **options)
-    for prompt in turns:
-        session.respond(prompt)
-    return session
-
-
 @pytest.fixture(scope="module")
 def saved(tiny, tmp_path_factory):
-    """A good chatkit file of the default tiny model, and that model."""
-    lm = tiny()
-    path = tmp_path_factory.mktemp("saved") / "chat.safetensors"
-    talk(lm).save_cache(path)
-    return lm, path
+    return saved_chat(tiny, tmp_path_factory)
 
 
 # -- params that reach native code, stop strings from files, lone surrogates --------------------------

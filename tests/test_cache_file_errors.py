@@ -23,25 +23,14 @@ from chatkit.cache import file as cache_file
 
 import pytest
 from conftest import session_for
-from helpers.cachefiles import join, rewrite_meta, split
+from helpers.cachefiles import join, rewrite_meta, saved_chat, split, talk
 
 PARAMS = GenerateParams(max_tokens=8)
 
 
-def talk(lm, turns=("My name is Ada.", "What is my name?"), **options):
-    session = session_for(lm, params=PARAMS, **options)
-    for prompt in turns:
-        session.respond(prompt)
-    return session
-
-
 @pytest.fixture(scope="module")
 def saved(tiny, tmp_path_factory):
-    """A good chatkit file of the default tiny model, and that model."""
-    lm = tiny()
-    path = tmp_path_factory.mktemp("saved") / "chat.safetensors"
-    talk(lm).save_cache(path)
-    return lm, path
+    return saved_chat(tiny, tmp_path_factory)
 
 
 # -- saving: every file error a CacheFileError naming the path ---------------------------------------

@@ -5,6 +5,8 @@ import struct
 import zlib
 from pathlib import Path
 
+from chatkit import GenerateParams
+
 
 def split(path: Path) -> tuple[dict, bytes]:
     """(the safetensors header as a dict, the tensor bytes after it)."""
@@ -64,3 +66,21 @@ def rewrite_state(src: Path, dst: Path, edit_layers=None, edit_meta=None) -> Non
     meta["checksum"]["state"] = _state_digest(layers)
     text = json.dumps(meta, ensure_ascii=False)
     save_prompt_cache(str(dst), layers, {"chatkit": text, "chatkit_crc32": f"{zlib.crc32(text.encode('utf-8')):08x}"})
+
+
+def talk(lm, turns=("My name is Ada.", "What is my name?"), **options):
+    """A session of ``lm`` that has had ``turns`` (greedy, 8 tokens a reply)."""
+    from conftest import session_for
+
+    session = session_for(lm, params=GenerateParams(max_tokens=8), **options)
+    for prompt in turns:
+        session.respond(prompt)
+    return session
+
+
+def saved_chat(tiny, tmp_path_factory):
+    """A good chatkit file of the default tiny model, and that model: ``(lm, path)``."""
+    lm = tiny()
+    path = tmp_path_factory.mktemp("saved") / "chat.safetensors"
+    talk(lm).save_cache(path)
+    return lm, path
