@@ -75,6 +75,10 @@ class ContextPolicy:
         prepared waits for it (``fallback="wait"``) or drops without a new summary (``"rolling"``)."""
         return cls("summarize", low_water, keep_first, reserve, summarizer, prompt, high_water, fallback).checked()
 
+    def room(self, max_tokens: int) -> int:
+        """The tokens a reply needs after its prompt: ``reserve``, else the reply's ``max_tokens``."""
+        return self.reserve if self.reserve is not None else max_tokens
+
     def checked(self) -> ContextPolicy:
         """This policy, or ``InvalidParamsError`` saying which setting is wrong."""
         if self.mode not in MODES:

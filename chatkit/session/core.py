@@ -206,10 +206,6 @@ class SessionCore:
         return self._prompting(window.summary).ids(visible, params or self._params,
                                                    add_generation_prompt=add_generation_prompt)
 
-    def _room(self, params: GenerateParams) -> int:
-        """What a reply needs after its prompt: the policy's ``reserve``, else ``max_tokens``."""
-        return self._policy.reserve if self._policy.reserve is not None else params.max_tokens
-
     def _fitter(self, params: GenerateParams, *, summaries: bool = True) -> Fitter:
         """How this turn's prompt is fitted into the window (the context policy, the summarizer; without
         ``summaries`` a compaction keeps the summary it has: the fallback while one is being prepared)."""
@@ -234,12 +230,11 @@ class SessionCore:
         and take its snapshot (so the next turn waits for it, or knows it is coming), and return the work,
         which runs between turns. A failure there is the next turn's to report (it compacts by itself, and
         a summarizer that fails raises then, changing nothing)."""
-        if not self._can_prepare() or not self._preparer.start():
-            return None
         try:
-            snapshot = self._snapshot()
+            snapshot = self._claim()
         except ChatKitError:
-            self._preparer.finish(None)
+            return None
+        if snapshot is None:
             return None
 
         def work() -> None:
@@ -273,14 +268,19 @@ class SessionCore:
 
     def _prepare_compaction(self) -> bool:
         """See ``ChatSession.prepare_compaction``."""
+        snapshot = self._claim()
+        return False if snapshot is None else self._prepare_from(snapshot)
+
+    def _claim(self) -> Snapshot | None:
+        """Claim the next compaction's preparation and take its snapshot: ``None`` when there is nothing to
+        prepare or one is running (a snapshot that fails releases the claim and raises)."""
         if not self._can_prepare() or not self._preparer.start():
-            return False
+            return None
         try:
-            snapshot = self._snapshot()
+            return self._snapshot()
         except BaseException:
             self._preparer.finish(None)
             raise
-        return self._prepare_from(snapshot)
 
     def _snapshot(self) -> Snapshot:
         """What a preparation works on, taken while no turn runs; its own work does not hold the session."""
@@ -296,7 +296,7 @@ class SessionCore:
         prepared = None
         try:
             compacted = s.earlier.compacted if s.earlier is not None else (
-                self._fitter(s.params).ahead(s.window, s.messages, s.spare.ledger.opaque, self._room(s.params)))
+                self._fitter(s.params).ahead(s.window, s.messages, s.spare.ledger.opaque, self._policy.room(s.params.max_tokens)))
             if compacted is not None:
                 fill(s.spare, self._rendered_ids(compacted, s.messages, s.params), self._lm.model, self._draft_model)
                 prepared = Prepared(s.messages, s.window, compacted, s.spare)

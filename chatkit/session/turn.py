@@ -103,7 +103,7 @@ class Turn:
         ``prepared``, a compaction made ahead, when it fits); check it: ``ContextWindowExceededError`` if
         it does not fit."""
         opaque = conversation.cache.ledger.opaque  # a restored raw cache stays in front
-        room = fitter.policy.reserve if fitter.policy.reserve is not None else params.max_tokens
+        room = fitter.policy.room(params.max_tokens)
         fit = fitter.fit(conversation.window, base, message, room=room, opaque=opaque, prepared=prepared)
         prompt = fit.prompt
         needed = opaque + len(prompt)
