@@ -56,8 +56,20 @@ def new_id(prefix: str) -> str:
 
 
 def guided_available() -> bool:
-    """Whether this chatkit has guided generation (``chatkit.guided``), for ``response_format``."""
-    return importlib.util.find_spec("chatkit.guided") is not None
+    """Whether guided generation (``chatkit.guided``) can run here: the ``guided`` extra (llguidance)
+    is installed. ``response_format``, ``text.format`` and strict tools need it."""
+    return all(importlib.util.find_spec(name) is not None for name in ("llguidance", "pydantic"))
+
+
+def require_guided(param: str, what: str) -> None:
+    """``BadRequestError`` naming the extra to install when ``what`` (asked by ``param``) needs guided
+    generation and this server lacks it: refused before any work."""
+    if not guided_available():
+        raise BadRequestError(
+            f"{param}: {what} needs guided generation, which this server does not have installed: its "
+            'administrator can add it with pip install "chatkit[guided]" (the server extra includes it) '
+            "and restart; until then, leave it out of the request.", param=param,
+        )
 
 
 def split_conversation(
@@ -165,6 +177,8 @@ def read_tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, 
     if body.get("parallel_tool_calls") is False and tools:
         raise BadRequestError("parallel_tool_calls=false: chatkit cannot hold the model to one call per reply; "
                               "leave it out (or true) and run the calls you want.", param="parallel_tool_calls")
+    if strict and tools:
+        require_guided("tools", "strict: true (calls held to the tools' schemas)")
     return (tuple(tools) if tools else None), choice, strict
 
 
@@ -296,8 +310,9 @@ def read_params(body: Mapping[str, Any], defaults: GenerateParams, max_tokens: A
             params = params.copy(**{name: value})
             params.validate()
         except ChatKitError as exc:
-            raise BadRequestError(f"{max_name if name == 'max_tokens' else name}: {exc}",
-                                  param=max_name if name == "max_tokens" else name) from exc
+            shown = max_name if name == "max_tokens" else name
+            text = str(exc).replace(f"GenerateParams.{name}=", "", 1)  # the request's field, not the Python class
+            raise BadRequestError(f"{shown}: {text}", param=shown) from exc
         except (TypeError, ValueError) as exc:
             raise BadRequestError(f"{name}: {exc}", param=name) from exc
     return params
@@ -310,11 +325,7 @@ def format_schema(fmt: Any, param: str) -> dict[str, Any] | None:
         return None
     if not isinstance(fmt, Mapping) or fmt.get("type") not in ("json_schema", "json_object"):
         raise BadRequestError(f"{param}: use type text, json_schema or json_object.", param=param)
-    if not guided_available():
-        raise BadRequestError(
-            f"{param}: structured output needs guided generation (chatkit.guided), which this chatkit "
-            "does not have: upgrade chatkit and install its guided extra, or ask for text.", param=param,
-        )
+    require_guided(param, "structured output (json_schema, json_object)")
     if fmt["type"] == "json_object":
         return {"type": "object"}
     schema = fmt.get("schema")
@@ -396,6 +407,7 @@ class Deltas:
 
 __all__ = [
     "COMPACTED_HEADER", "Deltas", "TurnRequest", "arguments_text", "compaction_headers", "compaction_usage", "format_schema", "guided_available", "link_tool_results", "new_id",
+    "require_guided",
     "read_bool", "read_message", "read_params", "read_text", "read_tool_call",
     "read_tools", "split_conversation",
 ]
