@@ -1,62 +1,110 @@
 """The HTTP face: a Starlette app serving OpenAI's APIs over chatkit's pooled sessions (``SessionIndex``).
 
 One handler module per API (``chat_completions``, ``responses``), each handler a function of the shared
-``ServerState`` and the request; this module lists the routes and wraps every handler with the API key
-check and the mapping of errors to OpenAI-style JSON. Another API is one more module and one more route.
+``ServerState`` and the request; this module lists the routes (and serves the small ones: models,
+``/health``, ``/metrics``) and wraps every handler with the API key check, the mapping of errors to
+OpenAI-style JSON and the request count of ``/metrics``. Another API is one more module and one more route.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from ..errors import ChatKitError
 from ..model.loaded import LoadedModel
-from . import chat_completions, responses
-from .errors import UnauthorizedError, error_body
+from . import chat_completions, response_items, responses
+from .errors import UnauthorizedError, UnknownModelError, error_body
+from .metrics import CONTENT_TYPE
 from .state import Handler, ServerConfig, ServerState
 
 log = logging.getLogger("chatkit.server")
 
 
+def served_models(state: ServerState) -> list[dict[str, Any]]:
+    """The models this server answers for, as OpenAI model objects (today the one it was started with)."""
+    return [{"id": state.config.model_id, "object": "model", "created": state.started, "owned_by": "chatkit"}]
+
+
 async def models(state: ServerState, request: Request) -> Response:
-    """The one model this server serves."""
-    return JSONResponse({"object": "list", "data": [
-        {"id": state.config.model_id, "object": "model", "created": int(time.time()), "owned_by": "chatkit"}]})
+    """``GET /v1/models``: the models this server serves."""
+    return JSONResponse({"object": "list", "data": served_models(state)})
+
+
+async def model(state: ServerState, request: Request) -> Response:
+    """``GET /v1/models/{id}``: one served model; 404 for any other id."""
+    mid = request.path_params["mid"]
+    for found in served_models(state):
+        if found["id"] == mid:
+            return JSONResponse(found)
+    raise UnknownModelError(f"This server does not serve a model {mid!r}: GET /v1/models lists the ones it serves.")
+
+
+async def health(state: ServerState, request: Request) -> Response:
+    """``GET /health``: 200 while the server runs (no API key needed, no work done)."""
+    return JSONResponse({"status": "ok", "model": state.config.model_id, "uptime_seconds": round(time.time() - state.started)})
+
+
+async def metrics(state: ServerState, request: Request) -> Response:
+    """``GET /metrics``: Prometheus' text format (see ``metrics``), the gauges read now."""
+    held = state.sessions.footprint()
+    gauges = {
+        "chatkit_sessions_pooled": ("Conversations the server holds as pooled sessions.", held["sessions"]),
+        "chatkit_kv_cache_memory_bytes": ("Bytes of the pooled sessions' KV caches in memory.", held["memory_bytes"]),
+        "chatkit_kv_cache_disk_bytes": ("Bytes of the KV cache files on disk.", held["disk_bytes"]),
+        "chatkit_responses_stored": ("Responses stored for previous_response_id.", len(state.responses)),
+    }
+    return PlainTextResponse(state.metrics.render(gauges), media_type=CONTENT_TYPE)
 
 
 ROUTES: list[tuple[str, str, Handler]] = [  # (method, path under /v1, handler); each is also served without /v1
     ("GET", "/models", models),
+    ("GET", "/models/{mid:path}", model),
     ("POST", "/chat/completions", chat_completions.create),
     ("POST", "/responses", responses.create),
     ("GET", "/responses/{rid}", responses.retrieve),
+    ("DELETE", "/responses/{rid}", response_items.delete),
+    ("GET", "/responses/{rid}/input_items", response_items.input_items),
 ]
+ROOT_ROUTES: list[tuple[str, str, Handler]] = [  # served at the root only; /health needs no API key
+    ("GET", "/health", health),
+    ("GET", "/metrics", metrics),
+]
+OPEN = {health}  # the handlers that need no API key
 
 
 def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette:
     """The ASGI app serving ``lm``; run it with uvicorn (``chatkit serve``) or :func:`chatkit.server.start`."""
     state = ServerState(lm, config or ServerConfig())
-    routes = [Route(prefix + path, _endpoint(state, handler), methods=[method])
-              for prefix in ("/v1", "") for method, path, handler in ROUTES]
+    routes = [Route(path, _endpoint(state, handler, method, path), methods=[method]) for method, path, handler in ROOT_ROUTES]
+    routes += [Route(prefix + path, _endpoint(state, handler, method, prefix + path), methods=[method])
+               for prefix in ("/v1", "") for method, path, handler in ROUTES]
     return Starlette(routes=routes, lifespan=state.lifespan, exception_handlers={HTTPException: _http_error})
 
 
-def _endpoint(state: ServerState, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
-    """``handler`` as a Starlette endpoint: the API key checked first, any error an OpenAI-style reply."""
+def _endpoint(state: ServerState, handler: Handler, method: str, route: str) -> Callable[[Request], Awaitable[Response]]:
+    """``handler`` as a Starlette endpoint: the API key checked first, any error an OpenAI-style reply,
+    the request counted (by ``route``, its path template) in ``state.metrics``."""
+    shown = re.sub(r":\w+}", "}", route)  # /v1/models/{mid}, not {mid:path}
     async def endpoint(request: Request) -> Response:
         try:
-            _authorize(request, state.config.api_key)
-            return await handler(state, request)
+            if handler not in OPEN:
+                _authorize(request, state.config.api_key)
+            response = await handler(state, request)
         except Exception as exc:
-            return _error(exc)
+            response = _error(exc)
+        state.metrics.observe_request(method, shown, response.status_code)
+        return response
     return endpoint
 
 
@@ -86,4 +134,4 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                                    "param": None, "code": None}}, status_code=status)
 
 
-__all__ = ["ROUTES", "ServerConfig", "create_app"]
+__all__ = ["ROOT_ROUTES", "ROUTES", "ServerConfig", "create_app"]

@@ -27,6 +27,10 @@ class UnknownResponseError(ChatKitError):
     """A ``previous_response_id`` or response id this server does not hold (HTTP 404)."""
 
 
+class UnknownModelError(ChatKitError):
+    """A model id this server does not serve (HTTP 404)."""
+
+
 class OverloadedError(ChatKitError):
     """More requests are waiting than the server queues (HTTP 503): retry later."""
 
@@ -43,6 +47,8 @@ def status_of(exc: BaseException) -> tuple[int, str, str | None]:
         return 409, "conflict_error", "conversation_busy"
     if isinstance(exc, UnknownResponseError):
         return 404, "not_found_error", "response_not_found"
+    if isinstance(exc, UnknownModelError):
+        return 404, "invalid_request_error", "model_not_found"
     if isinstance(exc, OverloadedError):
         return 503, "server_overloaded", "overloaded"
     if isinstance(exc, UnauthorizedError):
@@ -52,12 +58,24 @@ def status_of(exc: BaseException) -> tuple[int, str, str | None]:
     return 500, "server_error", None
 
 
+def http_message(exc: BaseException) -> str:
+    """What an HTTP client is told of ``exc``: chatkit's message, except where the library's speaks of
+    its Python API (a session's methods, builder options), which the server words for a client."""
+    if isinstance(exc, ContextWindowExceededError):
+        return (f"The prompt is {exc.prompt_tokens} tokens but the model's context window is {exc.context_length}: "
+                "shorten the conversation (fewer or shorter messages, instructions or tool results) "
+                "or start a new conversation.")
+    if isinstance(exc, ChatKitError):
+        return str(exc)
+    return "Internal server error: see the server's log."
+
+
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The status and OpenAI-style body ``{"error": {message, type, param, code}}`` for ``exc``.
     Errors that are not chatkit's get a generic message: never a stack trace."""
     status, kind, code = status_of(exc)
-    message = str(exc) if isinstance(exc, ChatKitError) else "Internal server error: see the server's log."
+    message = http_message(exc)
     return status, {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None), "code": code}}
 
 
-__all__ = ["BadRequestError", "OverloadedError", "UnauthorizedError", "UnknownResponseError", "error_body", "status_of"]
+__all__ = ["BadRequestError", "OverloadedError", "UnauthorizedError", "UnknownModelError", "UnknownResponseError", "error_body", "http_message", "status_of"]

@@ -56,6 +56,38 @@ class ResponseStore:
         self._check(rid)
         return self._responses[rid]
 
+    def delete(self, rid: str) -> None:
+        """Forget response ``rid`` for good (its file removed, the removal synced): responses that
+        chain on it stay, but a chain through it no longer resolves (404). ``UnknownResponseError`` if
+        there is none; ``ChatKitError`` (and it is still stored) if its file cannot be removed."""
+        self._check(rid)
+        if self._folder is not None:
+            try:
+                (self._folder / f"{rid}.json").unlink(missing_ok=True)
+                _sync_folder(self._folder)
+            except OSError as exc:
+                raise ChatKitError(f"Response {rid} cannot be deleted: {exc.strerror or exc}. It is still stored; "
+                                   "try again later.") from None
+        del self._responses[rid], self._messages[rid]
+
+    def added(self, rid: str) -> tuple[ChatMessage, ...]:
+        """The messages response ``rid`` was given after its previous response (its reply not included)."""
+        self._check(rid)
+        return self._messages[rid][:-1]
+
+    def held_chain(self, rid: str) -> list[str]:
+        """``rid`` and the responses before it, oldest first, back to the first that is not held
+        (deleted) or the start of the conversation."""
+        chain = [rid]
+        previous = self.get(rid).get("previous_response_id")
+        while previous in self._responses and previous not in chain:
+            chain.append(previous)
+            previous = self._responses[previous].get("previous_response_id")
+        return chain[::-1]
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
     def transcript(self, rid: str) -> tuple[ChatMessage, ...]:
         """The conversation up to and including response ``rid``'s reply."""
         chain: list[str] = []
@@ -71,7 +103,8 @@ class ResponseStore:
     def _check(self, rid: str) -> None:
         if rid not in self._responses:
             raise UnknownResponseError(
-                f"No stored response {rid!r}: it was never stored (store=false) or belongs to another server; "
+                f"No stored response {rid!r}: it was never stored (store=false), was deleted, or belongs to another "
+                "server; "
                 "send the conversation again without previous_response_id."
             )
 
@@ -102,6 +135,20 @@ class ResponseStore:
         json.dumps(response, ensure_ascii=False, allow_nan=False).encode("utf-8")  # sent back as it is
         messages = [ChatMessage.from_dict(m) for m in (*record["added"], record["reply"])]
         self._responses[rid], self._messages[rid] = response, tuple(messages)
+
+
+def _sync_folder(folder: Path) -> None:
+    """A removal in ``folder`` made durable (where the platform can sync a folder)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_file(path: Path, what: str, data: bytes) -> None:

@@ -225,6 +225,21 @@ class SessionIndex:
             if self._behind is not None and conv in self.pool:
                 self._behind.touch(conv)  # written behind the turn, after the reply went out
 
+    def footprint(self) -> dict[str, int]:
+        """Cheap figures for ``/metrics``: the conversations pooled, the bytes of their KV caches in
+        memory (this process's share over a sharded model) and of the cache files on disk."""
+        memory = 0
+        for conv in self.pool:
+            session = self.pool.get(conv)
+            if session is not None and not self.pool.evicted(conv):
+                info = session.cache_info()
+                memory += info.nbytes + info.checkpoint_bytes
+        try:
+            disk = sum(e.stat().st_size for e in os.scandir(self._folder / "caches") if e.is_file())
+        except OSError:
+            disk = 0
+        return {"sessions": len(self.pool), "memory_bytes": memory, "disk_bytes": disk}
+
     # -- persistence ----------------------------------------------------------------------------
     async def close(self) -> None:
         """Save every conversation's cache (with ``persist``) and stop the worker thread."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from ..session.context import ContextPolicy
 from ..text import reply as segments
 from .errors import BadRequestError, OverloadedError
 from .lease import Lease
+from .metrics import Metrics
 from .response_store import ResponseStore
 from .session_index import SessionIndex
 from .wire import TurnRequest
@@ -83,6 +85,8 @@ class ServerState:
 
     def __init__(self, lm: LoadedModel, config: ServerConfig) -> None:
         self.lm, self.config = lm, config
+        self.metrics = Metrics()
+        self.started = int(time.time())
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -129,7 +133,8 @@ class ServerState:
     @contextlib.asynccontextmanager
     async def settled(self, lease: Lease) -> AsyncIterator[None]:
         """Close the turn however the block ends (a client gone mid-stream cancels it): the reply so
-        far commits, the conversation is re-indexed, the slot freed."""
+        far commits, the conversation is re-indexed, the slot freed, the turn's figures recorded
+        (``metrics.observe_turn``): every API's handler that settles its turns here is measured."""
         try:
             yield
         finally:
@@ -139,6 +144,7 @@ class ServerState:
                     await self.sessions.finish(lease)
                 finally:
                     self.limiter.release()
+                    self.metrics.observe_turn(lease.stream.stats)
 
     async def complete(self, lease: Lease) -> str | None:
         """Run the turn to its end and settle it (a reply that is not streamed); its finish reason."""
