@@ -7,10 +7,10 @@ import re
 
 import chatkit
 from chatkit import GenerateParams
-from chatkit.errors import ContextWindowExceededError
+from chatkit.errors import ContextWindowExceededError, TemplateError
 from chatkit.messages import ChatMessage, ToolCall
 from chatkit.server import ServerConfig, start, wire
-from chatkit.server.errors import http_message
+from chatkit.server.errors import BadRequestError, error_body, http_message
 from chatkit.server.response_items import message_items
 
 import httpx
@@ -257,3 +257,20 @@ def test_over_the_context_window_over_http_is_worded_for_http():
     error = r.json()["error"]
     assert r.status_code == 413 and error["code"] == "context_length_exceeded"
     assert "context window" in error["message"] and not PYTHON_API.search(error["message"]), error["message"]
+
+
+@pytest.mark.parametrize("library", [
+    "This tokenizer has no chat template: pass one with ChatSession.builder(...).chat_template(text_or_path).",
+    "Nothing to undo: call respond() first.",
+    "The draft does not fit (set it with builder.speculative(...)); no turn ran.",
+])
+def test_library_advice_for_python_callers_is_cut_from_http_replies(library):
+    status, body = error_body(TemplateError(library))
+    text = body["error"]["message"]
+    assert status == 400 and text and not PYTHON_API.search(text), text
+    assert text.split(" (the server's log")[0] in library  # what is kept is the library's own start
+
+
+def test_server_worded_errors_are_sent_as_they_are():
+    assert http_message(BadRequestError("after: 'f()' is not an input item.")) == "after: 'f()' is not an input item."
+    assert http_message(TemplateError("The template failed: no loop.")) == "The template failed: no loop."

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
 from ..errors import (
@@ -13,6 +15,8 @@ from ..errors import (
     SessionBusyError,
     TemplateError,
 )
+
+log = logging.getLogger("chatkit.server")
 
 
 class BadRequestError(InvalidParamsError):
@@ -37,6 +41,9 @@ class OverloadedError(ChatKitError):
 
 class UnauthorizedError(ChatKitError):
     """The request lacks the bearer token the server was started with (HTTP 401)."""
+
+
+SERVER_ERRORS = (BadRequestError, UnknownResponseError, UnknownModelError, OverloadedError, UnauthorizedError)
 
 
 def status_of(exc: BaseException) -> tuple[int, str, str | None]:
@@ -65,9 +72,31 @@ def http_message(exc: BaseException) -> str:
         return (f"The prompt is {exc.prompt_tokens} tokens but the model's context window is {exc.context_length}: "
                 "shorten the conversation (fewer or shorter messages, instructions or tool results) "
                 "or start a new conversation.")
-    if isinstance(exc, ChatKitError):
+    if isinstance(exc, SERVER_ERRORS):  # worded for HTTP already (and may quote what the client sent)
         return str(exc)
+    if isinstance(exc, ChatKitError):
+        return without_python_advice(str(exc))
     return "Internal server error: see the server's log."
+
+
+PYTHON_ADVICE = re.compile(r"\w\(\)|\w\(\.\.\.\)|\bbuilder\b|ChatSession|GenerateParams\.|\bchatkit\.\w|\bsession\.\w")
+
+
+def without_python_advice(text: str) -> str:
+    """``text`` cut before the first clause that tells a Python caller what to do (``builder...``,
+    ``clear()``): a client of the server cannot follow it. The whole text goes to the server's log."""
+    head = text
+    while (found := PYTHON_ADVICE.search(head)) is not None:
+        cut = max(head.rfind(": ", 0, found.start()), head.rfind(". ", 0, found.start()),
+                  head.rfind(" (", 0, found.start()))
+        if cut <= 0:
+            head = "This request could not be served as sent"
+            break
+        head = head[:cut]
+    if head == text:
+        return text
+    log.warning("told an HTTP client less than the library said: %s", text)
+    return head.rstrip(" .:;,(") + " (the server's log has the details)."
 
 
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
@@ -78,4 +107,5 @@ def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     return status, {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None), "code": code}}
 
 
-__all__ = ["BadRequestError", "OverloadedError", "UnauthorizedError", "UnknownModelError", "UnknownResponseError", "error_body", "http_message", "status_of"]
+__all__ = ["BadRequestError", "OverloadedError", "UnauthorizedError", "UnknownModelError", "UnknownResponseError", "error_body", "http_message", "status_of",
+           "without_python_advice"]
