@@ -199,6 +199,16 @@ class SessionIndex:
         self._remember(conv, prefix_keys(instructions, held, tools), tools)
         return session, conv
 
+    async def count_tokens(self, instructions: str | None, history: Sequence[ChatMessage],
+                           added: Sequence[ChatMessage], params: GenerateParams, *, tools: Tools = None) -> int:
+        """The prompt a turn answering ``added`` would have (tools included), rendered by a session
+        that is built for it and dropped: no cache work, no conversation touched."""
+        def count() -> int:
+            session = self._build(instructions, (*history, *added[:-1]), tuple(tools) if tools else None)
+            session.generate_params = params
+            return session.token_count + session.count_tokens(added[-1])
+        return await self._run(count)
+
     async def finish(self, lease: Lease) -> None:
         """After the lease's stream is closed (its turn committed or aborted): index the conversation
         under its new history and keep the caches under the budget."""
