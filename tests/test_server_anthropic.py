@@ -7,7 +7,10 @@ import json
 
 import chatkit
 from chatkit import ChatSession, GenerateParams
+from chatkit.errors import ContextWindowExceededError, SessionBusyError
 from chatkit.server import ServerConfig, start
+from chatkit.server.anthropic_wire import error_body
+from chatkit.server.errors import OverloadedError, UnknownResponseError
 from chatkit.testing import Scripted
 
 import anthropic
@@ -286,6 +289,11 @@ def test_sdk_exceptions_and_a_refused_request_leaves_the_conversation_intact(lm)
         status, data = post(running, "/messages", {"model": "m", "max_tokens": 5, "messages": [user("hi")]},
                             headers={"Authorization": "Bearer sesame"})
         assert status == 200 and data["type"] == "message"
+        status, data = post(running, "/messages/count_tokens", {"model": "m", "messages": [user("hi")]})
+        assert status == 401 and data["error"]["type"] == "authentication_error" and "x-api-key" in data["error"]["message"]
+        # OpenAI's routes take the bearer token only, and answer in OpenAI's shape
+        status, data = post(running, "/chat/completions", {"messages": [user("hi")]}, headers={"x-api-key": "sesame"})
+        assert status == 401 and data["error"]["code"] == "invalid_api_key"
         c = client(running, api_key="sesame")
         with pytest.raises(anthropic.NotFoundError):
             c.get("/v1/nothing-here", cast_to=object)
@@ -297,3 +305,16 @@ def test_sdk_exceptions_and_a_refused_request_leaves_the_conversation_intact(lm)
         r = ask(c, [*history, user("What is my name?")])
     assert text_of(r) == replies_in_process(lm, ["My name is Ada.", "What is my name?"])[1]
     assert r.usage.cache_read_input_tokens == first.usage.input_tokens + first.usage.output_tokens
+
+
+@pytest.mark.parametrize("exc, status, kind", [
+    (SessionBusyError("busy"), 409, "invalid_request_error"),
+    (OverloadedError("later"), 503, "overloaded_error"),
+    (ContextWindowExceededError("long", prompt_tokens=9, context_length=8), 413, "request_too_large"),
+    (UnknownResponseError("no"), 404, "not_found_error"),
+    (RuntimeError("secret"), 500, "api_error"),
+])
+def test_every_error_has_anthropics_type_and_chatkits_status(exc, status, kind):
+    got, body = error_body(exc)
+    assert (got, body["type"], body["error"]["type"]) == (status, "error", kind)
+    assert "secret" not in body["error"]["message"]
