@@ -1,7 +1,7 @@
 """Time to first token over HTTP: ``chatkit serve`` against the in-process session, a stateless
 re-prefill, and ``mlx_lm.server`` run beside it on the same model folder.
 
-    .venv/bin/python bench/server.py [--turns 20] [--rounds 3] [--max-tokens 16] [--store]
+    .venv/bin/python bench/server.py [--turns 20] [--rounds 3] [--max-tokens 16] [--store] [--api messages]
 
 The model is the benchmarks' ~29M-parameter Qwen3 (float32, random weights; ``bench/_common.py``),
 saved in a folder that both servers load. A conversation of ``--turns`` user messages (about 40
@@ -20,6 +20,10 @@ must leave the request path's TTFT as it is; the summary gives its TTFT against 
 without a store, turn by turn. ``--think S``: the HTTP clients wait S seconds after each reply (a
 user reading it), so that with ``--think 0.6`` a write behind the last turn (it starts half a second
 after the reply) runs while the next request arrives.
+
+``--api messages``: the HTTP clients speak Anthropic's Messages API (``/v1/messages``, streaming; the
+cached tokens from ``usage.cache_read_input_tokens``) to chatkit serve; mlx_lm.server, which does not
+serve it, is left out.
 
 Time to first token (TTFT) is from sending the message to the first chunk with text. Each round
 uses its own system prompt (no server can reuse another round's conversation) and runs the
@@ -96,36 +100,49 @@ def re_prefill(lm, system: str, messages: list[str], params: GenerateParams) -> 
 
 
 def over_http(url: str, system: str, messages: list[str], max_tokens: int,
-              think: float = 0.0) -> tuple[list[float], list[str], list[int]]:
+              think: float = 0.0, api: str = "chat") -> tuple[list[float], list[str], list[int]]:
     """A stateless client: re-sends the whole conversation every turn, ``think`` seconds after the last
-    reply. (TTFTs, replies, cached tokens)"""
-    convo = [{"role": "system", "content": system}]
+    reply, over chat completions or (``api="messages"``) Anthropic's Messages API. (TTFTs, replies, cached tokens)"""
+    convo = [] if api == "messages" else [{"role": "system", "content": system}]
     ttfts, replies, cached = [], [], []
     with httpx.Client(timeout=600) as http:
         for m in messages:
             convo.append({"role": "user", "content": m})
             body = {"model": "default_model", "messages": convo, "stream": True, "max_tokens": max_tokens,
-                    "temperature": 0.0, "stream_options": {"include_usage": True}}
-            text, ttft, usage = "", None, None
+                    "temperature": 0.0}
+            if api == "messages":
+                body["system"] = system
+            else:
+                body["stream_options"] = {"include_usage": True}
+            text, ttft, hits = "", None, -1
             t0 = time.perf_counter()
-            with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            with http.stream("POST", f"{url}/v1/{'messages' if api == 'messages' else 'chat/completions'}", json=body) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
                     if not line.startswith("data: {"):
                         continue
-                    data = json.loads(line[6:])
-                    for choice in data.get("choices") or []:
-                        piece = (choice.get("delta") or {}).get("content") or ""
-                        if piece and ttft is None:
-                            ttft = time.perf_counter() - t0
-                        text += piece
-                    usage = data.get("usage") or usage
+                    piece, hits = read_event(json.loads(line[6:]), hits)
+                    if piece and ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text += piece
             ttfts.append(ttft if ttft is not None else time.perf_counter() - t0)
             replies.append(text)
-            cached.append(((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens", -1))
+            cached.append(hits)
             convo.append({"role": "assistant", "content": text})
             time.sleep(think)
     return ttfts, replies, cached
+
+
+def read_event(data: dict, cached: int) -> tuple[str, int]:
+    """The text of one streamed event (a chat completion chunk or a Messages API event) and the cached
+    prompt tokens its usage reports (``cached`` when it reports none)."""
+    if data.get("type") == "content_block_delta":
+        return data["delta"].get("text", ""), cached
+    if data.get("type") == "message_delta":
+        return "", data["usage"].get("cache_read_input_tokens", cached)
+    text = "".join((choice.get("delta") or {}).get("content") or "" for choice in data.get("choices") or [])
+    usage = data.get("usage")
+    return text, ((usage.get("prompt_tokens_details") or {}).get("cached_tokens", cached) if usage else cached)
 
 
 def order(names: list[str], r: int) -> list[str]:
@@ -171,6 +188,8 @@ def main() -> None:
     ap.add_argument("--store", action="store_true", help="also run chatkit serve --store (a temporary folder)")
     ap.add_argument("--settle", type=float, default=2.0, help="seconds between two contenders")
     ap.add_argument("--think", type=float, default=0.0, help="seconds an HTTP client waits after each reply")
+    ap.add_argument("--api", choices=("chat", "messages"), default="chat",
+                    help="what the HTTP clients speak: chat completions, or Anthropic's Messages API (chatkit only)")
     a = ap.parse_args()
 
     lm = load_model()
@@ -182,6 +201,8 @@ def main() -> None:
 
     servers = {"chatkit serve": ["chatkit", "serve", "--log-level", "warning"],
                "mlx_lm.server": ["mlx_lm", "server", "--log-level", "WARNING"]}
+    if a.api == "messages":
+        del servers["mlx_lm.server"]  # it does not serve /v1/messages
     if a.store:
         servers[STORED] = [*servers["chatkit serve"], "--store", tempfile.mkdtemp(prefix="bench-serve-")]
     ports = {n: free_port() for n in servers}
@@ -191,7 +212,7 @@ def main() -> None:
         # warm-up: one short conversation each
         in_process(lm, "warm-up", messages[:2], params)
         for port in ports.values():
-            over_http(f"http://127.0.0.1:{port}", "warm-up", messages[:2], a.max_tokens)
+            over_http(f"http://127.0.0.1:{port}", "warm-up", messages[:2], a.max_tokens, api=a.api)
         print(wait_until_quiet())
         load = OtherLoad()
         names = ["in-process", "re-prefill", *servers]
@@ -207,7 +228,7 @@ def main() -> None:
                     times, said = re_prefill(lm, system, messages, params)
                 else:
                     times, said, cached[n] = over_http(f"http://127.0.0.1:{ports[n]}", system, messages, a.max_tokens,
-                                                       a.think)
+                                                       a.think, a.api)
                 time.sleep(a.settle)  # a server may still be busy after its last reply (mlx_lm.server is)
                 for t, x in enumerate(times):
                     ttft[n][t].append(x)
@@ -223,13 +244,14 @@ def main() -> None:
         print(f"replies equal to the in-process session's: {n}: {same}/{a.rounds * len(messages)}")
     print(f"\nTTFT per turn, median of {a.rounds} rounds, ms (ratio to in-process); cached = prompt tokens the"
           " server reused (last round)\n")
-    print("| turn | " + " | ".join(names) + " | cached: chatkit / mlx_lm |")
+    print(f"HTTP clients: {'the Messages API' if a.api == 'messages' else 'chat completions'}\n")
+    print("| turn | " + " | ".join(names) + " | cached: " + " / ".join(servers) + " |")
     print("|---" * (len(names) + 2) + "|")
     med = {n: [median(ts) for ts in ttft[n]] for n in names}
     for t in range(len(messages)):
         ip = med["in-process"][t]
         cells = [f"{ip * 1e3:.1f}"] + [f"{med[n][t] * 1e3:.1f} ({med[n][t] / ip:.2f}x)" for n in names[1:]]
-        print(f"| {t + 1} | " + " | ".join(cells) + f" | {cached['chatkit serve'][t]} / {cached['mlx_lm.server'][t]} |")
+        print(f"| {t + 1} | " + " | ".join(cells) + " | " + " / ".join(str(cached[n][t]) for n in servers) + " |")
     print()
     for n in names[1:]:
         ratios = [med[n][t] / med["in-process"][t] for t in range(len(messages))]

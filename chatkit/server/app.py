@@ -1,9 +1,11 @@
-"""The HTTP face: a Starlette app serving OpenAI's APIs over chatkit's pooled sessions (``SessionIndex``).
+"""The HTTP face: a Starlette app serving OpenAI's APIs and Anthropic's Messages API over chatkit's
+pooled sessions (``SessionIndex``).
 
-One handler module per API (``chat_completions``, ``responses``), each handler a function of the shared
-``ServerState`` and the request; this module lists the routes (and serves the small ones: models,
-``/health``, ``/metrics``) and wraps every handler with the API key check, the mapping of errors to
-OpenAI-style JSON and the request count of ``/metrics``. Another API is one more module and one more route.
+One handler module per API (``chat_completions``, ``responses``, ``messages``), each handler a function
+of the shared ``ServerState`` and the request; this module lists the routes (and serves the small ones:
+models, ``/health``, ``/metrics``) and wraps every handler with the API key check, the mapping of errors to
+JSON (OpenAI's shape; Anthropic's on ``ANTHROPIC_ROUTES``, whose clients may also send the key as
+``x-api-key``) and the request count of ``/metrics``. Another API is one more module and one more route.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from starlette.routing import Route
 
 from ..errors import ChatKitError
 from ..model.loaded import LoadedModel
-from . import chat_completions, response_items, responses
+from . import anthropic_wire, chat_completions, messages, response_items, responses
 from .errors import UnauthorizedError, UnknownModelError, error_body
 from .metrics import CONTENT_TYPE
 from .state import Handler, ServerConfig, ServerState
@@ -76,6 +78,10 @@ ROUTES: list[tuple[str, str, Handler]] = [  # (method, path under /v1, handler);
     ("DELETE", "/responses/{rid}", response_items.delete),
     ("GET", "/responses/{rid}/input_items", response_items.input_items),
 ]
+ANTHROPIC_ROUTES: list[tuple[str, str, Handler]] = [  # errors in Anthropic's shape; the key also as x-api-key
+    ("POST", "/messages", messages.create),
+    ("POST", "/messages/count_tokens", messages.count_tokens),
+]
 ROOT_ROUTES: list[tuple[str, str, Handler]] = [  # served at the root only; /health needs no API key
     ("GET", "/health", health),
     ("GET", "/metrics", metrics),
@@ -87,39 +93,44 @@ def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette
     """The ASGI app serving ``lm``; run it with uvicorn (``chatkit serve``) or :func:`chatkit.server.start`."""
     state = ServerState(lm, config or ServerConfig())
     routes = [Route(path, _endpoint(state, handler, method, path), methods=[method]) for method, path, handler in ROOT_ROUTES]
-    routes += [Route(prefix + path, _endpoint(state, handler, method, prefix + path), methods=[method])
-               for prefix in ("/v1", "") for method, path, handler in ROUTES]
+    routes += [Route(prefix + path, _endpoint(state, handler, method, prefix + path, anthropic=face is ANTHROPIC_ROUTES),
+                     methods=[method])
+               for face in (ROUTES, ANTHROPIC_ROUTES) for prefix in ("/v1", "") for method, path, handler in face]
     return Starlette(routes=routes, lifespan=state.lifespan, exception_handlers={HTTPException: _http_error})
 
 
-def _endpoint(state: ServerState, handler: Handler, method: str, route: str) -> Callable[[Request], Awaitable[Response]]:
-    """``handler`` as a Starlette endpoint: the API key checked first, any error an OpenAI-style reply,
-    the request counted (by ``route``, its path template) in ``state.metrics``."""
+def _endpoint(state: ServerState, handler: Handler, method: str, route: str, *,
+              anthropic: bool = False) -> Callable[[Request], Awaitable[Response]]:
+    """``handler`` as a Starlette endpoint: the API key checked first, any error an OpenAI-style reply
+    (``anthropic``: Anthropic-style, and the key may come as ``x-api-key``), the request counted (by
+    ``route``, its path template) in ``state.metrics``."""
     shown = re.sub(r":\w+}", "}", route)  # /v1/models/{mid}, not {mid:path}
     async def endpoint(request: Request) -> Response:
         try:
             if handler not in OPEN:
-                _authorize(request, state.config.api_key)
+                _authorize(request, state.config.api_key, anthropic)
             response = await handler(state, request)
         except Exception as exc:
-            response = _error(exc)
+            response = _error(exc, anthropic)
         state.metrics.observe_request(method, shown, response.status_code)
         return response
     return endpoint
 
 
-def _authorize(request: Request, api_key: str | None) -> None:
+def _authorize(request: Request, api_key: str | None, x_api_key: bool = False) -> None:
     if api_key is None:
         return
-    given = request.headers.get("authorization", "")
-    scheme, _, token = given.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
-        raise UnauthorizedError("Missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        token = request.headers.get("x-api-key", "") if x_api_key else ""
+    if not token or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        header = "'x-api-key: <key>' (or 'Authorization: Bearer <key>')" if x_api_key else "'Authorization: Bearer <key>'"
+        raise UnauthorizedError(f"Missing or wrong API key: send the header {header} "
                                 "with the key the server was started with (--api-key).")
 
 
-def _error(exc: Exception) -> JSONResponse:
-    status, body = error_body(exc)
+def _error(exc: Exception, anthropic: bool = False) -> JSONResponse:
+    status, body = anthropic_wire.error_body(exc) if anthropic else error_body(exc)
     if not isinstance(exc, ChatKitError):
         log.exception("unexpected error while serving a request", exc_info=exc)
     headers = {"Retry-After": "1"} if status == 503 else None
@@ -134,4 +145,4 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                                    "param": None, "code": None}}, status_code=status)
 
 
-__all__ = ["ROOT_ROUTES", "ROUTES", "ServerConfig", "create_app"]
+__all__ = ["ANTHROPIC_ROUTES", "ROOT_ROUTES", "ROUTES", "ServerConfig", "create_app"]

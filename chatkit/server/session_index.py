@@ -14,7 +14,6 @@ window goes on (its history whole, so it is still found by what the client re-se
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import os
@@ -37,6 +36,7 @@ from ..session import saved
 from ..session.context import ContextPolicy, exchange_starts
 from ..session.pool import SessionPool
 from ..session.session import ChatSession
+from .keys import Tools, message_json, prefix_keys
 from .lease import Lease
 from .response_store import write_file
 from .write_behind import Job, WriteBehind
@@ -45,36 +45,7 @@ log = logging.getLogger("chatkit.server")
 T = TypeVar("T")
 MANIFEST = "conversations.json"
 
-
-Tools = Sequence[Mapping[str, Any]] | None
 AS_SENT_LIMIT = 4096  # guided prompts remembered as clients send them (older ones: their turns prefill again)
-
-
-def prefix_keys(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None,
-                as_sent: Mapping[str, str] | None = None) -> list[str]:
-    """The index keys of a conversation's prefixes: ``keys[k]`` hashes the instructions, the tools
-    and the first ``k`` messages (a hash chain, so all of them cost one pass). The tools are part of
-    the root: the same messages with other tools render another prompt, so another conversation.
-    ``as_sent``: a message's JSON as the session holds it -> as the client sent it (a guided prompt
-    holds its schema's description; the client re-sends it without)."""
-    root = json.dumps(instructions) if not tools else json.dumps([instructions, list(tools)], sort_keys=True)
-    digest = hashlib.sha256(root.encode("utf-8")).hexdigest()
-    keys = [digest]
-    for m in history:
-        text = _json(m)
-        data = digest + (as_sent.get(text, text) if as_sent else text)
-        digest = hashlib.sha256(data.encode("utf-8")).hexdigest()
-        keys.append(digest)
-    return keys
-
-
-def _json(message: ChatMessage) -> str:
-    return json.dumps(message.to_dict(), ensure_ascii=False, sort_keys=True)
-
-
-def conversation_key(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None) -> str:
-    """The index key of a conversation: a hash of its instructions, tools and messages."""
-    return prefix_keys(instructions, history, tools)[-1]
 
 
 class SessionIndex:
@@ -199,6 +170,16 @@ class SessionIndex:
         self._remember(conv, prefix_keys(instructions, held, tools), tools)
         return session, conv
 
+    async def count_tokens(self, instructions: str | None, history: Sequence[ChatMessage],
+                           added: Sequence[ChatMessage], params: GenerateParams, *, tools: Tools = None) -> int:
+        """The prompt a turn answering ``added`` would have (tools included), rendered by a session
+        that is built for it and dropped: no cache work, no conversation touched."""
+        def count() -> int:
+            session = self._build(instructions, (*history, *added[:-1]), tuple(tools) if tools else None)
+            session.generate_params = params
+            return session.token_count + session.count_tokens(added[-1])
+        return await self._run(count)
+
     async def finish(self, lease: Lease) -> None:
         """After the lease's stream is closed (its turn committed or aborted): index the conversation
         under its new history and keep the caches under the budget."""
@@ -215,7 +196,7 @@ class SessionIndex:
                 await self._run(self.pool.add, conv, lease.session)
             session = lease.session
             if lease.asked is not None and len(session.history) > lease.base:  # re-sent without the description
-                self._as_sent[_json(session.history[lease.base])] = _json(lease.asked)
+                self._as_sent[message_json(session.history[lease.base])] = message_json(lease.asked)
                 while len(self._as_sent) > AS_SENT_LIMIT:
                     del self._as_sent[next(iter(self._as_sent))]  # the oldest
             self._remember(conv, prefix_keys(session.instructions, session.history, self._tools.get(conv),
@@ -438,4 +419,4 @@ class SessionIndex:
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
 
-__all__ = ["SessionIndex", "conversation_key"]
+__all__ = ["SessionIndex"]

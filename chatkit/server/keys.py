@@ -1,0 +1,43 @@
+"""The index keys of a conversation: hashes of what a request says came before (instructions, tools,
+messages), one per prefix, so the server finds the pooled session that holds it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..messages import ChatMessage
+
+Tools = Sequence[Mapping[str, Any]] | None
+
+
+def prefix_keys(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None,
+                as_sent: Mapping[str, str] | None = None) -> list[str]:
+    """The index keys of a conversation's prefixes: ``keys[k]`` hashes the instructions, the tools
+    and the first ``k`` messages (a hash chain, so all of them cost one pass). The tools are part of
+    the root: the same messages with other tools render another prompt, so another conversation.
+    ``as_sent``: a message's JSON as the session holds it -> as the client sent it (a guided prompt
+    holds its schema's description; the client re-sends it without)."""
+    root = json.dumps(instructions) if not tools else json.dumps([instructions, list(tools)], sort_keys=True)
+    digest = hashlib.sha256(root.encode("utf-8")).hexdigest()
+    keys = [digest]
+    for m in history:
+        text = message_json(m)
+        data = digest + (as_sent.get(text, text) if as_sent else text)
+        digest = hashlib.sha256(data.encode("utf-8")).hexdigest()
+        keys.append(digest)
+    return keys
+
+
+def message_json(message: ChatMessage) -> str:
+    return json.dumps(message.to_dict(), ensure_ascii=False, sort_keys=True)
+
+
+def conversation_key(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None) -> str:
+    """The index key of a conversation: a hash of its instructions, tools and messages."""
+    return prefix_keys(instructions, history, tools)[-1]
+
+
+__all__ = ["Tools", "conversation_key", "message_json", "prefix_keys"]

@@ -1,0 +1,144 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic's Messages API over the
+same pooled sessions as chat completions (a re-sent conversation continues its session and pays only
+for what is new); the reply is one ``message`` or Anthropic's server-sent events
+(``anthropic_wire``)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..messages import ToolCall
+from ..model.loaded import LoadedModel
+from .anthropic_wire import (
+    SIGNATURE,
+    content_blocks,
+    error_body,
+    event,
+    message,
+    parse_messages,
+    stop_reason,
+    tool_use_block,
+    usage,
+)
+from .body import read_body
+from .lease import Lease
+from .state import ServerState, reply_of
+from .wire import Deltas, TurnRequest, compaction_headers, new_id
+
+
+async def create(state: ServerState, request: Request) -> Response:
+    """Answer the conversation the request sends (its last user message, or its tool results)."""
+    req = parse_messages(await read_body(request), state.config.defaults)
+    lease = await state.open_turn(req, req.instructions, req.history, req.added)
+    mid = new_id("msg")
+    if req.stream:
+        return StreamingResponse(_events(state, lease, req, mid), media_type="text/event-stream")
+    finish = await state.complete(lease)
+    reply = reply_of(lease)
+    stop = stop_reason(finish, _runnable(reply.tool_calls), _stop_sequence(state.lm, lease, req))
+    body = message(mid, state.config.model_id, content_blocks(reply), stop, lease.stream.stats)
+    return JSONResponse(body, headers=compaction_headers(lease.compaction()))
+
+
+async def count_tokens(state: ServerState, request: Request) -> Response:
+    """``{"input_tokens": N}``: the tokens of the prompt the request would have (tools included)."""
+    req = parse_messages(await read_body(request), state.config.defaults, counting=True)
+    n = await state.sessions.count_tokens(req.instructions, req.history, req.added, req.params, tools=req.tools)
+    return JSONResponse({"input_tokens": n})
+
+
+def _runnable(calls: Any) -> bool:
+    return any(c.error is None for c in calls)
+
+
+def _stop_sequence(lm: LoadedModel, lease: Lease, req: TurnRequest) -> str | None:
+    """The stop sequence that ended the reply, if one did (the first of them in what the model wrote)."""
+    stops, stream = req.params.stop, lease.stream
+    if stream.finish_reason != "stop" or not stops:
+        return None
+    text = lm.tokenizer.decode(list(stream.tokens))
+    found = sorted((text.find(s), s) for s in stops if s in text)
+    return found[0][1] if found else None
+
+
+class Blocks:
+    """The reply's pieces (``Deltas``) as content blocks: a block opens when the kind of piece changes;
+    a thinking block ends with its signature, a tool call is one block with its input in one delta."""
+
+    def __init__(self) -> None:
+        self.index, self.kind = -1, ""
+
+    def feed(self, kind: str, value: Any) -> Iterator[str]:
+        if kind == "call" and value.error is not None:  # unreadable: the text it wrote, never a call to run
+            kind, value = "text", value.text or ""
+        if kind != self.kind or kind == "call":
+            yield from self.close()
+            self.index, self.kind = self.index + 1, kind
+            yield event("content_block_start", {"index": self.index, "content_block": _start(kind, value)})
+        if kind == "call":
+            partial = {"type": "input_json_delta", "partial_json": _json(value)}
+            yield event("content_block_delta", {"index": self.index, "delta": partial})
+        elif kind == "reasoning":
+            yield event("content_block_delta", {"index": self.index, "delta": {"type": "thinking_delta",
+                                                                                "thinking": value}})
+        else:
+            yield event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": value}})
+
+    def close(self) -> Iterator[str]:
+        if self.kind == "reasoning":
+            yield event("content_block_delta", {"index": self.index, "delta": {"type": "signature_delta",
+                                                                                "signature": SIGNATURE}})
+        if self.kind:
+            yield event("content_block_stop", {"index": self.index})
+        self.kind = ""
+
+
+def _start(kind: str, value: Any) -> dict[str, Any]:
+    if kind == "call":
+        return {**tool_use_block(value), "input": {}}
+    if kind == "reasoning":
+        return {"type": "thinking", "thinking": "", "signature": ""}
+    return {"type": "text", "text": ""}
+
+
+def _json(call: ToolCall) -> str:
+    return json.dumps(call.arguments, ensure_ascii=False)
+
+
+async def _events(state: ServerState, lease: Lease, req: TurnRequest, mid: str) -> AsyncIterator[str]:
+    """The reply as Anthropic's events: message_start, ping, the blocks, message_delta, message_stop."""
+    async with state.settled(lease):
+        try:
+            start = message(mid, state.config.model_id, [], (None, None), None)
+            yield event("message_start", {"message": start})
+            yield event("ping", {})
+            finish, called, deltas, blocks = None, False, Deltas(), Blocks()
+            async for chunk in lease.stream:
+                finish = chunk.finish_reason
+                for kind, value in deltas.feed(chunk):
+                    called = called or (kind == "call" and value.error is None)
+                    for line in blocks.feed(kind, value):
+                        yield line
+            for kind, value in deltas.end():
+                for line in blocks.feed(kind, value):
+                    yield line
+            if blocks.index < 0:  # an empty reply still has its (empty) text block
+                for line in blocks.feed("text", ""):
+                    yield line
+            for line in blocks.close():
+                yield line
+            await lease.stream.aclose()
+            stop = stop_reason(finish, called, _stop_sequence(state.lm, lease, req))
+            yield event("message_delta", {"delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
+                                          "usage": usage(lease.stream.stats)})
+            yield event("message_stop", {})
+        except Exception as exc:  # after the headers: the error goes into the stream
+            yield event("error", error_body(exc)[1])
+
+
+__all__ = ["Blocks", "count_tokens", "create"]
