@@ -16,11 +16,11 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from ..errors import ChatKitError
 from ..model.loaded import LoadedModel
-from . import chat_completions, responses
+from . import chat_completions, conversations, page, responses
 from .errors import UnauthorizedError, error_body
 from .state import Handler, ServerConfig, ServerState
 
@@ -38,14 +38,17 @@ ROUTES: list[tuple[str, str, Handler]] = [  # (method, path under /v1, handler);
     ("POST", "/chat/completions", chat_completions.create),
     ("POST", "/responses", responses.create),
     ("GET", "/responses/{rid}", responses.retrieve),
+    ("GET", "/conversations", conversations.list_all),  # chatkit's own: the stored conversations
+    ("GET", "/conversations/{rid}", conversations.retrieve),
 ]
 
 
 def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette:
     """The ASGI app serving ``lm``; run it with uvicorn (``chatkit serve``) or :func:`chatkit.server.start`."""
     state = ServerState(lm, config or ServerConfig())
-    routes = [Route(prefix + path, _endpoint(state, handler), methods=[method])
-              for prefix in ("/v1", "") for method, path, handler in ROUTES]
+    routes: list[BaseRoute] = [Route(prefix + path, _endpoint(state, handler), methods=[method])
+                               for prefix in ("/v1", "") for method, path, handler in ROUTES]
+    routes += page.routes()  # the chat page at /, without the API key check: it holds no secret
     return Starlette(routes=routes, lifespan=state.lifespan, exception_handlers={HTTPException: _http_error})
 
 
