@@ -142,7 +142,8 @@ function statusText(status) {
 function inputView(item, index) {
   if (item.type === "function_call_output") return toolView("result", item.output);
   if (item.type === "function_call") return toolView("call", `${item.name}(${item.arguments})`);
-  const view = element("div", `message ${item.role}`, item.content);
+  const view = element("div", `message ${item.role}`);
+  view.append(element("div", "text", item.content));
   if (item.role === "user") view.append(actions([["Edit", () => startEdit(view, index, item.content)]]));
   return view;
 }
