@@ -187,6 +187,28 @@ def test_stop_keeps_what_was_generated(browser, serve_process):
     assert "stopped" in browser.find_element(By.CSS_SELECTOR, ".message.assistant .status").text
 
 
+def test_reasoning_is_shown_collapsed(browser, tiny):
+    from chatkit import GenerateParams
+    from chatkit.server import ServerConfig, start
+    from chatkit.testing import Scripted
+
+    lm = tiny("qwen3", "bpe-think", 0)  # random weights, made to think and answer by a scripted processor
+    script = Scripted(lm.tokenizer, ["<think>\nThe user greets me.\n</think>\n\nHello there."])
+    with start(lm, ServerConfig(defaults=GenerateParams(max_tokens=40, logits_processors=[script]))) as running:
+        browser.get(running.url.removesuffix("/v1") + "/")
+        idle(browser)
+        send(browser, "Hi")
+        rid = head(browser)
+        output = httpx.get(f"{running.url}/responses/{rid}", timeout=30).json()["output"]
+    reasoning = browser.find_element(By.CSS_SELECTOR, ".message.assistant details.reasoning")
+    assert reasoning.get_attribute("open") is None  # collapsed: only its summary shows
+    assert reasoning.find_element(By.TAG_NAME, "summary").text == "Reasoning"
+    assert [item["type"] for item in output] == ["reasoning", "message"]
+    assert reasoning.find_element(By.CSS_SELECTOR, ".text").get_attribute("textContent") == \
+        output[0]["content"][0]["text"] != ""
+    assert shown(browser)[-1] == ("assistant", f"{output[0]['content'][0]['text']}|Hello there.")
+
+
 def test_a_conversation_is_found_again_after_a_reload_and_a_restart(browser, server):
     open_page(browser, server)
     send(browser, "I live in Lisbon.")
