@@ -91,8 +91,10 @@ def stat(driver, name: str) -> str:
 
 
 # -- what the server stored -------------------------------------------------------------------------
-def chain(served, rid: str) -> list[dict]:
-    r = httpx.get(f"{served.url}/v1/conversations/{rid}", timeout=30)
+def chain(served, rid: str, key: str | None = None) -> list[dict]:
+    url = served if isinstance(served, str) else served.url
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(f"{url}/v1/conversations/{rid}", headers=headers, timeout=30)
     assert r.status_code == 200, r.text
     return r.json()["data"]
 
@@ -207,6 +209,25 @@ def test_reasoning_is_shown_collapsed(browser, tiny):
     assert reasoning.find_element(By.CSS_SELECTOR, ".text").get_attribute("textContent") == \
         output[0]["content"][0]["text"] != ""
     assert shown(browser)[-1] == ("assistant", f"{output[0]['content'][0]['text']}|Hello there.")
+
+
+def test_with_an_api_key_the_page_asks_for_it(browser, tiny):
+    from chatkit.server import ServerConfig, start
+
+    with start(tiny("qwen3", "bpe", 0), ServerConfig(model_id="keyed", api_key="sesame")) as running:
+        browser.get(running.url.removesuffix("/v1") + "/#resp_from_elsewhere")
+        form = browser.find_element(By.ID, "key-form")
+        wait(browser, form.is_displayed)  # the API said 401
+        assert "API key" in browser.find_element(By.ID, "error").text
+        browser.find_element(By.ID, "api-key").send_keys("sesame")
+        form.find_element(By.TAG_NAME, "button").click()
+        wait(browser, lambda: "keyed" in browser.find_element(By.ID, "model-name").text)
+        assert not form.is_displayed()
+        browser.find_element(By.ID, "use-calculator").click()
+        send(browser, "Hi")
+        (turn,) = chain(running.url.removesuffix("/v1"), head(browser), key="sesame")
+        assert shown(browser) == [("user", "Hi"), ("assistant", text_of(turn["response"]))]
+    browser.execute_script("localStorage.clear()")
 
 
 def test_a_conversation_is_found_again_after_a_reload_and_a_restart(browser, server):

@@ -84,18 +84,18 @@ async function loadConversations() {
   $("conversations").replaceChildren(...items);
 }
 
-async function openConversation(head) {
+async function openConversation(head, quiet = false) {
   if (state.busy) return;
   try {
     const chain = await (await api(`conversations/${encodeURIComponent(head)}`)).json();
     state.turns = chain.data;
-    setHead();
     render();
     showStats(state.turns.at(-1)?.response?.usage, null);
     loadConversations();
   } catch (error) {
-    showError(error);
+    if (!quiet) showError(error);
   }
+  setHead();
 }
 
 function currentHead() {
@@ -421,8 +421,8 @@ async function start() {
     return showError(error);
   }
   const head = location.hash.slice(1);
-  if (head) await openConversation(head);
-  loadConversations();
+  if (head) await openConversation(head, true);  // the address's conversation, unless this server lacks it
+  else loadConversations();
 }
 
 start();
