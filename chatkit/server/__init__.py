@@ -1,12 +1,14 @@
 """``chatkit serve``: an OpenAI-compatible HTTP server whose conversations live on as chatkit sessions.
 
     app = create_app(lm, ServerConfig(...))      an ASGI app (Starlette): /v1/chat/completions,
-                                                 /v1/responses, /v1/responses/{id}, /v1/models
+                                                 /v1/responses, /v1/responses/{id}, /v1/models,
+                                                 /v1/conversations, and the chat page at /
     server = start(lm, config)                   the app on uvicorn in a background thread (tests,
     server.url ... server.stop()                 notebooks, the README); ``chatkit serve`` runs it in front
 
 One module per job: ``app`` (``create_app`` and its route table), a handler module per API
-(``chat_completions``, ``responses``), ``body`` (a request body checked whole before it is read),
+(``chat_completions``, ``responses``, ``conversations``: the stored ones, listed), ``page`` (the chat
+page and its files in ``static/``), ``body`` (a request body checked whole before it is read),
 ``wire`` (what both APIs read: messages, tools, sampling parameters), ``state`` (``ServerConfig`` and
 what every handler shares), ``session_index`` (conversations as pooled sessions), ``write_behind``
 (each conversation's cache written behind its turn), ``response_store`` (stored responses),
