@@ -55,8 +55,8 @@ def idle(driver) -> None:
     wait(driver, lambda: driver.find_element(By.ID, "send").is_displayed())
 
 
-def open_page(driver, served) -> None:
-    driver.get(served.url + "/")
+def open_page(driver, url: str) -> None:
+    driver.get(url + "/")
     wait(driver, lambda: driver.find_element(By.ID, "model-name").text != "chatkit")  # it asked /v1/models
 
 
@@ -91,8 +91,7 @@ def stat(driver, name: str) -> str:
 
 
 # -- what the server stored -------------------------------------------------------------------------
-def chain(served, rid: str, key: str | None = None) -> list[dict]:
-    url = served if isinstance(served, str) else served.url
+def chain(url: str, rid: str, key: str | None = None) -> list[dict]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     r = httpx.get(f"{url}/v1/conversations/{rid}", headers=headers, timeout=30)
     assert r.status_code == 200, r.text
@@ -103,20 +102,20 @@ def text_of(response: dict) -> str:
     return "".join(p["text"] for item in response["output"] if item["type"] == "message" for p in item["content"])
 
 
-def conversations(served) -> list[dict]:
-    return httpx.get(f"{served.url}/v1/conversations", timeout=30).json()["data"]
+def conversations(url: str) -> list[dict]:
+    return httpx.get(f"{url}/v1/conversations", timeout=30).json()["data"]
 
 
 # -- the tests ------------------------------------------------------------------------------------
 def test_a_message_and_its_streamed_reply(browser, server):
-    open_page(browser, server)
+    open_page(browser, server.url)
     browser.execute_script("""
         window.textChanges = 0;
         new MutationObserver((records) => { window.textChanges += records.filter(
             (r) => r.target.classList?.contains('text')).length; })
           .observe(document.getElementById('messages'), {childList: true, subtree: true});""")
     send(browser, "My name is Noor.")
-    turns = chain(server, head(browser))
+    turns = chain(server.url, head(browser))
     (turn,) = turns
     reply = text_of(turn["response"])
     assert "Noor" in reply and turn["response"]["status"] == "completed"
@@ -125,26 +124,26 @@ def test_a_message_and_its_streamed_reply(browser, server):
     usage = turn["response"]["usage"]
     assert stat(browser, "prompt") == str(usage["input_tokens"])
     assert stat(browser, "ttft").endswith(" ms") and float(stat(browser, "tps")) > 0
-    assert [c["title"] for c in conversations(server)][0] == "My name is Noor."
+    assert [c["title"] for c in conversations(server.url)][0] == "My name is Noor."
     assert browser.find_element(By.CSS_SELECTOR, "#conversations li.current .title").text == "My name is Noor."
 
 
 def test_tool_calls_regenerate_edit_and_undo(browser, server):
-    open_page(browser, server)
+    open_page(browser, server.url)
     send(browser, "My name is Ada.")
     first = head(browser)
     send(browser, "What is 25 + 30?")  # the model calls calculate, the page runs it and sends the result
     asked = head(browser)
-    calls = [t["response"]["output"] for t in chain(server, asked)]
+    calls = [t["response"]["output"] for t in chain(server.url, asked)]
     call = next(item for item in calls[1] if item["type"] == "function_call")
     assert ("tool", "result: 55") in shown(browser)
     assert f"call: calculate({call['arguments']})" in shown(browser)[3][1]
-    assert "55" in text_of(chain(server, asked)[-1]["response"])
+    assert "55" in text_of(chain(server.url, asked)[-1]["response"])
     before = shown(browser)
 
     click(browser, "Regenerate")  # the same question again from the first exchange: a branch
     idle(browser)
-    regenerated = chain(server, head(browser))
+    regenerated = chain(server.url, head(browser))
     assert head(browser) != asked and regenerated[0]["response"]["id"] == first
     assert len(regenerated) == 3 and regenerated[1]["response"]["previous_response_id"] == first
     assert shown(browser) == before  # greedy: the same replies, from the same conversation
@@ -155,7 +154,7 @@ def test_tool_calls_regenerate_edit_and_undo(browser, server):
     area.send_keys("What did I say my name was?")
     click(browser, "Send")
     idle(browser)
-    edited = chain(server, head(browser))
+    edited = chain(server.url, head(browser))
     assert [t["response"]["id"] for t in edited][:1] == [first] and len(edited) == 2
     assert "Ada" in text_of(edited[1]["response"])
     assert shown(browser)[2] == ("user", "What did I say my name was?")
@@ -163,26 +162,28 @@ def test_tool_calls_regenerate_edit_and_undo(browser, server):
     browser.find_element(By.ID, "undo").click()  # back to the first exchange
     assert head(browser) == first and len(shown(browser)) == 2
     send(browser, "What is my name?")
-    assert chain(server, head(browser))[1]["response"]["previous_response_id"] == first
+    assert chain(server.url, head(browser))[1]["response"]["previous_response_id"] == first
     # every branch is one conversation in the list, its newest response its head
-    listed = [c for c in conversations(server) if c["id"] == first]
+    listed = [c for c in conversations(server.url) if c["id"] == first]
     assert len(listed) == 1 and listed[0]["head"] == head(browser)
 
 
-def test_stop_keeps_what_was_generated(browser, serve_process):
-    from chatkit.testing import tiny_model_path
+def test_stop_keeps_what_was_generated(browser, tiny):
+    from chatkit import GenerateParams
+    from chatkit.server import ServerConfig, start
 
-    model = tiny_model_path("qwen3", "bpe", 0)  # random weights: a long reply that never ends by itself
-    served = serve_process(["--model", str(model), "--max-tokens", "4000"])
-    open_page(browser, served)
-    browser.find_element(By.ID, "use-calculator").click()
-    browser.find_element(By.ID, "prompt").send_keys("Hello")
-    browser.find_element(By.ID, "send").click()
-    wait(browser, lambda: len(browser.execute_script(
-        "return document.querySelector('.message.assistant .text')?.textContent ?? ''")) > 40)
-    browser.find_element(By.ID, "stop").click()
-    idle(browser)
-    (turn,) = chain(served, head(browser))
+    lm = tiny("qwen3", "bpe", 0)  # random weights: a long reply that does not end by itself
+    with start(lm, ServerConfig(model_id="tiny", defaults=GenerateParams(max_tokens=4000))) as running:
+        url = running.url.removesuffix("/v1")
+        open_page(browser, url)
+        browser.find_element(By.ID, "use-calculator").click()
+        browser.find_element(By.ID, "prompt").send_keys("Hello")
+        browser.find_element(By.ID, "send").click()
+        wait(browser, lambda: len(browser.execute_script(
+            "return document.querySelector('.message.assistant .text')?.textContent ?? ''")) > 40)
+        browser.find_element(By.ID, "stop").click()
+        idle(browser)
+        (turn,) = chain(url, head(browser))
     stored = turn["response"]
     assert stored["status"] == "cancelled" and 0 < stored["usage"]["output_tokens"] < 4000
     assert shown(browser) == [("user", "Hello"), ("assistant", text_of(stored))]  # as the server kept it
@@ -212,9 +213,11 @@ def test_reasoning_is_shown_collapsed(browser, tiny):
 
 
 def test_with_an_api_key_the_page_asks_for_it(browser, tiny):
+    from chatkit import GenerateParams
     from chatkit.server import ServerConfig, start
 
-    with start(tiny("qwen3", "bpe", 0), ServerConfig(model_id="keyed", api_key="sesame")) as running:
+    config = ServerConfig(model_id="keyed", api_key="sesame", defaults=GenerateParams(max_tokens=16))
+    with start(tiny("qwen3", "bpe", 0), config) as running:
         browser.get(running.url.removesuffix("/v1") + "/#resp_from_elsewhere")
         form = browser.find_element(By.ID, "key-form")
         wait(browser, form.is_displayed)  # the API said 401
@@ -225,18 +228,18 @@ def test_with_an_api_key_the_page_asks_for_it(browser, tiny):
         assert not form.is_displayed()
         browser.find_element(By.ID, "use-calculator").click()
         send(browser, "Hi")
-        (turn,) = chain(running.url.removesuffix("/v1"), head(browser), key="sesame")
+        (turn,) = chain(running.url.removesuffix("/v1"), head(browser), "sesame")
         assert shown(browser) == [("user", "Hi"), ("assistant", text_of(turn["response"]))]
     browser.execute_script("localStorage.clear()")
 
 
 def test_a_conversation_is_found_again_after_a_reload_and_a_restart(browser, server):
-    open_page(browser, server)
+    open_page(browser, server.url)
     send(browser, "I live in Lisbon.")
     before, rid = shown(browser), head(browser)
 
     def reopen() -> None:
-        open_page(browser, server)  # a new page, no conversation open
+        open_page(browser, server.url)  # a new page, no conversation open
         wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, "#conversations li"))
         entry = browser.find_elements(By.CSS_SELECTOR, "#conversations li")[0]
         assert entry.find_element(By.CSS_SELECTOR, ".title").text == "I live in Lisbon."

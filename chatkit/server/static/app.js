@@ -68,16 +68,10 @@ async function loadConversations() {
     return showError(error);
   }
   const items = list.data.map((c) => {
-    const li = document.createElement("li");
-    li.dataset.head = c.head;
-    const title = document.createElement("span");
-    title.className = "title";
-    title.textContent = c.title || "(untitled)";
-    const meta = document.createElement("span");
-    meta.className = "meta";
-    meta.textContent = `${c.turns} turn${c.turns === 1 ? "" : "s"} · ${new Date(c.updated_at * 1000).toLocaleString()}`;
-    li.append(title, meta);
-    if (c.id === state.turns[0]?.response?.id) li.classList.add("current");
+    const li = element("li", c.id === state.turns[0]?.response?.id ? "current" : "");
+    const when = new Date(c.updated_at * 1000).toLocaleString();
+    li.append(element("span", "title", c.title || "(untitled)"),
+              element("span", "meta", `${c.turns} turn${c.turns === 1 ? "" : "s"} · ${when}`));
     li.addEventListener("click", () => openConversation(c.head));
     return li;
   });
