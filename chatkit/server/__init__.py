@@ -2,13 +2,15 @@
 
     app = create_app(lm, ServerConfig(...))      an ASGI app (Starlette): /v1/chat/completions,
                                                  /v1/responses (+ /{id}, /{id}/input_items),
-                                                 /v1/models (+ /{id}), /health, /metrics
+                                                 /v1/models (+ /{id}), /v1/messages, /v1/conversations,
+                                                 /health, /metrics, and the chat page at /
     server = start(lm, config)                   the app on uvicorn in a background thread (tests,
     server.url ... server.stop()                 notebooks, the README); ``chatkit serve`` runs it in front
 
 One module per job: ``app`` (``create_app`` and its route table), a handler module per API
 (``chat_completions``, ``responses``, ``response_items``: deleting and listing a stored response's
-items), ``metrics`` (``/metrics``' counters), ``body`` (a request body checked whole before it is read),
+items, ``messages``: Anthropic's, ``conversations``: the stored ones, listed), ``page`` (the chat page and
+its files in ``static/``), ``metrics`` (``/metrics``' counters), ``body`` (a request body checked whole before it is read),
 ``wire`` (what both APIs read: messages, tools, sampling parameters), ``state`` (``ServerConfig`` and
 what every handler shares), ``session_index`` (conversations as pooled sessions), ``write_behind``
 (each conversation's cache written behind its turn), ``response_store`` (stored responses),

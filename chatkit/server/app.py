@@ -21,11 +21,11 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from ..errors import ChatKitError
 from ..model.loaded import LoadedModel
-from . import anthropic_wire, chat_completions, messages, response_items, responses
+from . import anthropic_wire, chat_completions, conversations, messages, page, response_items, responses
 from .errors import UnauthorizedError, UnknownModelError, error_body
 from .metrics import CONTENT_TYPE
 from .state import Handler, ServerConfig, ServerState
@@ -77,6 +77,8 @@ ROUTES: list[tuple[str, str, Handler]] = [  # (method, path under /v1, handler);
     ("GET", "/responses/{rid}", responses.retrieve),
     ("DELETE", "/responses/{rid}", response_items.delete),
     ("GET", "/responses/{rid}/input_items", response_items.input_items),
+    ("GET", "/conversations", conversations.list_all),  # chatkit's own: the stored conversations
+    ("GET", "/conversations/{rid}", conversations.retrieve),
 ]
 ANTHROPIC_ROUTES: list[tuple[str, str, Handler]] = [  # errors in Anthropic's shape; the key also as x-api-key
     ("POST", "/messages", messages.create),
@@ -92,10 +94,12 @@ OPEN = {health}  # the handlers that need no API key
 def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette:
     """The ASGI app serving ``lm``; run it with uvicorn (``chatkit serve``) or :func:`chatkit.server.start`."""
     state = ServerState(lm, config or ServerConfig())
-    routes = [Route(path, _endpoint(state, handler, method, path), methods=[method]) for method, path, handler in ROOT_ROUTES]
+    routes: list[BaseRoute] = [Route(path, _endpoint(state, handler, method, path), methods=[method])
+                               for method, path, handler in ROOT_ROUTES]
     routes += [Route(prefix + path, _endpoint(state, handler, method, prefix + path, anthropic=face is ANTHROPIC_ROUTES),
                      methods=[method])
                for face in (ROUTES, ANTHROPIC_ROUTES) for prefix in ("/v1", "") for method, path, handler in face]
+    routes += page.routes()  # the chat page at /, without the API key check: it holds no secret
     return Starlette(routes=routes, lifespan=state.lifespan, exception_handlers={HTTPException: _http_error})
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..cache import atomic
 from ..errors import ChatKitError
-from ..messages import ChatMessage, saved_dict
+from ..messages import ChatMessage, Role, saved_dict
 from .errors import UnknownResponseError
 
 log = logging.getLogger("chatkit.server")
@@ -100,6 +100,45 @@ class ResponseStore:
                 raise UnknownResponseError("The stored responses form a loop: start a new conversation.")
         return tuple(m for r in reversed(chain) for m in self._messages[r])
 
+    def conversations(self) -> list[dict[str, Any]]:
+        """The stored conversations, newest first: the responses that share a first response are one
+        conversation (regenerated and edited turns are its branches), its head the newest of them."""
+        roots: dict[str, str] = {}  # response id -> the first response of its chain
+        depth: dict[str, int] = {}
+        heads: dict[str, str] = {}  # first response -> the newest response under it
+        for rid in self._responses:  # oldest first
+            chain: list[str] = []
+            current: str | None = rid
+            while current is not None and current not in roots and current in self._responses:
+                if len(chain) > len(self._responses):
+                    break  # a loop of damaged files: left out
+                chain.append(current)
+                current = self._responses[current].get("previous_response_id")
+            if current is not None and current not in roots:
+                continue  # a chain whose start is gone: left out
+            top, base = (roots[current], depth[current]) if current is not None else (chain[-1], 0)
+            for i, r in enumerate(reversed(chain)):
+                roots[r], depth[r] = top, base + i + 1
+            heads.pop(top, None)
+            heads[top] = rid
+        return [{"object": "conversation", "id": top, "head": head, "title": self._title(top),
+                 "updated_at": self._responses[head]["created_at"], "turns": depth[head]}
+                for top, head in reversed(heads.items())]
+
+    def turns(self, rid: str) -> list[tuple[dict[str, Any], tuple[ChatMessage, ...]]]:
+        """Each response of the chain ending at ``rid``, first to last, with the messages its input added."""
+        self.transcript(rid)  # unknown ids and loops refused
+        chain: list[str] = []
+        current: str | None = rid
+        while current is not None:
+            chain.append(current)
+            current = self._responses[current].get("previous_response_id")
+        return [(self._responses[r], self._messages[r][:-1]) for r in reversed(chain)]
+
+    def _title(self, rid: str) -> str:
+        users = [m.content for m in self._messages[rid] if m.role is Role.USER]
+        return " ".join((users[0] if users else "").split())[:80]
+
     def _check(self, rid: str) -> None:
         if rid not in self._responses:
             raise UnknownResponseError(
@@ -121,7 +160,7 @@ class ResponseStore:
         atomic.remove_stale_temps(folder)
         for path in legacy:
             path.unlink(missing_ok=True)
-        for path in sorted(folder.glob("resp_*.json")):
+        for path in sorted(folder.glob("resp_*.json"), key=_written):  # oldest first, as they were added
             try:
                 self._load(path)
             except (OSError, ValueError, KeyError, TypeError, RecursionError, ChatKitError) as exc:
@@ -149,6 +188,13 @@ def _sync_folder(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _written(path: Path) -> tuple[int, str]:
+    try:
+        return path.stat().st_mtime_ns, path.name
+    except OSError:  # gone meanwhile: reading it fails and says so
+        return 0, path.name
 
 
 def write_file(path: Path, what: str, data: bytes) -> None:

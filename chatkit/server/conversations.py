@@ -1,0 +1,51 @@
+"""``GET /v1/conversations`` and ``GET /v1/conversations/{id}``: the conversations in the response
+store, for the chat page (and any client) to list and open. Not an OpenAI API: the Responses API has
+no listing.
+
+A conversation is the tree of stored responses under one first response: chaining on a response with
+``previous_response_id`` continues it, chaining on an earlier one (to regenerate or edit a turn) makes
+a branch. The listing gives each conversation once, with its head (its newest response), a title (its
+first user message), when it was last updated and the number of turns up to the head, newest first;
+``GET /v1/conversations/{id}`` gives the turns of the chain ending at response ``id``: each response
+object with the input items it added."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..messages import ChatMessage, Role
+from .state import ServerState
+from .wire import arguments_text
+
+
+async def list_all(state: ServerState, request: Request) -> Response:
+    """The stored conversations, newest first."""
+    return JSONResponse({"object": "list", "data": state.responses.conversations()})
+
+
+async def retrieve(state: ServerState, request: Request) -> Response:
+    """The turns of the chain ending at response ``id``; 404 when this server holds no such response."""
+    rid = request.path_params["rid"]
+    turns = [{"input": input_items(added), "response": response} for response, added in state.responses.turns(rid)]
+    return JSONResponse({"object": "conversation.turns", "head": rid, "data": turns})
+
+
+def input_items(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the Responses API's input items (messages, function calls, function call outputs)."""
+    items: list[dict[str, Any]] = []
+    for m in messages:
+        if m.role is Role.TOOL:
+            items.append({"type": "function_call_output", "call_id": m.tool_call_id, "output": m.content})
+            continue
+        if m.content or not m.tool_calls:
+            items.append({"type": "message", "role": m.role.value, "content": m.content})
+        items += [{"type": "function_call", "call_id": c.id, "name": c.name, "arguments": arguments_text(c)}
+                  for c in m.tool_calls]
+    return items
+
+
+__all__ = ["input_items", "list_all", "retrieve"]
