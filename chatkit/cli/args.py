@@ -134,15 +134,18 @@ def context_policy(name: str | None) -> ContextPolicy:
 
 
 def parser() -> argparse.ArgumentParser:
-    """``chatkit [--version] {chat,inspect,models}``; ``chat`` is the default command (``chatkit serve``
-    has its own parser: serve.py)."""
+    """``chatkit [--version] {chat,serve,inspect,models}``; ``chat`` is the default command (``chatkit serve``
+    is listed here but has its own parser: serve.py)."""
     p = argparse.ArgumentParser(
         prog="chatkit",
         description="Chat with a local model through chatkit (mlx-lm). `chatkit` alone is `chatkit chat`.",
     )
     p.add_argument("--version", action="version", version=version())
-    commands = p.add_subparsers(dest="command", metavar="{chat,inspect,models}")
+    commands = p.add_subparsers(dest="command", metavar="{chat,serve,inspect,models}")
     _add_chat(commands)
+    commands.add_parser(  # listed here for --help; `chatkit serve ...` is parsed by serve.py's own parser
+        "serve", help="serve a model over OpenAI's chat completions and responses APIs (chatkit serve --help)",
+        add_help=False)
     insp = commands.add_parser(
         "inspect",
         help="show what a saved conversation holds",
