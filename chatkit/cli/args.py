@@ -6,8 +6,11 @@ mean (``load_model``, ``load_draft``) are declared once here, for ``chatkit chat
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -259,11 +262,31 @@ def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {flag: value for flag, value in given.items() if value is not None}
 
 
+@contextmanager
+def progress_lines(err: Any = None) -> Iterator[None]:
+    """While a model loads, what ``chatkit.model`` logs at INFO (a first fetch of SmolLM2, a first GGUF
+    conversion) as lines on stderr (``err``): those take a while, the user should know why."""
+    logger = logging.getLogger("chatkit.model")
+    handler = logging.StreamHandler(err if err is not None else sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # shown once, here, whatever the root logger does
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
 def load_model(name: str | None, **options: Any) -> LoadedModel:
     """The model ``--model`` names (the demo when it is not given); ``options`` go to ``chatkit.load``."""
     from ..model.load import load
 
-    return load(name or "demo", **options)
+    with progress_lines():
+        return load(name or "demo", **options)
 
 
 def load_draft(name: str | None) -> LoadedModel | str | None:
@@ -272,10 +295,12 @@ def load_draft(name: str | None) -> LoadedModel | str | None:
         return name
     from ..model.load import load
 
-    return load("demo-draft" if name == "demo" else name)
+    with progress_lines():
+        return load("demo-draft" if name == "demo" else name)
 
 
 __all__ = [
     "COMMANDS", "CONTEXT_POLICIES", "UsageError", "add_context_flag", "add_model_flags", "add_sampling_flags",
-    "check_combination", "check_save_path", "context_policy", "kv_group_size", "load_draft", "load_model", "parser", "version",
+    "check_combination", "check_save_path", "context_policy", "kv_group_size", "load_draft", "load_model", "parser",
+    "progress_lines", "version",
 ]
