@@ -177,9 +177,12 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                       help="shard the model over the ranks mlx.launch started (docs/distributed.md)")
     chat.add_argument("--distributed-timeout", type=float, default=120.0, metavar="SECONDS",
                       help="how long a rank waits for the others in one step before stopping (default: %(default)s)")
-    chat.add_argument("--tools", action="append", metavar="MODULE:FUNCTION",
-                      help="a Python function the model may call (repeat for more); its schema comes from its "
-                           "signature, type hints and docstring")
+    chat.add_argument("--tools", action="append", metavar="MODULE[:FUNCTION]",
+                      help="a Python function the model may call: MODULE:FUNCTION, or MODULE alone for every "
+                           "public function the module defines (those in its __all__ if it has one); modules in "
+                           "the current folder are found. Repeat for more; with the demo model they join its "
+                           "calculate tool. A tool's schema comes from its signature, type hints and docstring "
+                           "(an Args: section)")
     chat.add_argument("--hide-thinking", action="store_true", help="do not show the model's reasoning")
     chat.add_argument("--system", metavar="TEXT", help="the system prompt (default: none, or the saved one with --resume)")
     chat.add_argument("--resume", metavar="FILE",
