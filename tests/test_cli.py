@@ -485,7 +485,7 @@ def test_chat_shows_reasoning_dimmed_or_hidden_and_tool_calls_and_results(tmp_pa
 
 def test_tools_flag_names_what_cannot_be_imported():
     out = run("--tools", "no_such_module_here:f", stdin="Hi\n")
-    assert out.returncode == 2 and "--tools" in out.stderr and "module:function" in out.stderr
+    assert out.returncode == 2 and "--tools" in out.stderr and "module:function" in out.stderr.lower()
     assert "Traceback" not in out.stderr
 
 

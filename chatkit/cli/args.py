@@ -6,8 +6,11 @@ mean (``load_model``, ``load_draft``) are declared once here, for ``chatkit chat
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -134,15 +137,18 @@ def context_policy(name: str | None) -> ContextPolicy:
 
 
 def parser() -> argparse.ArgumentParser:
-    """``chatkit [--version] {chat,inspect,models}``; ``chat`` is the default command (``chatkit serve``
-    has its own parser: serve.py)."""
+    """``chatkit [--version] {chat,serve,inspect,models}``; ``chat`` is the default command (``chatkit serve``
+    is listed here but has its own parser: serve.py)."""
     p = argparse.ArgumentParser(
         prog="chatkit",
         description="Chat with a local model through chatkit (mlx-lm). `chatkit` alone is `chatkit chat`.",
     )
     p.add_argument("--version", action="version", version=version())
-    commands = p.add_subparsers(dest="command", metavar="{chat,inspect,models}")
+    commands = p.add_subparsers(dest="command", metavar="{chat,serve,inspect,models}")
     _add_chat(commands)
+    commands.add_parser(  # listed here for --help; `chatkit serve ...` is parsed by serve.py's own parser
+        "serve", help="serve a model over OpenAI's chat completions and responses APIs (chatkit serve --help)",
+        add_help=False)
     insp = commands.add_parser(
         "inspect",
         help="show what a saved conversation holds",
@@ -171,9 +177,12 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                       help="shard the model over the ranks mlx.launch started (docs/distributed.md)")
     chat.add_argument("--distributed-timeout", type=float, default=120.0, metavar="SECONDS",
                       help="how long a rank waits for the others in one step before stopping (default: %(default)s)")
-    chat.add_argument("--tools", action="append", metavar="MODULE:FUNCTION",
-                      help="a Python function the model may call (repeat for more); its schema comes from its "
-                           "signature, type hints and docstring")
+    chat.add_argument("--tools", action="append", metavar="MODULE[:FUNCTION]",
+                      help="a Python function the model may call: MODULE:FUNCTION, or MODULE alone for every "
+                           "public function the module defines (those in its __all__ if it has one); modules in "
+                           "the current folder are found. Repeat for more; with the demo model they join its "
+                           "calculate tool. A tool's schema comes from its signature, type hints and docstring "
+                           "(an Args: section)")
     chat.add_argument("--hide-thinking", action="store_true", help="do not show the model's reasoning")
     chat.add_argument("--system", metavar="TEXT", help="the system prompt (default: none, or the saved one with --resume)")
     chat.add_argument("--resume", metavar="FILE",
@@ -256,11 +265,31 @@ def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {flag: value for flag, value in given.items() if value is not None}
 
 
+@contextmanager
+def progress_lines(err: Any = None) -> Iterator[None]:
+    """While a model loads, what ``chatkit.model`` logs at INFO (a first fetch of SmolLM2, a first GGUF
+    conversion) as lines on stderr (``err``): those take a while, the user should know why."""
+    logger = logging.getLogger("chatkit.model")
+    handler = logging.StreamHandler(err if err is not None else sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # shown once, here, whatever the root logger does
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
 def load_model(name: str | None, **options: Any) -> LoadedModel:
     """The model ``--model`` names (the demo when it is not given); ``options`` go to ``chatkit.load``."""
     from ..model.load import load
 
-    return load(name or "demo", **options)
+    with progress_lines():
+        return load(name or "demo", **options)
 
 
 def load_draft(name: str | None) -> LoadedModel | str | None:
@@ -269,10 +298,12 @@ def load_draft(name: str | None) -> LoadedModel | str | None:
         return name
     from ..model.load import load
 
-    return load("demo-draft" if name == "demo" else name)
+    with progress_lines():
+        return load("demo-draft" if name == "demo" else name)
 
 
 __all__ = [
     "COMMANDS", "CONTEXT_POLICIES", "UsageError", "add_context_flag", "add_model_flags", "add_sampling_flags",
-    "check_combination", "check_save_path", "context_policy", "kv_group_size", "load_draft", "load_model", "parser", "version",
+    "check_combination", "check_save_path", "context_policy", "kv_group_size", "load_draft", "load_model", "parser",
+    "progress_lines", "version",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -26,6 +25,7 @@ from .args import (
 )
 from .compaction import Preparation, compaction_notice, context_report
 from .terminal import ReplyKeys, history_path, line_reader
+from .tools import import_tools, join_tools
 
 
 @dataclass
@@ -44,6 +44,11 @@ class Repl:
         self.keys = ReplyKeys()
         # Checked before loading anything: a bad path fails at once, not at every turn.
         self.save_path = check_save_path(args.save) if args.save else None
+        self.user_tools = import_tools(args.tools or [])
+        if args.model in (None, "demo"):  # a clash with the demo's tools, refused before it loads
+            from .. import demo
+
+            join_tools(demo.tools(), self.user_tools)
         self.lm = load_model(args.model, distributed=args.distributed, distributed_timeout=args.distributed_timeout)
         group = self.lm.distributed
         self.group = group if group is not None and group.sharded else None  # ranks in lockstep
@@ -87,12 +92,14 @@ class Repl:
                     lambda: _from_transcript(builder, resume, keep_instructions=a.system is None), resume)
             else:
                 builder = builder.cache(resume)
-        if a.tools:
-            builder = builder.tools([_import_function(spec) for spec in a.tools])
-        elif a.model in (None, "demo") and getattr(self.lm.tokenizer, "has_tool_calling", False):
-            from .. import demo  # a demo trained to call its calculator (v2) gets it
+        builtin: list[Any] = []
+        if a.model in (None, "demo") and getattr(self.lm.tokenizer, "has_tool_calling", False):
+            from .. import demo  # a demo trained to call its calculator (v2) gets it; --tools join it
 
-            builder = builder.tools(demo.tools())
+            builtin = demo.tools()
+        tools = join_tools(builtin, self.user_tools)
+        if tools:
+            builder = builder.tools(tools)
         if self.draft is not None:
             builder = builder.speculative(SpeculativeConfig(self.draft, num_draft_tokens=a.num_draft))
         session = _unreadable_as_file_error(builder.build, resume) if resume is not None else builder.build()
@@ -239,7 +246,7 @@ class Repl:
                     self.error(exc)
                 return False
             stopped = keys.pressed.is_set()
-        self.say(" [stopped]" if stopped else "")
+        self.say(" [stopped]" if stopped else _cut_marker(stream.stats, self.session.generate_params.max_tokens, self.out))
         self.last = _LastTurn(stream.stats)
         notice = compaction_notice(stream.stats, len(self.session.dropped_messages) - dropped)
         if notice is not None:
@@ -411,13 +418,12 @@ def _shown(chunk: Any, args: argparse.Namespace, out: Any) -> str:
     return chunk.text
 
 
-def _import_function(spec: str) -> Any:
-    """``module:function`` -> the function (``--tools``)."""
-    module, _, name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as exc:
-        raise UsageError(f"--tools {spec!r}: cannot import it ({exc}); use module:function.") from exc
+def _cut_marker(stats: Any, max_tokens: int, out: Any) -> str:
+    """A dim `` [cut at max_tokens ...]`` after a reply that reached its length limit ('' otherwise)."""
+    if stats is None or stats.finish_reason != "length":
+        return ""
+    text = f"[cut at max_tokens ({max_tokens}): start chatkit with a larger --max-tokens for longer replies]"
+    return " " + (f"\x1b[2m{text}\x1b[0m" if getattr(out, "isatty", lambda: False)() else text)
 
 
 def _need(value: str, usage: str) -> str:

