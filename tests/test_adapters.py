@@ -18,12 +18,12 @@ from chatkit import (
     SessionPool,
     SpeculativeConfig,
 )
+from chatkit.testing import random_adapter as make_adapter
 from chatkit.testing import tiny_model_path
 
 import mlx.core as mx
 import pytest
 from conftest import GREEDY, cache_state, session_for
-from helpers.adapters import make_adapter
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_load
 from mlx_lm.tuner.utils import load_adapters
