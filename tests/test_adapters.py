@@ -340,3 +340,23 @@ def test_the_adapted_forward_pass_is_mlx_lms(tiny, folders):
         with applying(lm.model, activate(lm, lm.adapter(folders[name]))):
             ours = lm.model(ids)
         assert mx.array_equal(ours, model(ids)).item(), name
+
+
+def test_a_compaction_prepared_ahead_is_prefilled_with_the_adapter(tiny, folders):
+    from chatkit import ContextPolicy, Role
+
+    lm = tiny()
+    small = LoadedModel(lm.model, lm.tokenizer, {**lm.config, "max_position_embeddings": 320}, lm.source)
+    roomy = LoadedModel(lm.model, lm.tokenizer, {**lm.config, "max_position_embeddings": 4096}, lm.source)
+    a = small.adapter(folders["a"])
+    session = session_for(small, adapter=a, context_policy=ContextPolicy.rolling(high_water=0.6))
+    prompts = iter([f"Message number {i}: tell me about the colour {c}." for i, c in enumerate(["red", "blue"] * 20)])
+    while not session.prepare_compaction():
+        session.respond(next(prompts))
+    while not session.last_stats.compacted:  # the crossing turn takes the prepared cache
+        session.respond(next(prompts))
+        assert session.last_stats.compacted or session.prepare_compaction()
+    system, *kept = session.context
+    assert system.role is Role.SYSTEM and session.last_stats.prefilled_tokens < 45
+    fresh = ChatSession.builder(roomy).instructions(system.content).history(kept).generate_params(GREEDY).adapter(a).build()
+    assert talk(session, ["And now?"]) == talk(fresh, ["And now?"])
