@@ -14,6 +14,7 @@ The whole public API is here (``chatkit.X``); submodules are implementation::
     GenerateParams, CacheOptions, SpeculativeConfig     settings;  TurnStats, CacheInfo: what it cost
     SessionPool                                         many sessions over one model, a memory budget
     BatchEngine(lm, max_batch=16); builder.engine(e)    concurrent sessions' turns decoded together
+    load_adapter(path) / lm.adapter(path) -> Adapter    LoRA/DoRA per session: builder.adapter(a), lm.fuse(a)
     ChatKitError and its subclasses                     every error chatkit raises (see chatkit.errors)
 
 ``chatkit.demo`` locates the bundled demo models; ``chatkit.testing`` builds offline test models.
@@ -54,6 +55,7 @@ from .errors import (
     ToolLoopLimitError,
 )
 from .messages import ChatMessage, Role, ToolCall
+from .model.adapters import Adapter, load_adapter
 from .model.load import load
 from .model.loaded import LoadedModel
 from .params import GenerateParams
@@ -68,6 +70,7 @@ from .session.streams import ResponseStream
 from .session.tool_loop import ToolLoopStream
 
 __all__ = [
+    "Adapter",
     "AsyncResponseStream",
     "BatchEngine",
     "CacheError",
@@ -112,4 +115,5 @@ __all__ = [
     "TurnStats",
     "inspect_cache",
     "load",
+    "load_adapter",
 ]

@@ -11,6 +11,7 @@ PUBLIC = {
     # messages and settings
     "ChatMessage", "Role", "ToolCall", "GenerateParams", "CacheOptions", "CacheInfo", "SpeculativeConfig",
     "ContextPolicy",  # conversations that outlive the context window
+    "load_adapter", "Adapter",  # LoRA/DoRA adapters per session (docs/adapters.md)
     # persistence
     "inspect_cache", "CacheFileInfo",
     # errors

@@ -370,6 +370,11 @@ def check_fingerprint(expected: Mapping[str, str], found: Mapping[str, str] | No
     if not found:
         raise IncompatibleCacheError(f"{where} has no model fingerprint: it cannot be checked against this model.")
     differ = sorted(k for k in set(expected) | set(found) if expected.get(k) != found.get(k))
+    if differ == ["adapter"]:
+        raise IncompatibleCacheError(
+            f"{where} was saved with another adapter (or with none where this session has one, or the other way "
+            "round): restore it with the adapter it was saved with, or start a new session."
+        )
     if differ:
         raise IncompatibleCacheError(
             f"{where} was saved from another model: its {', '.join(differ)} differ. "

@@ -14,6 +14,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from ..cache.state import CacheOptions, CacheState
+from ..model.switchable import ActiveAdapter
 from ..params import LogitsProcessor, Sampler
 
 Token = tuple[int, mx.array, bool]
@@ -49,6 +50,8 @@ class Request:
     progress: ProgressCallback | None = None
     drafts: DraftCount = field(default_factory=DraftCount)
     """Where a speculative source counts its drafting (the turn reads it for its stats)."""
+    adapter: ActiveAdapter | None = None
+    """The session's adapter, applied to the model's forward passes of this turn (``None``: the base)."""
 
 
 class TokenSource(Protocol):

@@ -11,6 +11,9 @@ session starts the next one from an empty cache).
 What runs alone (through the session's local source, as without an engine), and why:
 - speculative sessions: ``BatchGenerator`` feeds one token per sequence and step; verifying drafts
   needs several positions per sequence in one pass, which it cannot do;
+- sessions with an adapter (``builder.adapter``): one forward pass applies one set of layers to every
+  row, and the engine's rows are the base model's; an adapted turn decodes alone, on its own thread,
+  with its adapter (``model/switchable.py``), next to the engine's batch of base-model turns;
 - caches that are not plain ``KVCache`` layers (``max_kv_size`` / sliding-window, hybrid models, quantized
   KV): the engine runs ahead of a turn's reader and must trim the cache back to what was read, which
   rotating and recurrent layers cannot do; mlx-lm has no batched quantized cache.
@@ -344,7 +347,7 @@ class BatchSource:
     def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
         self.engine.check_open()
         assert cache.layers is not None, "prepare the cache before generating"
-        if self.speculative or not batchable(cache):
+        if self.speculative or request.adapter is not None or not batchable(cache):
             return self.fallback.generate(cache, request)
         return self._tokens(cache, request)
 

@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step, generation_stream, wired_limit
 
 from ..cache.state import CacheState
+from ..model.switchable import ActiveAdapter, applying, each_step
 from ..params import LogitsProcessor
 from . import Request, Token
 from .speculative import SpeculativeConfig, new_policy
@@ -35,8 +36,10 @@ class LocalSource:
         assert cache.layers is not None, "prepare the cache before generating"
         processors = with_context(request.logits_processors, request.context)
         if self.speculative is None or self.policy is None:
-            return standard_tokens(self.model, cache.layers, request, processors)
-        return speculate(self.model, cache, self.speculative, self.policy, request, processors)
+            steps = standard_tokens(self.model, cache.layers, request, processors)
+        else:
+            steps = speculate(self.model, cache, self.speculative, self.policy, request, processors)
+        return steps if request.adapter is None else each_step(self.model, request.adapter, steps)
 
 
 def with_context(processors: Sequence[LogitsProcessor], context: Sequence[int]) -> list[LogitsProcessor]:
@@ -82,15 +85,16 @@ def standard_tokens(
             steps.close()
 
 
-def fill(cache: CacheState, prompt: Sequence[int], model: Any, draft_model: Any = None) -> None:
+def fill(cache: CacheState, prompt: Sequence[int], model: Any, draft_model: Any = None,
+         adapter: ActiveAdapter | None = None) -> None:
     """Prefill ``prompt`` into ``cache`` (reusing what it holds; a draft's layers too) without generating:
-    a context prepared ahead of the turn that will use it."""
+    a context prepared ahead of the turn that will use it (through ``adapter``, the session's)."""
     plan = cache.prepare(prompt)
     assert cache.layers is not None
     models = [(model, cache.layers)]
     if draft_model is not None and cache.draft_layers is not None:
         models.append((draft_model, cache.draft_layers))
-    with mx.stream(generation_stream):
+    with mx.stream(generation_stream), applying(model, adapter):
         prefill(models, plan.suffix, cache.options.prefill_step_size, None, len(plan.suffix))
     cache.record(plan.suffix)
 

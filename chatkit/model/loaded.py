@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -18,6 +19,7 @@ from . import tokenizer as _tokenizer
 
 if TYPE_CHECKING:
     from ..distributed import Group
+    from .adapters import Adapter
 
 # Config keys that name a model's context window, most specific first.
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
@@ -85,7 +87,33 @@ class LoadedModel:
             from ..distributed import fingerprint_entry
 
             found["distributed"] = fingerprint_entry(self.distributed)
+        if isinstance(fused := self.config.get("chatkit_fused_adapter"), str):  # lm.fuse(adapter)'s copy
+            found["fused_adapter"] = fused
         return found
+
+    def adapter(self, path: str | os.PathLike[str]) -> Adapter:
+        """The mlx-lm adapter folder ``path`` read and checked against this model: see
+        :func:`chatkit.load_adapter`; give it to ``builder.adapter(...)`` or ``session.adapter``."""
+        from .adapters import load_adapter
+
+        return load_adapter(path, self)
+
+    def fuse(self, adapter: Adapter, scale: float = 1.0) -> LoadedModel:
+        """A new ``LoadedModel`` with ``adapter`` (at ``scale``) fused into copies of the adapted layers'
+        weights, for one fixed adapter at the base model's speed; this model is unchanged (the weights
+        the adapter does not touch are shared). ``ModelLoadError`` if it does not fit this model."""
+        from ..errors import InvalidParamsError
+        from .adapters import Adapter, check_adapter
+        from .switchable import ActiveAdapter, fused
+
+        if not isinstance(adapter, Adapter):
+            raise InvalidParamsError(f"fuse() takes a chatkit.Adapter (chatkit.load_adapter(path)), got {type(adapter).__name__}.")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise InvalidParamsError(f"fuse(scale={scale!r}): must be a number.")
+        check_adapter(adapter, self)
+        active = ActiveAdapter(adapter, float(scale))
+        config = {**self.config, "chatkit_fused_adapter": active.key}
+        return LoadedModel(fused(self.model, active), self.tokenizer, config, self.source, self.distributed)
 
 
 def _digest(value: Any) -> str:

@@ -18,6 +18,7 @@ from ..errors import InvalidMessageError, InvalidParamsError, SpeculativeCacheRe
 from ..messages import ChatMessage, MessageLike, Role, as_messages, check_instructions
 from ..model import tokenizer as _tokenizer
 from ..model.loaded import LoadedModel
+from ..model.switchable import ActiveAdapter, activate
 from ..params import GenerateParams
 from ..text.template import read_template
 from ..tools import as_tools
@@ -50,6 +51,7 @@ class SessionSettings:
     cache: CacheState | None = None
     window: Window = Window()  # what the model sees of ``history`` (a restored context policy's window)
     earlier: tuple[tuple[int, Window], ...] = ()
+    adapter: ActiveAdapter | None = None  # the LoRA adapter applied to the model, checked and installed
 
 
 def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
@@ -98,6 +100,7 @@ class ChatSessionBuilder(Generic[S]):
         self._allow_special = False
         self._engine: Any = None
         self._context_policy: ContextPolicy | None = None  # None: the default, or a restored file's
+        self._adapter: ActiveAdapter | None = None
 
     def instructions(self, text: str | None) -> ChatSessionBuilder[S]:
         """The system prompt."""
@@ -233,6 +236,13 @@ class ChatSessionBuilder(Generic[S]):
         self._context_policy = policy.checked()
         return self
 
+    def adapter(self, adapter: Any, scale: float = 1.0) -> ChatSessionBuilder[S]:
+        """Apply a LoRA/DoRA adapter (``chatkit.load_adapter(path)``) to this session's turns, at ``scale``
+        times its own scale, over the model's one copy of the weights (``None``: the base model).
+        ``ModelLoadError`` here if it does not fit the model. See docs/adapters.md."""
+        self._adapter = activate(self._lm, adapter, scale)
+        return self
+
     def build(self) -> S:
         """Check the settings (and load the cache to restore) and return the session."""
         instructions, history = self._instructions, list(self._history)
@@ -259,6 +269,7 @@ class ChatSessionBuilder(Generic[S]):
         settings = SessionSettings(
             self._lm, instructions, tuple(history), params, self._template, self._tools, self._tool_options, options,
             self._progress, self._speculative, self._allow_special, self._engine, self._context_policy or ContextPolicy(),
+            adapter=self._adapter,
         )
         return self._factory(settings if self._restore is None else self._restored(settings))
 
@@ -266,7 +277,7 @@ class ChatSessionBuilder(Generic[S]):
         """``settings`` with the cache to restore, and the file's conversation and settings where the
         builder was given none (the builder's win: the transcript is the truth, the cache only saves work)."""
         source, verify = self._restore  # type: ignore[misc]
-        loaded = saved.load(self._lm, source, verify=verify)
+        loaded = saved.load(self._lm, source, verify=verify, adapter=self._adapter)
         options = settings.cache_options
         if loaded.info.kind == "chatkit":
             conversation = saved.SavedConversation.of(loaded.info)

@@ -22,6 +22,7 @@ from ..errors import ChatKitError, InvalidParamsError
 from ..messages import ChatMessage, Role, check_instructions
 from ..model import tokenizer as _tokenizer
 from ..model.loaded import LoadedModel
+from ..model.switchable import ActiveAdapter
 from ..params import GenerateParams, LogitsProcessor
 from ..text.template import ChatTemplate
 from ..tools import as_tools
@@ -57,6 +58,7 @@ class SessionCore:
         allow_special_in_content: bool = False,
         engine: BatchEngine | None = None,
         context_policy: ContextPolicy = ContextPolicy(),
+        adapter: ActiveAdapter | None = None,
     ) -> None:
         """Prefer :meth:`builder`, which also restores saved caches; every argument is checked here."""
         if not isinstance(lm, LoadedModel):
@@ -76,6 +78,7 @@ class SessionCore:
             self._strict.grammar(self._tools)  # a format or schema that cannot be constrained raises here
         self._speculative = speculative
         self._engine = engine
+        self._adapter = adapter if adapter is None or isinstance(adapter, ActiveAdapter) else _bad_adapter()
         self._source: TokenSource = (
             engine.source(speculative) if engine is not None else source_for(lm.model, lm.distributed, speculative)
         )
@@ -136,7 +139,7 @@ class SessionCore:
                 base, message, params, context_length=self._lm.context_length, source=self._source,
                 settle=self._settle, progress=self._progress, detokenizer=_tokenizer.new_detokenizer(tokenizer),
                 eos_token_ids=frozenset(tokenizer.eos_token_ids), constraints=constraints,
-                prepared=prepared.compacted if prepared is not None else None,
+                prepared=prepared.compacted if prepared is not None else None, adapter=self._adapter,
             )
             if prepared is not None and turn.fit is not None and turn.fit.window == prepared.compacted:
                 self._conversation.cache = prepared.cache  # its compacted context is prefilled already
@@ -298,7 +301,8 @@ class SessionCore:
             compacted = s.earlier.compacted if s.earlier is not None else (
                 self._fitter(s.params).ahead(s.window, s.messages, s.spare.ledger.opaque, self._policy.room(s.params.max_tokens)))
             if compacted is not None:
-                fill(s.spare, self._rendered_ids(compacted, s.messages, s.params), self._lm.model, self._draft_model)
+                fill(s.spare, self._rendered_ids(compacted, s.messages, s.params), self._lm.model, self._draft_model,
+                     self._adapter)
                 prepared = Prepared(s.messages, s.window, compacted, s.spare)
             return prepared is not None
         finally:
@@ -320,8 +324,9 @@ class SessionCore:
         return cache
 
     def _shared_prefixes(self) -> Any:
-        """The engine's shared prefix cache, when the session runs on a ``BatchEngine`` that has one."""
-        return None if self._engine is None else self._engine.prefix_cache
+        """The engine's shared prefix cache, when the session runs on a ``BatchEngine`` that has one (and
+        the session has no adapter: the prefixes there are the base model's)."""
+        return None if self._engine is None or self._adapter is not None else self._engine.prefix_cache
 
     def _summary_session(self, model: LoadedModel, instructions: str | None, history: Sequence[ChatMessage],
                          max_tokens: int) -> SessionCore:
@@ -330,6 +335,10 @@ class SessionCore:
             model, instructions, tuple(history), GenerateParams(max_tokens=max_tokens, temperature=0.0),
             context_policy=ContextPolicy.rolling(),
         ))
+
+
+def _bad_adapter() -> ActiveAdapter:
+    raise InvalidParamsError("adapter: use builder.adapter(adapter, scale) or session.adapter = adapter.")
 
 
 __all__ = ["SessionCore"]

@@ -22,6 +22,7 @@ from ..cache.state import CacheOptions, Checkpoint
 from ..errors import ChatKitError, InvalidParamsError
 from ..messages import ChatMessage, saved_dict
 from ..model.loaded import LoadedModel
+from ..model.switchable import ActiveAdapter
 from ..params import GenerateParams
 from .context import ContextPolicy, Window
 
@@ -117,9 +118,10 @@ def save(
     checkpoints: Sequence[Checkpoint],
     conversation: SavedConversation,
     cache_options: CacheOptions,
+    adapter: ActiveAdapter | None = None,
 ) -> int:
     """Write the cache and the conversation to ``path`` (over a sharded model: this rank's file, and
-    every rank must succeed); returns the file's size."""
+    every rank must succeed); returns the file's size. The fingerprint names ``adapter`` too."""
     params = conversation.generate_params or GenerateParams()
     document = {
         "instructions": conversation.instructions,
@@ -128,30 +130,36 @@ def save(
         "context": conversation.context.to_dict(),
     }
     return distributed.agree(lm.distributed, "save the cache", lambda: file.save(
-        distributed.shard_path(lm.distributed, path), layers, ledger, fingerprint=lm.fingerprint,
+        distributed.shard_path(lm.distributed, path), layers, ledger, fingerprint=identity(lm, adapter),
         conversation=document, cache_options=asdict(cache_options), checkpoints=checkpoints,
     ))
 
 
+def identity(lm: LoadedModel, adapter: ActiveAdapter | None) -> dict[str, str]:
+    """What a saved cache must match: ``lm``'s fingerprint, and the session's adapter when it has one."""
+    return {**lm.fingerprint, **({} if adapter is None else {"adapter": adapter.key})}
+
+
 def load(lm: LoadedModel, source: str | os.PathLike[str] | Sequence[Any], *, verify: bool = True,
-         raw: bool = True) -> LoadedCache:
+         raw: bool = True, adapter: ActiveAdapter | None = None) -> LoadedCache:
     """The cache to restore into a session over ``lm``: a file from ``save_cache`` (over a sharded model,
     this rank's, all ranks agreeing), a raw mlx-lm prompt-cache file, or (``raw``) a list of cache layers.
-    chatkit files are checked against ``lm``'s fingerprint; the layers against the model unless
+    chatkit files are checked against ``lm``'s fingerprint (and ``adapter``'s); the layers against the model unless
     ``verify=False`` (then the tensors are not checked against their checksums either)."""
     if isinstance(source, bytes):  # a path, as save_cache takes it
         source = os.fsdecode(source)
     if isinstance(source, (str, os.PathLike)):
-        return distributed.restore(lm.distributed, source, lambda f: _load_file(lm, f, verify, raw))
+        return distributed.restore(lm.distributed, source, lambda f: _load_file(lm, f, verify, raw, adapter))
     return _from_layers(lm, source, verify)
 
 
-def _load_file(lm: LoadedModel, path: str | os.PathLike[str], verify: bool, raw: bool) -> LoadedCache:
+def _load_file(lm: LoadedModel, path: str | os.PathLike[str], verify: bool, raw: bool,
+               adapter: ActiveAdapter | None) -> LoadedCache:
     saved = file.load(path, verify=verify)
     where = repr(str(path))
     if saved.info.kind == "chatkit" or not raw:
         check(saved.info)
-        file.check_fingerprint(lm.fingerprint, saved.info.fingerprint, where)
+        file.check_fingerprint(identity(lm, adapter), saved.info.fingerprint, where)
     if verify:
         file.check_layers(lm.model, saved, where)
     return saved

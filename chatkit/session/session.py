@@ -20,7 +20,9 @@ from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig, check_cache_options
 from ..errors import InvalidParamsError, NoCacheAvailableError
 from ..messages import ChatMessage, MessageLike, Role, ToolCall, check_instructions
+from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
+from ..model.switchable import activate
 from ..params import GenerateParams
 from ..tools import as_tools
 from . import saved
@@ -194,6 +196,34 @@ class ChatSession(SessionCore):
             if options != self.cache_options:
                 self._conversation = self._conversation.with_cache(self._new_cache(options))
 
+    # -- the adapter ----------------------------------------------------------------------------
+    @property
+    def adapter(self) -> Adapter | None:
+        """The LoRA/DoRA adapter applied to this session's turns (``None``: the base model). Assigning
+        one (at scale 1; :meth:`set_adapter` for another) rebuilds the cache at the next turn."""
+        return None if self._adapter is None else self._adapter.adapter
+
+    @adapter.setter
+    def adapter(self, adapter: Adapter | None) -> None:
+        self.set_adapter(adapter)
+
+    @property
+    def adapter_scale(self) -> float | None:
+        """The scale the adapter is applied at (times its own), ``None`` without an adapter."""
+        return None if self._adapter is None else self._adapter.scale
+
+    def set_adapter(self, adapter: Adapter | None, scale: float = 1.0) -> None:
+        """Apply ``adapter`` at ``scale`` from the next turn on (``None``: the base model); the KV cache
+        was made by the model as it was, so a change starts a new one. ``ModelLoadError`` if it does
+        not fit the model; nothing changes then."""
+        active = activate(self._lm, adapter, scale)
+        with self._gate.idle("change the adapter"):
+            if (None if active is None else active.key) != (None if self._adapter is None else self._adapter.key):
+                self._preparer.wait()  # a compaction being prepared with the old adapter: let it end, then drop it
+                self._preparer.discard()
+                self._adapter = active
+                self._conversation = self._conversation.with_cache(self._new_cache(self.cache_options))
+
     def cache_info(self) -> CacheInfo:
         """What the KV cache holds now."""
         return self._conversation.cache.info()
@@ -220,14 +250,15 @@ class ChatSession(SessionCore):
             c = self._conversation
             context = saved.SavedContext(self._policy, c.window, c.earlier)
             conversation = saved.SavedConversation(self._instructions, c.messages, self._params, None, context)
-            return saved.save(path, self._lm, cache.layers, cache.ledger, cache.checkpoints, conversation, cache.options)
+            return saved.save(path, self._lm, cache.layers, cache.ledger, cache.checkpoints, conversation, cache.options,
+                              self._adapter)
 
     def restore_cache(self, path: str | os.PathLike[str]) -> None:
         """Put back the KV cache of a file this session's conversation was saved to (e.g. by a pool
         that evicted it), checked against the model's fingerprint. The conversation itself stays as
         it is: turns reuse as much of the restored cache as matches it."""
         with self._gate.idle("restore the cache"):
-            loaded = saved.load(self._lm, path, raw=False)
+            loaded = saved.load(self._lm, path, raw=False, adapter=self._adapter)
             # A draft's cache is not saved: it is refilled from the ledger at the next turn.
             self._use_cache(CacheState.restored(
                 self._lm.model, self.cache_options, loaded.layers, loaded.ledger, loaded.checkpoints, self._draft_model
@@ -280,7 +311,7 @@ class ChatSession(SessionCore):
             other = ChatSession._from_settings(SessionSettings(
                 self._lm, self._instructions, (), self._params.copy(), self._template.template, self._tools,
                 self._tool_options, self.cache_options, self._progress, self._speculative,
-                self._template.allow_special_in_content, self._engine, self._policy,
+                self._template.allow_special_in_content, self._engine, self._policy, adapter=self._adapter,
             ))
             other._conversation = self._conversation.copy()
             other._last_stats = self._last_stats

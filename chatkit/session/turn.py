@@ -22,6 +22,7 @@ from ..cache.planner import Plan
 from ..decode import DraftCount, ProgressCallback, Request, Token, TokenSource
 from ..errors import ContextWindowExceededError
 from ..messages import ChatMessage
+from ..model.switchable import ActiveAdapter
 from ..params import GenerateParams, LogitsProcessor
 from ..text.reply import Segmenter
 from ..text.template import ChatTemplate
@@ -84,6 +85,7 @@ class Turn:
     plan: Plan | None = None
     fed: list[int] = field(default_factory=list)
     fit: Fit | None = None  # the window this turn's prompt was rendered through, and what compacting did
+    adapter: ActiveAdapter | None = None  # the session's adapter: part of what shapes this turn's KV
 
     @classmethod
     def prepare(
@@ -137,6 +139,7 @@ class Turn:
             options=cache.options,
             progress=self._on_progress,
             drafts=self.drafts,
+            adapter=self.adapter,
         )
         return len(self.plan.suffix), self.source.generate(cache, request)
 

