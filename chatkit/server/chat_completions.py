@@ -79,7 +79,7 @@ def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
     """A ``POST /v1/chat/completions`` body."""
     body = read_object(body)
     read_metadata(body)  # checked as OpenAI does; chatkit keeps no chat completions to attach it to
-    tools, choice, strict = read_tools(body, flat=False)
+    tool_fields = read_tools(body, flat=False)
     if body.get("n", 1) != 1:
         raise BadRequestError("n: chatkit answers with one choice per request; send n=1.", param="n")
     if body.get("logprobs") or body.get("top_logprobs"):
@@ -99,7 +99,7 @@ def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
         stream=read_bool(body, "stream", False),
         include_usage=bool(options.get("include_usage", False)),
         schema=_chat_schema(body.get("response_format")),
-        tools=tools, tool_choice=choice, strict_tools=strict,
+        **tool_fields,
     )
 
 

@@ -211,7 +211,8 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
     """A ``POST /v1/responses`` body. ``added`` is its input as messages (function calls and their
     outputs as assistant tool calls and tool messages); the app puts it after the stored conversation."""
     body = read_object(body)
-    tools, choice, strict = read_tools(body, flat=True)
+    tool_fields = read_tools(body, flat=True)
+    tools, strict = tool_fields["tools"], tool_fields["strict_tools"]
     if body.get("reasoning"):
         raise BadRequestError("reasoning options are not supported by chatkit serve yet: leave them out.",
                               param="reasoning")
@@ -238,7 +239,8 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "temperature", "top_p")}
     echo["metadata"] = read_metadata(body)
     echo["tools"] = [{"type": "function", **t["function"], "strict": strict} for t in tools or ()]
-    echo["tool_choice"] = choice
+    echo["tool_choice"] = body.get("tool_choice") or "auto"
+    echo["parallel_tool_calls"] = tool_fields["parallel_tool_calls"]
     return TurnRequest(
         instructions, (), tuple(items),
         params=read_params(body, defaults, body.get("max_output_tokens"), "max_output_tokens"),
@@ -246,7 +248,7 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
         schema=schema,
         previous_response_id=previous,
         store=read_bool(body, "store", True),
-        tools=tools, tool_choice=choice, strict_tools=strict,
+        **tool_fields,
         echo=echo,
     )
 
@@ -363,7 +365,7 @@ def response_object(rid: str, model: str, *, created_at: int, status: str, outpu
         "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": echo.get("instructions"), "max_output_tokens": echo.get("max_output_tokens"),
         "temperature": echo.get("temperature"), "top_p": echo.get("top_p"), "metadata": echo.get("metadata") or {},
-        "parallel_tool_calls": True, "tool_choice": echo.get("tool_choice", "auto"), "tools": echo.get("tools", []),
+        "parallel_tool_calls": echo.get("parallel_tool_calls", True), "tool_choice": echo.get("tool_choice", "auto"), "tools": echo.get("tools", []),
         "text": {"format": {"type": "text"}},
     }
 

@@ -1,0 +1,157 @@
+"""chatkit serve's OpenAI request fields beyond the basics, driven by the official openai client:
+tool_choice (required / named / none) and parallel_tool_calls=false held by the strict call grammar,
+presence / frequency penalties as mlx-lm's processors."""
+
+import json
+
+from chatkit import ChatSession, GenerateParams
+from chatkit.server import ServerConfig, start
+from chatkit.server.wire import guided_available
+
+import httpx
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm.sample_utils import make_logits_processors
+
+needs_guided = pytest.mark.skipif(not guided_available(), reason="needs the guided extra")
+
+
+def bounded(name):
+    """A function tool whose one string argument is bounded (a random model never ends a free string)."""
+    return {"type": "function", "function": {"name": name, "description": f"The {name} of a city.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}}}
+
+
+WEATHER, TIME = bounded("get_weather"), bounded("local_time")
+
+
+@pytest.fixture(scope="module")
+def think(tiny):
+    return tiny("qwen3", "bpe-think", 0)
+
+
+@pytest.fixture(scope="module")
+def lm(tiny):
+    return tiny("qwen3", "bpe", 0)
+
+
+def client(running):
+    return openai.OpenAI(base_url=running.url, api_key="unused", max_retries=0)
+
+
+def chat(c, messages, **kw):
+    return c.chat.completions.create(model="any", messages=messages, **kw)
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def post(running, path, body):
+    r = httpx.post(f"{running.url}{path}", json=body, timeout=60)
+    return r.status_code, r.json()
+
+
+def readable(tc):
+    arguments = json.loads(tc.function.arguments)
+    return set(arguments) == {"city"} and isinstance(arguments["city"], str) and len(arguments["city"]) <= 6
+
+
+class FavourStart:
+    """Pushes ``token`` (a call's start marker) at every step: with parallel calls allowed the reply
+    would open call after call."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, tokens, logits):
+        return logits + 30.0 * (mx.arange(logits.shape[-1]) == self.token)
+
+
+# -- tool_choice and parallel_tool_calls ------------------------------------------------------------
+@needs_guided
+def test_tool_choice_required_and_named_produce_calls_to_the_right_tool(think):
+    with start(think, ServerConfig(defaults=GenerateParams(max_tokens=60))) as running:
+        c = client(running)
+        free = chat(c, [user("Weather?")], tools=[WEATHER, TIME])
+        required = chat(c, [user("Weather?")], tools=[WEATHER, TIME], tool_choice="required")
+        named = chat(c, [user("Weather?")], tools=[WEATHER, TIME],
+                     tool_choice={"type": "function", "function": {"name": "local_time"}})
+        r = c.responses.create(model="any", input="Weather?", tools=[
+            {"type": "function", **WEATHER["function"]}, {"type": "function", **TIME["function"]}],
+            tool_choice={"type": "function", "name": "get_weather"})
+    assert not free.choices[0].message.tool_calls  # the random model does not call by itself
+    for reply, names in ((required, {"get_weather", "local_time"}), (named, {"local_time"})):
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls" and message.tool_calls and not message.content
+        assert all(tc.function.name in names and readable(tc) for tc in message.tool_calls)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and all(item.name == "get_weather" for item in calls) and r.tool_choice.name == "get_weather"
+
+
+@needs_guided
+def test_parallel_tool_calls_false_gives_at_most_one_call(think):
+    (start_call,) = think.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    params = GenerateParams(max_tokens=80, logits_processors=[FavourStart(start_call)])
+    with start(think, ServerConfig(defaults=params)) as running:
+        c = client(running)
+        many = chat(c, [user("Weather?")], tools=[WEATHER], tool_choice="required")
+        one = chat(c, [user("Weather?")], tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+        r = c.responses.create(model="any", input="Weather?", tools=[{"type": "function", **WEATHER["function"]}],
+                               tool_choice="required", parallel_tool_calls=False)
+    assert len(many.choices[0].message.tool_calls) > 1
+    (tc,) = one.choices[0].message.tool_calls
+    assert one.choices[0].finish_reason == "tool_calls" and readable(tc)
+    assert len([item for item in r.output if item.type == "function_call"]) == 1 and r.parallel_tool_calls is False
+
+
+def test_tool_choice_none_is_still_held(think):
+    (start_call,) = think.tokenizer.encode("<tool_call>", add_special_tokens=False)
+    params = GenerateParams(max_tokens=6, logits_processors=[FavourStart(start_call)])
+    with start(think, ServerConfig(defaults=params)) as running:
+        none = chat(client(running), [user("Weather?")], tools=[WEATHER], tool_choice="none")
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "'nope'"),
+    ({"tool_choice": {"type": "function", "name": "get_weather"}}, "tool_choice", "named choice"),
+    ({"tool_choice": "always"}, "tool_choice", "'always'"),
+    ({"tool_choice": {"type": "web_search"}}, "tool_choice", "function"),
+    ({"parallel_tool_calls": "no"}, "parallel_tool_calls", "true or false"),
+    ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
+])
+def test_bad_tool_choices_are_400(think, body, param, words):
+    with start(think, ServerConfig(defaults=GenerateParams(max_tokens=4))) as running:
+        status, data = post(running, "/chat/completions", {"messages": [user("hi")], "tools": [WEATHER], **body})
+    assert status == 400 and data["error"]["param"] == param and words in data["error"]["message"]
+
+
+@pytest.mark.filterwarnings("ignore:This chat template does not render the tools")
+def test_forcing_calls_where_the_format_has_no_grammar_is_400(tiny):
+    plain = tiny("qwen3", "spm", 0)  # a tokenizer without a tool-call format chatkit knows
+    with start(plain, ServerConfig(defaults=GenerateParams(max_tokens=4))) as running:
+        for body, param in (({"tool_choice": "required"}, "tool_choice"),
+                            ({"parallel_tool_calls": False}, "parallel_tool_calls")):
+            status, data = post(running, "/chat/completions", {"messages": [user("hi")], "tools": [WEATHER], **body})
+            assert status == 400 and data["error"]["param"] == param and "leave it out" in data["error"]["message"]
+        status, _ = post(running, "/chat/completions", {"messages": [user("hi")], "tools": [WEATHER]})
+    assert status == 200
+
+
+# -- presence and frequency penalties ---------------------------------------------------------------
+def test_penalties_change_the_reply_as_mlx_lm_processors_do(lm):
+    params = GenerateParams(max_tokens=24)
+    with start(lm, ServerConfig(defaults=params)) as running:
+        c = client(running)
+        plain = chat(c, [user("Say something.")]).choices[0].message.content
+        got = {name: chat(c, [user("Say something.")], **{name: 2.0}).choices[0].message.content
+               for name in ("presence_penalty", "frequency_penalty")}
+        status, data = post(running, "/chat/completions", {"messages": [user("hi")], "presence_penalty": 2.5})
+    assert status == 400 and data["error"]["param"] == "presence_penalty" and "[-2, 2]" in data["error"]["message"]
+    for name, reply in got.items():
+        # The ground truth: mlx-lm's own processor, handed to an in-process session as an extra one.
+        (by_hand,) = make_logits_processors(**{name: 2.0, name.replace("penalty", "context_size"): 20})
+        session = ChatSession.builder(lm).generate_params(params.copy(logits_processors=[by_hand])).build()
+        assert reply == session.respond("Say something.") != plain
