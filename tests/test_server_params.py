@@ -155,3 +155,77 @@ def test_penalties_change_the_reply_as_mlx_lm_processors_do(lm):
         (by_hand,) = make_logits_processors(**{name: 2.0, name.replace("penalty", "context_size"): 20})
         session = ChatSession.builder(lm).generate_params(params.copy(logits_processors=[by_hand])).build()
         assert reply == session.respond("Say something.") != plain
+
+
+# -- logprobs ---------------------------------------------------------------------------------------
+def entries(content):
+    return [(e.token, e.logprob, [(t.token, t.logprob) for t in e.top_logprobs]) for e in content]
+
+
+def test_logprobs_are_the_models_log_softmax_and_stream_and_respond_alike(lm):
+    with start(lm, ServerConfig(defaults=GenerateParams(max_tokens=8))) as running:
+        c = client(running)
+        r = chat(c, [user("Hi")], logprobs=True, top_logprobs=5)
+        streamed = [ch for ch in chat(c, [user("Hi")], logprobs=True, top_logprobs=5, stream=True) if ch.choices]
+        plain = chat(c, [user("Hi")], logprobs=True)
+        off = chat(c, [user("Hi")])
+        resp = c.responses.create(model="any", input="Hi", include=["message.output_text.logprobs"], top_logprobs=5)
+        bad = [post(running, "/chat/completions", {"messages": [user("hi")], **body}) for body in (
+            {"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"logprobs": "yes"})]
+    content = r.choices[0].logprobs.content
+    eos = r.choices[0].finish_reason == "stop"
+    assert len(content) == r.usage.completion_tokens - eos  # every token of the text, not the end of turn
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
+        assert (e.top_logprobs[0].token, e.top_logprobs[0].logprob) == (e.token, e.logprob)  # greedy: the best
+        assert bytes(e.bytes).decode("utf-8") == e.token
+    # An independent computation: the model's forward pass over the prompt, log-softmax at step 1.
+    session = ChatSession.builder(lm).build()
+    prompt = lm.tokenizer.encode(session.render("Hi"), add_special_tokens=False)
+    assert len(prompt) == r.usage.prompt_tokens
+    logits = lm.model(mx.array([prompt]))[0, -1].astype(mx.float32)
+    expected = logits - mx.logsumexp(logits)
+    best = mx.argsort(-expected)[:5].tolist()
+    assert [t.token for t in content[0].top_logprobs] == [lm.tokenizer.decode([t]) for t in best]
+    for t, got in zip(best, content[0].top_logprobs, strict=True):
+        assert got.logprob == pytest.approx(expected[t].item(), abs=1e-4)
+    # Streamed chunks carry the same entries; without top_logprobs none are listed; without logprobs, none.
+    assert streamed[0].choices[0].logprobs is None  # the role chunk
+    assert entries(e for ch in streamed[1:] for e in ch.choices[0].logprobs.content) == entries(content)
+    assert [(e.token, e.logprob, e.top_logprobs) for e in plain.choices[0].logprobs.content] == [
+        (e.token, e.logprob, []) for e in content]
+    assert off.choices[0].logprobs is None
+    (part,) = [p for item in resp.output if item.type == "message" for p in item.content]
+    assert entries(part.logprobs) == entries(content)
+    assert [(status, data["error"]["param"]) for status, data in bad] == [
+        (400, "top_logprobs"), (400, "top_logprobs"), (400, "logprobs")]
+
+
+def test_logprobs_hold_when_batched_and_with_speculative_decoding(lm):
+    """Concurrent requests decoded together by the BatchEngine, and a speculative server (the model as
+    its own draft: every draft accepted, the target's log-probabilities verified in one pass), give the
+    entries one plain request gets."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from chatkit import SpeculativeConfig
+
+    params = GenerateParams(max_tokens=8)
+    prompts = ["Hi", "Tell me a story."]
+
+    def ask(running, prompt):
+        r = chat(client(running), [user(prompt)], logprobs=True, top_logprobs=3)
+        return [(e.token, e.logprob, [t.token for t in e.top_logprobs]) for e in r.choices[0].logprobs.content]
+
+    with start(lm, ServerConfig(defaults=params)) as running:
+        plain = [ask(running, p) for p in prompts]
+    with start(lm, ServerConfig(defaults=params, batch=True, parallel=2)) as running:
+        with ThreadPoolExecutor(2) as pool:
+            batched = list(pool.map(lambda p: ask(running, p), prompts))
+    with start(lm, ServerConfig(defaults=params, speculative=SpeculativeConfig(lm, 4))) as running:
+        speculative = [ask(running, p) for p in prompts]
+    for got in (batched, speculative):
+        for ours, theirs in zip(got, plain, strict=True):
+            assert [(t, tops) for t, _, tops in ours] == [(t, tops) for t, _, tops in theirs] and ours
+            assert [lp for _, lp, _ in ours] == pytest.approx([lp for _, lp, _ in theirs], abs=1e-4)

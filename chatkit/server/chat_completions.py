@@ -18,6 +18,7 @@ from ..session.results import TurnStats
 from .body import read_body, read_metadata, read_object
 from .errors import BadRequestError, error_body
 from .lease import Lease
+from .logprobs import Logprobs, complete, read_logprobs
 from .state import ServerState, reply_of
 from .wire import (
     Deltas,
@@ -45,9 +46,11 @@ async def create(state: ServerState, request: Request) -> Response:
     cid = new_id("chatcmpl")
     if req.stream:
         return StreamingResponse(_events(state, lease, req, cid), media_type="text/event-stream")
-    finish = await state.complete(lease)
+    read = Logprobs(state.lm.tokenizer, req.logprobs) if req.logprobs is not None else None
+    finish = await complete(state, lease, read)
     compaction = lease.compaction()
-    body = chat_completion(cid, state.config.model_id, reply_of(lease), finish, lease.stream.stats, compaction)
+    body = chat_completion(cid, state.config.model_id, reply_of(lease), finish, lease.stream.stats, compaction,
+                           None if read is None else {"content": read.entries, "refusal": None})
     return JSONResponse(body, headers=compaction_headers(compaction))
 
 
@@ -58,14 +61,21 @@ async def _events(state: ServerState, lease: Lease, req: TurnRequest, cid: str) 
         try:
             yield _sse(chat_chunk(cid, model, {"role": "assistant", "content": ""}))
             finish, calls, deltas = None, 0, Deltas()
+            read = Logprobs(state.lm.tokenizer, req.logprobs) if req.logprobs is not None else None
+
+            def taken() -> dict[str, Any] | None:  # the entries since the last chunk sent, when asked
+                return None if read is None else {"content": read.take(), "refusal": None}
+
             async for chunk in lease.stream:
                 finish = chunk.finish_reason
+                if read is not None:
+                    read.feed(chunk)
                 for kind, value in deltas.feed(chunk):
-                    yield _sse(chat_chunk(cid, model, _delta(kind, value, calls)))
+                    yield _sse(chat_chunk(cid, model, _delta(kind, value, calls), logprobs=taken()))
                     calls += kind == "call"
             for kind, value in deltas.end():
-                yield _sse(chat_chunk(cid, model, _delta(kind, value, calls)))
-            yield _sse(chat_chunk(cid, model, {}, finish_reason(finish, calls > 0)))
+                yield _sse(chat_chunk(cid, model, _delta(kind, value, calls), logprobs=taken()))
+            yield _sse(chat_chunk(cid, model, {}, finish_reason(finish, calls > 0), logprobs=taken()))
             if req.include_usage:
                 await lease.stream.aclose()
                 yield _sse(chat_chunk(cid, model, {}, usage=chat_usage(lease.stream.stats, lease.compaction())))
@@ -82,8 +92,6 @@ def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
     tool_fields = read_tools(body, flat=False)
     if body.get("n", 1) != 1:
         raise BadRequestError("n: chatkit answers with one choice per request; send n=1.", param="n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise BadRequestError("logprobs are not supported by chatkit serve yet: leave them out.", param="logprobs")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("messages: a non-empty list of {role, content} objects is required.", param="messages")
@@ -99,6 +107,7 @@ def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
         stream=read_bool(body, "stream", False),
         include_usage=bool(options.get("include_usage", False)),
         schema=_chat_schema(body.get("response_format")),
+        logprobs=read_logprobs(body),
         **tool_fields,
     )
 
@@ -157,21 +166,22 @@ def chat_usage(stats: TurnStats | None, compaction: Mapping[str, int] | None = N
 
 
 def chat_completion(cid: str, model: str, reply: ChatMessage, finish: str | None,
-                    stats: TurnStats | None, compaction: Mapping[str, int] | None = None) -> dict[str, Any]:
+                    stats: TurnStats | None, compaction: Mapping[str, int] | None = None,
+                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
         "choices": [{"index": 0, "message": chat_message(reply), "finish_reason": finish_reason(finish, bool(reply.tool_calls)),
-                     "logprobs": None}],
+                     "logprobs": logprobs}],
         "usage": chat_usage(stats, compaction),
     }
 
 
 def chat_chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None = None,
-               usage: dict[str, Any] | None = None) -> dict[str, Any]:
+               usage: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     chunk: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
                              "model": model, "choices": []}
     if usage is None:
-        chunk["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        chunk["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
     else:
         chunk["usage"] = usage
     return chunk

@@ -50,6 +50,7 @@ class TurnRequest:
     tool_choice: str = "auto"  # or "none": the model may not call them; "required": it must (``tool_choice.py``)
     tool_name: str | None = None  # tool_choice named this function: the call is to it
     parallel_tool_calls: bool = True  # false: at most one call per reply
+    logprobs: int | None = None  # asked for: how many top tokens each entry lists (``logprobs.py``)
     strict_tools: bool = False  # a tool said strict: true: calls are constrained to the tools' schemas
     echo: dict[str, Any] = field(default_factory=dict)  # request fields a response repeats back
 
