@@ -290,7 +290,7 @@ def user(text):
     ({"messages": [user("hi"), {"role": "assistant", "content": None, "tool_calls": [
         {"id": "abc", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "1"}]}, "messages[2]"),
-    ({"messages": [user("hi")], "n": 2}, "n"),
+    ({"messages": [user("hi")], "n": 0}, "n"),
     ({"messages": [user("hi")], "temperature": -1}, "temperature"),
     ({"messages": [user("hi")], "max_tokens": 0}, "max_tokens"),
     ({"messages": [user("hi")], "presence_penalty": 2.5}, "presence_penalty"),

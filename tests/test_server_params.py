@@ -81,6 +81,8 @@ def test_tool_choice_required_and_named_produce_calls_to_the_right_tool(think):
         r = c.responses.create(model="any", input="Weather?", tools=[
             {"type": "function", **WEATHER["function"]}, {"type": "function", **TIME["function"]}],
             tool_choice={"type": "function", "name": "get_weather"})
+        several = chat(c, [user("Weather?")], tools=[WEATHER, TIME], n=2, temperature=1.0, seed=1,
+                       tool_choice={"type": "function", "function": {"name": "local_time"}})
     assert not free.choices[0].message.tool_calls  # the random model does not call by itself
     for reply, names in ((required, {"get_weather", "local_time"}), (named, {"local_time"})):
         message = reply.choices[0].message
@@ -88,6 +90,9 @@ def test_tool_choice_required_and_named_produce_calls_to_the_right_tool(think):
         assert all(tc.function.name in names and readable(tc) for tc in message.tool_calls)
     calls = [item for item in r.output if item.type == "function_call"]
     assert calls and all(item.name == "get_weather" for item in calls) and r.tool_choice.name == "get_weather"
+    # Each of n choices is held too (a fork's turn replays the same constraint from its prompt).
+    for choice in several.choices:
+        assert choice.message.tool_calls and all(tc.function.name == "local_time" for tc in choice.message.tool_calls)
 
 
 @needs_guided
@@ -229,3 +234,41 @@ def test_logprobs_hold_when_batched_and_with_speculative_decoding(lm):
         for ours, theirs in zip(got, plain, strict=True):
             assert [(t, tops) for t, _, tops in ours] == [(t, tops) for t, _, tops in theirs] and ours
             assert [lp for _, lp, _ in ours] == pytest.approx([lp for _, lp, _ in theirs], abs=1e-4)
+
+
+# -- n > 1 ------------------------------------------------------------------------------------------
+def test_n_choices_are_seeded_forks_of_one_prefilled_prompt(lm):
+    params = GenerateParams(max_tokens=8, temperature=1.0)
+    messages = [{"role": "system", "content": "Be brief."}, user("Tell me a story.")]
+    with start(lm, ServerConfig(defaults=params)) as running:
+        c = client(running)
+        r = chat(c, messages, n=3, seed=7, logprobs=True)
+        chunks = [ch for ch in chat(c, messages, n=3, seed=7, stream=True, stream_options={"include_usage": True})]
+        # The client goes on with choice 1: the conversation starts from the pooled prompt's cache.
+        picked = r.choices[1].message.content
+        later = chat(c, [*messages, {"role": "assistant", "content": picked}, user("And then?")], seed=3)
+        bad = post(running, "/chat/completions", {"messages": messages, "n": 0})
+    # The ground truth: one in-process session per choice, seeded seed + index.
+    sessions = [ChatSession.builder(lm).instructions("Be brief.").generate_params(params.copy(seed=7 + i)).build()
+                for i in range(3)]
+    expected = [s.respond("Tell me a story.") for s in sessions]
+    assert [ch.message.content for ch in r.choices] == expected and len(set(expected)) > 1
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert ["".join(e.token for e in ch.logprobs.content) for ch in r.choices] == expected  # each its own
+    assert r.usage.prompt_tokens == sessions[0].last_stats.prompt_tokens  # counted once
+    assert r.usage.completion_tokens == sum(s.last_stats.generation_tokens for s in sessions)
+    streamed = {}
+    for ch in chunks:
+        for choice in ch.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert [streamed[i] for i in range(3)] == expected
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert later.usage.prompt_tokens_details.cached_tokens >= r.usage.prompt_tokens - 8  # the prompt's cache
+    sessions[1].generate_params = params.copy(seed=3)
+    assert later.choices[0].message.content == sessions[1].respond("And then?")
+    assert bad[0] == 400 and bad[1]["error"]["param"] == "n"
+    # How a choice after the first is made: a fork of the session that answered, answering again,
+    # feeds only the prompt's last token (for its logits) and reuses the rest of the prompt's cache.
+    fork = sessions[0].fork()
+    fork.regenerate()
+    assert fork.last_stats.prefilled_tokens == 1 and fork.last_stats.reused_tokens == r.usage.prompt_tokens - 1

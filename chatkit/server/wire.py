@@ -2,9 +2,8 @@
 output format read into plain data (a ``TurnRequest``), tool results linked to their calls, and a reply's
 chunks as the pieces a client is streamed (``Deltas``).
 
-Only what chatkit can honour is accepted; a field it cannot (n > 1, logprobs, a tool_choice that
-forces a call where the model's call format has no grammar) is a 400 naming the field rather than
-being ignored.
+Only what chatkit can honour is accepted; a field it cannot (a tool_choice that forces a call where the
+model's call format has no grammar) is a 400 naming the field rather than being ignored.
 Function tools, assistant tool calls, tool results and reasoning travel in OpenAI's fields
 (``tool_calls``, ``role: "tool"`` + ``tool_call_id``, ``reasoning_content``; on ``/v1/responses``
 ``function_call`` / ``function_call_output`` / ``reasoning`` items). A tool marked ``strict: true``
@@ -51,6 +50,7 @@ class TurnRequest:
     tool_name: str | None = None  # tool_choice named this function: the call is to it
     parallel_tool_calls: bool = True  # false: at most one call per reply
     logprobs: int | None = None  # asked for: how many top tokens each entry lists (``logprobs.py``)
+    n: int = 1  # choices (chat completions; ``choices.py``)
     strict_tools: bool = False  # a tool said strict: true: calls are constrained to the tools' schemas
     echo: dict[str, Any] = field(default_factory=dict)  # request fields a response repeats back
 
