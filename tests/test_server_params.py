@@ -78,13 +78,16 @@ def test_tool_choice_required_and_named_produce_calls_to_the_right_tool(think):
         required = chat(c, [user("Weather?")], tools=[WEATHER, TIME], tool_choice="required")
         named = chat(c, [user("Weather?")], tools=[WEATHER, TIME],
                      tool_choice={"type": "function", "function": {"name": "local_time"}})
+        strict = {"type": "function", "function": {**TIME["function"], "strict": True}}
+        both = chat(c, [user("Weather?")], tools=[WEATHER, strict], tool_choice="required")  # two constraints agree
         r = c.responses.create(model="any", input="Weather?", tools=[
             {"type": "function", **WEATHER["function"]}, {"type": "function", **TIME["function"]}],
             tool_choice={"type": "function", "name": "get_weather"})
         several = chat(c, [user("Weather?")], tools=[WEATHER, TIME], n=2, temperature=1.0, seed=1,
                        tool_choice={"type": "function", "function": {"name": "local_time"}})
     assert not free.choices[0].message.tool_calls  # the random model does not call by itself
-    for reply, names in ((required, {"get_weather", "local_time"}), (named, {"local_time"})):
+    for reply, names in ((required, {"get_weather", "local_time"}), (named, {"local_time"}),
+                         (both, {"get_weather", "local_time"})):
         message = reply.choices[0].message
         assert reply.choices[0].finish_reason == "tool_calls" and message.tool_calls and not message.content
         assert all(tc.function.name in names and readable(tc) for tc in message.tool_calls)
@@ -175,6 +178,8 @@ def test_logprobs_are_the_models_log_softmax_and_stream_and_respond_alike(lm):
         plain = chat(c, [user("Hi")], logprobs=True)
         off = chat(c, [user("Hi")])
         resp = c.responses.create(model="any", input="Hi", include=["message.output_text.logprobs"], top_logprobs=5)
+        events = list(c.responses.create(model="any", input="Hi", include=["message.output_text.logprobs"],
+                                         top_logprobs=5, stream=True))
         bad = [post(running, "/chat/completions", {"messages": [user("hi")], **body}) for body in (
             {"logprobs": True, "top_logprobs": 21}, {"top_logprobs": 2}, {"logprobs": "yes"})]
     content = r.choices[0].logprobs.content
@@ -204,6 +209,8 @@ def test_logprobs_are_the_models_log_softmax_and_stream_and_respond_alike(lm):
     assert off.choices[0].logprobs is None
     (part,) = [p for item in resp.output if item.type == "message" for p in item.content]
     assert entries(part.logprobs) == entries(content)
+    deltas = [lp for ev in events if ev.type == "response.output_text.delta" for lp in ev.logprobs]
+    assert entries(deltas) == entries(content)
     assert [(status, data["error"]["param"]) for status, data in bad] == [
         (400, "top_logprobs"), (400, "top_logprobs"), (400, "logprobs")]
 

@@ -11,6 +11,8 @@ The forced calls follow the tools' schemas, as ``strict: true`` ones do.
 
 from __future__ import annotations
 
+import json
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,6 +22,9 @@ from ..params import LogitsProcessor
 from .errors import BadRequestError
 
 CHOICES = ("auto", "none", "required")
+COMPILED_LIMIT = 32  # tool sets whose grammar is kept compiled (a client sends the same tools each turn)
+# tokenizer -> (its tools as JSON, parallel) -> their grammar; used on the event loop's thread only
+_compiled: weakref.WeakKeyDictionary[Any, dict[tuple[str, bool], Any]] = weakref.WeakKeyDictionary()
 
 
 def read_choice(body: Mapping[str, Any], names: Sequence[str], *, flat: bool) -> tuple[str, str | None, bool]:
@@ -74,10 +79,17 @@ def call_constraint(lm: LoadedModel, tools: Sequence[Mapping[str, Any]] | None, 
         raise BadRequestError(f"{what}: chatkit holds the model to it with a grammar of its tool calls, and has none "
                               "for this model's call format: leave it out (the model then decides).", param=param) from None
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
-    try:
-        grammar = tool_call_grammar(lm.tokenizer, chosen, single=not parallel)
-    except ChatKitError as exc:
-        raise BadRequestError(f"{what}: {exc}", param=param) from exc
+    compiled = _compiled.setdefault(lm.tokenizer, {})
+    key = (json.dumps(chosen, sort_keys=True, default=str), parallel)
+    grammar = compiled.pop(key, None)
+    if grammar is None:
+        try:
+            grammar = tool_call_grammar(lm.tokenizer, chosen, single=not parallel)
+        except ChatKitError as exc:
+            raise BadRequestError(f"{what}: {exc}", param=param) from exc
+        while len(compiled) >= COMPILED_LIMIT:
+            del compiled[next(iter(compiled))]  # the least recently used
+    compiled[key] = grammar  # now the most recently used
     return ToolCallConstraint(grammar, lm.tokenizer, stop=stop, required=required)
 
 
