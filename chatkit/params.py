@@ -32,8 +32,9 @@ class GenerateParams:
     ``temperature=0`` is greedy decoding, and so is any temperature below ``GREEDY_BELOW`` (1e-3:
     smaller ones overflow when the log-probabilities are scaled, and would sample almost greedily
     anyway; ``top_p``, ``top_k`` and ``min_p`` are then moot). ``top_p`` (1.0 = off), ``top_k``
-    (0 = off) and ``min_p`` (0 = off) filter before sampling. ``repetition_penalty`` looks at the last
-    ``repetition_context_size`` tokens. ``seed`` reseeds MLX's random generator at the start of each
+    (0 = off) and ``min_p`` (0 = off) filter before sampling. ``repetition_penalty`` (multiplies),
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's: -2 to 2, subtracted from the logit of a
+    token once if it occurs / once per occurrence) look at the last ``repetition_context_size`` tokens. ``seed`` reseeds MLX's random generator at the start of each
     turn. ``stop`` strings end the reply (they are cut from it; one string or a list). ``logit_bias``
     adds to the logits of token ids. ``template_kwargs`` go to the chat template (e.g.
     ``{"enable_thinking": False}``; str keys, values saved as JSON). ``logits_processors`` are extra
@@ -52,6 +53,8 @@ class GenerateParams:
     min_p: float = 0.0
     repetition_penalty: float | None = None
     repetition_context_size: int = 20
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     seed: int | None = None
     stop: Sequence[str] = ()
     logit_bias: Mapping[int, float] | None = None
@@ -86,6 +89,8 @@ class GenerateParams:
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
             "repetition_context_size": self.repetition_context_size,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
             "seed": self.seed,
             "stop": list(_stops(self.stop)),
             "logit_bias": {str(k): v for k, v in (self.logit_bias or {}).items()} or None,
@@ -148,6 +153,10 @@ class GenerateParams:
             not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0
         ):
             raise bad("repetition_penalty", "must be a number > 0 or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or not -2 <= value <= 2):
+                raise bad(name, "must be a number in [-2, 2] or None (0 or None turns it off)")
         if not _is_int(self.repetition_context_size) or not 1 <= self.repetition_context_size < 2**31:
             raise bad("repetition_context_size", "must be an int in [1, 2**31)")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
@@ -196,6 +205,10 @@ class GenerateParams:
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             repetition_penalty=self.repetition_penalty,
             repetition_context_size=self.repetition_context_size,
+            presence_penalty=self.presence_penalty,
+            presence_context_size=self.repetition_context_size,
+            frequency_penalty=self.frequency_penalty,
+            frequency_context_size=self.repetition_context_size,
         )
         return processors + [_checked(p, i) for i, p in enumerate(self.logits_processors)]
 

@@ -46,6 +46,9 @@ def test_params_validate_names_the_bad_setting():
         dict(top_k=-2),
         dict(min_p=1.5),
         dict(repetition_penalty=0),
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3),
+        dict(frequency_penalty="1"),
         dict(stop=5),
         dict(stop=[""]),
         dict(logit_bias={"a": 1}),
@@ -72,6 +75,15 @@ def test_params_map_onto_mlx_lm_sampler_and_processors():
     assert len(penalty) == 1
     assert mx.argmax(penalty[0](mx.array([2]), logits())).item() == 3
     mx.random.seed(0)
+    # OpenAI's penalties: subtracted once for a token seen (presence), once per time seen (frequency)
+    (presence,) = GenerateParams(presence_penalty=1.5).make_logits_processors()
+    (frequency,) = GenerateParams(frequency_penalty=1.5).make_logits_processors()
+    seen = mx.array([2, 2, 3])
+    assert presence(seen, logits()).tolist() == [[0.0, 1.0, 3.5, 0.5]]
+    assert frequency(seen, logits()).tolist() == [[0.0, 1.0, 2.0, 0.5]]
+    assert GenerateParams(presence_penalty=0.0, frequency_penalty=None).make_logits_processors() == []
+    both = GenerateParams(presence_penalty=-1.0, frequency_penalty=2.0, repetition_context_size=7)
+    assert GenerateParams.from_dict(both.to_dict()) == both
     hot = GenerateParams(temperature=1.0, top_k=2).make_sampler()
     draws = {hot(logits()).item() for _ in range(50)}
     assert draws <= {2, 3} and len(draws) == 2

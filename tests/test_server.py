@@ -277,12 +277,11 @@ def user(text):
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]"),
     ({"messages": [user("hi")], "tools": [{"type": "web_search"}]}, "tools[0]"),
     ({"messages": [user("hi")], "tools": [{"type": "function", "function": {}}]}, "tools[0]"),
+    ({"messages": [user("hi")], "tool_choice": "required"}, "tool_choice"),
     ({"messages": [user("hi")], "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": "required"}, "tool_choice"),
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
     ({"messages": [user("hi")], "tools": [{"type": "function", "function": {"name": "f"}}],
-      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"messages": [user("hi")], "tools": [{"type": "function", "function": {"name": "f"}}],
-      "parallel_tool_calls": False}, "parallel_tool_calls"),
+      "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"messages": [user("hi")], "functions": [{"name": "f"}]}, "functions"),
     ({"messages": [user("hi"), {"role": "tool", "tool_call_id": "abc", "content": "1"}]}, "messages[1]"),
     ({"messages": [user("hi"), {"role": "assistant", "content": None, "tool_calls": [
@@ -291,10 +290,10 @@ def user(text):
     ({"messages": [user("hi"), {"role": "assistant", "content": None, "tool_calls": [
         {"id": "abc", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "content": "1"}]}, "messages[2]"),
-    ({"messages": [user("hi")], "n": 2}, "n"),
+    ({"messages": [user("hi")], "n": 0}, "n"),
     ({"messages": [user("hi")], "temperature": -1}, "temperature"),
     ({"messages": [user("hi")], "max_tokens": 0}, "max_tokens"),
-    ({"messages": [user("hi")], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [user("hi")], "presence_penalty": 2.5}, "presence_penalty"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content"),
 ])

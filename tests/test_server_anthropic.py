@@ -11,6 +11,7 @@ from chatkit.errors import ContextWindowExceededError, SessionBusyError
 from chatkit.server import ServerConfig, start
 from chatkit.server.anthropic_wire import error_body
 from chatkit.server.errors import OverloadedError, UnknownResponseError
+from chatkit.server.wire import guided_available
 from chatkit.testing import Scripted
 
 import anthropic
@@ -195,15 +196,38 @@ class Favour:
         return logits + 50.0 * (mx.arange(logits.shape[-1]) == self.token)
 
 
-def test_tool_choice_none_keeps_the_model_from_calling_and_forcing_is_refused(think):
+def test_tool_choice_none_keeps_the_model_from_calling(think):
     (start_call,) = think.tokenizer.encode("<tool_call>", add_special_tokens=False)
     with start(think, ServerConfig(defaults=GenerateParams(max_tokens=6, logits_processors=[Favour(start_call)]))) as running:
+        none = ask(client(running), [user("Weather?")], tools=[WEATHER], tool_choice={"type": "none"})
+    assert none.stop_reason != "tool_use" and text_of(none)
+
+
+def bounded(name):
+    """A tool whose one string argument is bounded (a random model never ends a free string)."""
+    return {"name": name, "description": f"The {name} of a city.", "input_schema": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}}
+
+
+@pytest.mark.skipif(not guided_available(), reason="needs the guided extra")
+def test_tool_choice_any_and_tool_force_calls_and_disable_parallel_keeps_one(think):
+    tools = [bounded("get_weather"), bounded("local_time")]
+    with start(think, ServerConfig(defaults=GenerateParams(max_tokens=80))) as running:
         c = client(running)
-        none = ask(c, [user("Weather?")], tools=[WEATHER], tool_choice={"type": "none"})
-        assert none.stop_reason != "tool_use" and text_of(none)
-        for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
-            with pytest.raises(anthropic.BadRequestError, match="cannot force a tool call"):
-                ask(c, [user("Weather?")], tools=[WEATHER], tool_choice=choice)
+        free = ask(c, [user("Weather?")], max_tokens=80, tools=tools)
+        forced = ask(c, [user("Weather?")], max_tokens=80, tools=tools, tool_choice={"type": "any"})
+        named = ask(c, [user("Weather?")], max_tokens=80, tools=tools, tool_choice={"type": "tool", "name": "local_time"})
+        single = ask(c, [user("Weather?")], max_tokens=80, tools=tools,
+                     tool_choice={"type": "any", "disable_parallel_tool_use": True})
+        with pytest.raises(anthropic.BadRequestError, match="not one of the request's tools"):
+            ask(c, [user("Weather?")], tools=tools, tool_choice={"type": "tool", "name": "nope"})
+    assert free.stop_reason != "tool_use"  # the random model does not call by itself
+    for reply, names in ((forced, {"get_weather", "local_time"}), (named, {"local_time"}),
+                         (single, {"get_weather", "local_time"})):
+        calls = [b for b in reply.content if b.type == "tool_use"]
+        assert reply.stop_reason == "tool_use" and calls and not text_of(reply)
+        assert all(b.name in names and isinstance(b.input.get("city"), str) for b in calls)
+    assert len([b for b in single.content if b.type == "tool_use"]) == 1
 
 
 def test_thinking_comes_as_a_thinking_block_and_its_budget_holds(think):

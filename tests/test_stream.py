@@ -144,3 +144,35 @@ def test_stop_strings_property(pieces, stop):
     assert stream.text == expected == "".join(c.text for c in chunks)
     for s in stop:
         assert s not in stream.text
+
+
+def test_a_chunk_reads_its_log_probabilities_on_demand():
+    from chatkit.session.results import StreamChunk
+
+    row = mx.log(mx.array([0.1, 0.4, 0.1, 0.4]))
+    chunk = StreamChunk("a", 3, logprobs=row)
+    assert chunk.token_logprob() == pytest.approx(mx.log(mx.array(0.4)).item())
+    assert [t for t, _ in chunk.top_logprobs(3)] == [1, 3, 0]  # most likely first; ties: lower id first
+    assert [t for t, _ in chunk.top_logprobs(10)] == [1, 3, 0, 2] and chunk.top_logprobs(0) == []
+    assert StreamChunk("a", 3).token_logprob() is None and StreamChunk("a", 3).top_logprobs(2) == []
+
+
+def test_log_probabilities_read_on_another_thread_with_speculative_decoding(tiny):
+    """An async stream's chunks are read on the event loop's thread: the speculative loop's
+    log-probabilities are evaluated where they were computed, and equal a plain session's."""
+    import asyncio
+
+    from chatkit import ChatSession, GenerateParams, SpeculativeConfig
+
+    lm = tiny("qwen3", "bpe", 0)
+    params = GenerateParams(max_tokens=8)
+
+    async def read(session):
+        stream = session.astream_respond("Hi")
+        return [(c.token, c.token_logprob(), c.top_logprobs(2)) async for c in stream]
+
+    plain = asyncio.run(read(ChatSession.builder(lm).generate_params(params).build()))
+    spec = asyncio.run(read(ChatSession.builder(lm).generate_params(params).speculative(SpeculativeConfig(lm, 3)).build()))
+    assert [(t, [i for i, _ in top]) for t, _, top in spec] == [(t, [i for i, _ in top]) for t, _, top in plain]
+    assert [lp for _, lp, _ in spec] == pytest.approx([lp for _, lp, _ in plain], abs=1e-4)
+    assert all(top[0][0] == t for t, _, top in plain)  # greedy: the chosen token is the most likely

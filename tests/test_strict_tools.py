@@ -495,3 +495,26 @@ def test_parameters_with_definitions_are_embedded_with_their_refs(models):
         "type": "object", "properties": {"x": {"$ref": "other.json#/X"}}}}}
     with pytest.raises(InvalidOutputSpecError, match="'f'"):
         tool_call_grammar(tok, [elsewhere])
+
+
+def test_a_required_constraint_opens_with_a_call_and_a_single_one_ends_after_it(tiny):
+    """OpenAI's tool_choice="required" and parallel_tool_calls=false (``chatkit serve``): the reply may
+    only open a call (never end first), and with ``single`` it ends after its first call."""
+    tokenizer = tiny("qwen3", "bpe-think", 0).tokenizer
+    vocab = len(tokenizer.get_vocab())
+    eos = tokenizer.eos_token_id
+    (start,) = tokenizer.encode("<tool_call>", add_special_tokens=False)
+    call = tokenizer.encode('\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+                            add_special_tokens=False)
+    for single in (False, True):
+        held = ToolCallConstraint(tool_call_grammar(tokenizer, SCHEMAS, single=single), tokenizer, required=True)
+        allowed = held.allowed(vocab)
+        assert allowed is not None and allowed[start] and not allowed[eos] and not allowed[tokenizer.encode("Hi")[0]]
+        with pytest.raises(ChatKitError, match="must call"):
+            ToolCallConstraint(tool_call_grammar(tokenizer, SCHEMAS), tokenizer, required=True).advance(eos)
+        for t in [start, *call]:
+            held.advance(t)
+        after = held.allowed(vocab)
+        assert after is not None and after[eos] and after[start] != single
+    free = ToolCallConstraint(tool_call_grammar(tokenizer, SCHEMAS), tokenizer)
+    assert free.allowed(vocab) is None  # without required, free text costs nothing

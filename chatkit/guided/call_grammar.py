@@ -89,6 +89,7 @@ class ToolCallGrammar:
     shape: CallShape
     grammar: str  # llguidance's grammar of one call, from the text after the start marker to its end
     tools: tuple[str, ...]
+    single: bool = False  # at most one call per reply (OpenAI's parallel_tool_calls=false)
 
 
 def call_shape(tokenizer: Any) -> tuple[str, CallShape]:
@@ -119,9 +120,10 @@ def call_shape(tokenizer: Any) -> tuple[str, CallShape]:
     )
 
 
-def tool_call_grammar(tokenizer: Any, tools: Sequence[Mapping[str, Any]]) -> ToolCallGrammar:
+def tool_call_grammar(tokenizer: Any, tools: Sequence[Mapping[str, Any]], *, single: bool = False) -> ToolCallGrammar:
     """Compile the strict tool-call grammar of ``tools`` (OpenAI-style schema dicts, as
-    ``session.tools`` gives them) for ``tokenizer``'s format. Raises ``InvalidOutputSpecError`` for a
+    ``session.tools`` gives them) for ``tokenizer``'s format; ``single``: a reply makes at most one
+    call (the reply ends after it). Raises ``InvalidOutputSpecError`` for a
     format that cannot be constrained, or a tool whose parameters schema is invalid or uses what
     guided generation cannot enforce."""
     fmt, shape = call_shape(tokenizer)
@@ -144,7 +146,7 @@ def tool_call_grammar(tokenizer: Any, tools: Sequence[Mapping[str, Any]]) -> Too
     if not calls:
         raise InvalidOutputSpecError("strict_tools needs at least one tool: give tools, or drop strict_tools=True.")
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    schema = {"type": "array", "items": one, "minItems": 1} if shape.array else dict(one)
+    schema = {"type": "array", "items": one, "minItems": 1, **({"maxItems": 1} if single else {})} if shape.array else dict(one)
     schema["x-guidance"] = CALL_JSON_OPTIONS
     if defs:
         schema["$defs"] = defs
@@ -156,7 +158,7 @@ def tool_call_grammar(tokenizer: Any, tools: Sequence[Mapping[str, Any]]) -> Too
     matcher = llguidance.LLMatcher(llt, grammar, log_level=0)
     if matcher.is_error():
         raise InvalidOutputSpecError(f"The tools' call grammar does not compile: {matcher.get_error().strip()}. Fix the tool schemas.")
-    return ToolCallGrammar(fmt, shape, grammar, tuple(names))
+    return ToolCallGrammar(fmt, shape, grammar, tuple(names), single)
 
 
 def _hoist_definitions(schema: dict[str, Any], prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -200,8 +202,9 @@ def _marker(tokenizer: Any, llt: llguidance.LLTokenizer, text: str) -> str:
 
 # -- the processor -------------------------------------------------------------------------------------
 
-# Free text / inside a call / after a call: only another call or the end / after a call that runs to the end.
-FREE, CALL, AFTER, END = "free", "call", "after", "end"
+# Free text / inside a call / after a call: only another call or the end / after the last call: only the end /
+# a reply that must call (``required``) before its first call: only the start of a call.
+FREE, CALL, AFTER, END, OPEN = "free", "call", "after", "end", "open"
 GLUE_NEWLINES = 2  # newlines a reply may write between two calls (templates write one)
 
 
@@ -219,9 +222,11 @@ class _At:
 class ToolCallConstraint:
     """An mlx-lm logits processor for one reply (one per turn; not thread-safe): free text, and tool
     calls that match ``grammar`` (see the module docstring). ``stop`` are the turn's stop strings, kept
-    out of a call as its end marker is."""
+    out of a call as its end marker is. ``required``: the reply is calls only, opening with one
+    (OpenAI's ``tool_choice="required"``; no free text or reasoning before it)."""
 
-    def __init__(self, grammar: ToolCallGrammar, tokenizer: Any, *, stop: Sequence[str] = (), overlap: bool = True) -> None:
+    def __init__(self, grammar: ToolCallGrammar, tokenizer: Any, *, stop: Sequence[str] = (), overlap: bool = True,
+                 required: bool = False) -> None:
         self.grammar = grammar
         self._llt = llg_tokenizer(tokenizer)
         self._table = token_table(tokenizer)
@@ -233,7 +238,7 @@ class ToolCallConstraint:
         self._eos = frozenset(int(t) for t in self._llt.eos_tokens)
         self._overlap = overlap
         self._tokens: list[int] = []
-        self._at: list[_At] = [_At(FREE, tuple(0 for _ in self._watches))]
+        self._at: list[_At] = [_At(OPEN if required else FREE, tuple(0 for _ in self._watches))]
         self._matcher: llguidance.LLMatcher | None = None
         self._matcher_start = -1  # the call_start the matcher belongs to
         self._consumed = 0
@@ -275,7 +280,9 @@ class ToolCallConstraint:
                 if hit != len(data):
                     self._refuse(token, f"writes {self.grammar.shape.start!r} inside a token")
                 phase, call_start = CALL, len(self._tokens) + 1
-        elif phase == AFTER:
+        elif phase in (AFTER, OPEN):
+            if phase == OPEN and token in self._eos:
+                self._refuse(token, "ends a reply that must call a tool")
             if token not in self._eos or at.after.strip(b"\n"):
                 after = at.after + data
                 if after in self._glue_words:
@@ -289,7 +296,7 @@ class ToolCallConstraint:
                 self._refuse(token, "breaks the tool-call grammar")
             self._consumed += 1
             if matcher.is_stopped():
-                phase = AFTER if self.grammar.shape.end else END
+                phase = AFTER if self.grammar.shape.end and not self.grammar.single else END
         elif token not in self._eos:
             self._refuse(token, "follows a call that runs to the end of the reply")
         self._tokens.append(token)
@@ -353,7 +360,7 @@ class ToolCallConstraint:
             allowed[[t for t in self._eos if t < vocab_size]] = True
         if at.phase == END:
             return allowed
-        if at.phase == AFTER:
+        if at.phase in (AFTER, OPEN):
             allowed[[t for t in self._glue_tokens(at.after) if t < vocab_size]] = True
             return allowed
         t0 = time.perf_counter()

@@ -32,7 +32,7 @@ def parse_messages(body: Any, defaults: GenerateParams, *, counting: bool = Fals
     """A ``POST /v1/messages`` body (``counting``: a ``/v1/messages/count_tokens`` body, no ``max_tokens``)."""
     body = read_object(body)
     read_metadata(body)
-    tools, choice = read_tools(body)
+    tools, choice = read_tools(body)  # choice: TurnRequest's tool_choice, tool_name, parallel_tool_calls
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("messages: a non-empty list of {role, content} objects is required.", param="messages")
@@ -55,7 +55,7 @@ def parse_messages(body: Any, defaults: GenerateParams, *, counting: bool = Fals
     params = read_params(sampling, defaults, max_tokens, "max_tokens")
     params = _thinking(body.get("thinking"), params)
     return TurnRequest(instructions, history, added, params=params, stream=read_bool(body, "stream", False),
-                       tools=tools, tool_choice=choice)
+                       tools=tools, **choice)
 
 
 def read_system(system: Any) -> str | None:
@@ -67,9 +67,10 @@ def read_system(system: Any) -> str | None:
     raise BadRequestError("system must be a string or a list of text blocks.", param="system")
 
 
-def read_tools(body: Mapping[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, str]:
+def read_tools(body: Mapping[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, dict[str, Any]]:
     """``tools`` (``{name, description, input_schema}``) as chatkit's function schemas, and ``tool_choice``
-    as chatkit's (``auto`` or ``none``: chatkit cannot force a call)."""
+    as ``TurnRequest``'s fields: ``any`` is OpenAI's ``required``, ``tool`` a named one (held by the strict
+    call grammar, ``tool_choice.py``), ``disable_parallel_tool_use`` ``parallel_tool_calls=false``."""
     raw = body.get("tools") or []
     if not isinstance(raw, list):
         raise BadRequestError("tools must be a list of {name, description, input_schema} objects.", param="tools")
@@ -93,22 +94,26 @@ def read_tools(body: Mapping[str, Any]) -> tuple[tuple[dict[str, Any], ...] | No
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise BadRequestError(f"tools: names must be unique, got {names}.", param="tools")
-    return (tuple(tools) if tools else None), _tool_choice(body.get("tool_choice"))
+    return (tuple(tools) if tools else None), _tool_choice(body.get("tool_choice"), names)
 
 
-def _tool_choice(choice: Any) -> str:
+def _tool_choice(choice: Any, names: list[str]) -> dict[str, Any]:
     if choice is None:
-        return "auto"
+        return {}
     if not isinstance(choice, Mapping) or choice.get("type") not in ("auto", "any", "tool", "none"):
         raise BadRequestError('tool_choice must be {"type": "auto"}, {"type": "none"}, {"type": "any"} or '
                               '{"type": "tool", "name": ...}.', param="tool_choice")
-    if choice["type"] in ("any", "tool"):
-        raise BadRequestError(f"tool_choice {choice['type']!r}: chatkit cannot force a tool call; send "
-                              "{\"type\": \"auto\"} (the model decides) or {\"type\": \"none\"}.", param="tool_choice")
-    if choice.get("disable_parallel_tool_use") and choice["type"] == "auto":
-        raise BadRequestError("tool_choice.disable_parallel_tool_use: chatkit cannot hold the model to one call per "
-                              "reply; leave it out and run the calls you want.", param="tool_choice")
-    return str(choice["type"])
+    kind, name = choice["type"], choice.get("name")
+    if kind == "tool" and name not in names:
+        raise BadRequestError(f"tool_choice: {name!r} is not one of the request's tools ({names}).", param="tool_choice")
+    if kind in ("any", "tool") and not names:
+        raise BadRequestError(f"tool_choice {kind!r} needs tools: send the tools the model must call.",
+                              param="tool_choice")
+    parallel = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(parallel, bool):
+        raise BadRequestError("tool_choice.disable_parallel_tool_use must be true or false.", param="tool_choice")
+    return {"tool_choice": "required" if kind in ("any", "tool") else kind,
+            "tool_name": name if kind == "tool" else None, "parallel_tool_calls": not parallel or kind == "none"}
 
 
 def _thinking(thinking: Any, params: GenerateParams) -> GenerateParams:

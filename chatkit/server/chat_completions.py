@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from starlette.requests import Request
@@ -14,10 +14,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..messages import ChatMessage, ToolCall
 from ..params import GenerateParams
+from ..session.aio import AsyncResponseStream
 from ..session.results import TurnStats
 from .body import read_body, read_metadata, read_object
+from .choices import more_choices, read_n
 from .errors import BadRequestError, error_body
 from .lease import Lease
+from .logprobs import Logprobs, read_logprobs
 from .state import ServerState, reply_of
 from .wire import (
     Deltas,
@@ -45,33 +48,75 @@ async def create(state: ServerState, request: Request) -> Response:
     cid = new_id("chatcmpl")
     if req.stream:
         return StreamingResponse(_events(state, lease, req, cid), media_type="text/event-stream")
-    finish = await state.complete(lease)
+    choices: list[dict[str, Any]] = []
+    completion = 0
+    async with state.settled(lease):
+        async for index, stream, reply in _choices(lease, req):
+            read = Logprobs(state.lm.tokenizer, req.logprobs) if req.logprobs is not None else None
+            finish = None
+            async with stream:  # closed (committed) however the block ends
+                async for chunk in stream:
+                    finish = chunk.finish_reason
+                    if read is not None:
+                        read.feed(chunk)
+            message = reply()
+            choices.append({"index": index, "message": chat_message(message),
+                            "finish_reason": finish_reason(finish, bool(message.tool_calls)),
+                            "logprobs": None if read is None else {"content": read.entries, "refusal": None}})
+            completion += stream.stats.generation_tokens if stream.stats is not None else 0
     compaction = lease.compaction()
-    body = chat_completion(cid, state.config.model_id, reply_of(lease), finish, lease.stream.stats, compaction)
+    body = chat_completion(cid, state.config.model_id, choices, chat_usage(lease.stream.stats, compaction, completion))
     return JSONResponse(body, headers=compaction_headers(compaction))
 
 
+async def _choices(lease: Lease, req: TurnRequest) -> AsyncIterator[tuple[int, AsyncResponseStream, Callable[[], ChatMessage]]]:
+    """(index, stream, its reply once read) of each choice: the lease's turn, then ``n - 1`` forks (``choices``)."""
+    yield 0, lease.stream, lambda: reply_of(lease)
+    async for choice in more_choices(lease, req.n):
+        yield choice.index, choice.stream, choice.reply
+
+
 async def _events(state: ServerState, lease: Lease, req: TurnRequest, cid: str) -> AsyncIterator[str]:
-    """The reply as server-sent chunks: the role, the pieces, the finish reason, the usage if asked, [DONE]."""
+    """The reply as server-sent chunks: the role, the pieces, the finish reason (each choice in turn,
+    chunks carrying its ``index``), the usage if asked, [DONE]."""
     model = state.config.model_id
     async with state.settled(lease):
         try:
-            yield _sse(chat_chunk(cid, model, {"role": "assistant", "content": ""}))
-            finish, calls, deltas = None, 0, Deltas()
-            async for chunk in lease.stream:
-                finish = chunk.finish_reason
-                for kind, value in deltas.feed(chunk):
-                    yield _sse(chat_chunk(cid, model, _delta(kind, value, calls)))
-                    calls += kind == "call"
-            for kind, value in deltas.end():
-                yield _sse(chat_chunk(cid, model, _delta(kind, value, calls)))
-            yield _sse(chat_chunk(cid, model, {}, finish_reason(finish, calls > 0)))
+            completion = 0
+            async for index, stream, _ in _choices(lease, req):
+                async with stream:  # closed (committed) however the block ends
+                    async for text in _choice_events(state, stream, req, cid, index):
+                        yield text
+                completion += stream.stats.generation_tokens if stream.stats is not None else 0
             if req.include_usage:
-                await lease.stream.aclose()
-                yield _sse(chat_chunk(cid, model, {}, usage=chat_usage(lease.stream.stats, lease.compaction())))
+                usage = chat_usage(lease.stream.stats, lease.compaction(), completion)
+                yield _sse(chat_chunk(cid, model, {}, usage=usage))
             yield "data: [DONE]\n\n"
         except Exception as exc:  # after the headers: the error goes into the stream
             yield _sse(error_body(exc)[1])
+
+
+async def _choice_events(state: ServerState, stream: AsyncResponseStream, req: TurnRequest, cid: str,
+                         index: int) -> AsyncIterator[str]:
+    """One choice's chunks: the role, the pieces, the finish reason."""
+    model = state.config.model_id
+    yield _sse(chat_chunk(cid, model, {"role": "assistant", "content": ""}, index=index))
+    finish, calls, deltas = None, 0, Deltas()
+    read = Logprobs(state.lm.tokenizer, req.logprobs) if req.logprobs is not None else None
+
+    def taken() -> dict[str, Any] | None:  # the entries since the last chunk sent, when asked
+        return None if read is None else {"content": read.take(), "refusal": None}
+
+    async for chunk in stream:
+        finish = chunk.finish_reason
+        if read is not None:
+            read.feed(chunk)
+        for kind, value in deltas.feed(chunk):
+            yield _sse(chat_chunk(cid, model, _delta(kind, value, calls), logprobs=taken(), index=index))
+            calls += kind == "call"
+    for kind, value in deltas.end():
+        yield _sse(chat_chunk(cid, model, _delta(kind, value, calls), logprobs=taken(), index=index))
+    yield _sse(chat_chunk(cid, model, {}, finish_reason(finish, calls > 0), logprobs=taken(), index=index))
 
 
 # -- reading the request ------------------------------------------------------------------------
@@ -79,11 +124,7 @@ def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
     """A ``POST /v1/chat/completions`` body."""
     body = read_object(body)
     read_metadata(body)  # checked as OpenAI does; chatkit keeps no chat completions to attach it to
-    tools, choice, strict = read_tools(body, flat=False)
-    if body.get("n", 1) != 1:
-        raise BadRequestError("n: chatkit answers with one choice per request; send n=1.", param="n")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise BadRequestError("logprobs are not supported by chatkit serve yet: leave them out.", param="logprobs")
+    tool_fields = read_tools(body, flat=False)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("messages: a non-empty list of {role, content} objects is required.", param="messages")
@@ -99,7 +140,9 @@ def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
         stream=read_bool(body, "stream", False),
         include_usage=bool(options.get("include_usage", False)),
         schema=_chat_schema(body.get("response_format")),
-        tools=tools, tool_choice=choice, strict_tools=strict,
+        logprobs=read_logprobs(body),
+        n=read_n(body),
+        **tool_fields,
     )
 
 
@@ -143,10 +186,13 @@ def chat_message(reply: ChatMessage) -> dict[str, Any]:
     return message
 
 
-def chat_usage(stats: TurnStats | None, compaction: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """The ``usage`` object (with ``context`` when the turn compacted the conversation's context)."""
+def chat_usage(stats: TurnStats | None, compaction: Mapping[str, int] | None = None,
+               completion: int | None = None) -> dict[str, Any]:
+    """The ``usage`` object (with ``context`` when the turn compacted the conversation's context);
+    ``completion``: the tokens of all choices (default: the turn's)."""
     prompt = stats.prompt_tokens if stats else 0
-    completion = stats.generation_tokens if stats else 0
+    if completion is None:
+        completion = stats.generation_tokens if stats else 0
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -156,22 +202,19 @@ def chat_usage(stats: TurnStats | None, compaction: Mapping[str, int] | None = N
     }
 
 
-def chat_completion(cid: str, model: str, reply: ChatMessage, finish: str | None,
-                    stats: TurnStats | None, compaction: Mapping[str, int] | None = None) -> dict[str, Any]:
-    return {
-        "id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-        "choices": [{"index": 0, "message": chat_message(reply), "finish_reason": finish_reason(finish, bool(reply.tool_calls)),
-                     "logprobs": None}],
-        "usage": chat_usage(stats, compaction),
-    }
+def chat_completion(cid: str, model: str, choices: list[dict[str, Any]], usage: dict[str, Any]) -> dict[str, Any]:
+    """A ``chat.completion`` object of ``choices`` (``{index, message, finish_reason, logprobs}``)."""
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": choices, "usage": usage}
 
 
 def chat_chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None = None,
-               usage: dict[str, Any] | None = None) -> dict[str, Any]:
+               usage: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None,
+               index: int = 0) -> dict[str, Any]:
     chunk: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
                              "model": model, "choices": []}
     if usage is None:
-        chunk["choices"] = [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+        chunk["choices"] = [{"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]
     else:
         chunk["usage"] = usage
     return chunk

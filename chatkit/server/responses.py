@@ -23,6 +23,7 @@ from ..session.results import TurnStats
 from .body import read_body, read_metadata, read_object
 from .errors import BadRequestError, error_body
 from .lease import Lease
+from .logprobs import Logprobs, complete, read_included
 from .state import ServerState, reply_of
 from .wire import (
     Deltas,
@@ -54,7 +55,7 @@ async def create(state: ServerState, request: Request) -> Response:
     turn = ResponseTurn(state, req, lease, added)
     if req.stream:
         return StreamingResponse(_events(state, turn), media_type="text/event-stream")
-    kept = turn.keep(await state.complete(lease))
+    kept = turn.keep(await complete(state, lease, turn.items.read))
     return JSONResponse(kept, headers=compaction_headers(lease.compaction()))
 
 
@@ -68,7 +69,7 @@ class ResponseTurn:
 
     def __init__(self, state: ServerState, req: TurnRequest, lease: Lease, added: Sequence[ChatMessage]) -> None:
         self.id, self.created = new_id("resp"), int(time.time())
-        self.items = OutputItems()
+        self.items = OutputItems(Logprobs(state.lm.tokenizer, req.logprobs) if req.logprobs is not None else None)
         self.lease = lease
         self._state, self._req, self._added = state, req, added
 
@@ -108,6 +109,8 @@ async def _events(state: ServerState, turn: ResponseTurn) -> AsyncIterator[str]:
                 deltas = Deltas()
                 async for chunk in turn.lease.stream:
                     finish = chunk.finish_reason
+                    if turn.items.read is not None:
+                        turn.items.read.feed(chunk)
                     for kind, value in deltas.feed(chunk):
                         for text in out.pieces(kind, value):
                             yield text
@@ -160,7 +163,8 @@ class _EventWriter:
         if kind == "reasoning":
             yield self.event("response.reasoning_text.delta", item_id=self.items.id("reasoning"), **where)
         elif value:
-            yield self.event("response.output_text.delta", item_id=self.items.id("message"), **where, logprobs=[])
+            yield self.event("response.output_text.delta", item_id=self.items.id("message"), **where,
+                             logprobs=self.items.read.take() if self.items.read is not None else [])
 
     def end(self) -> Iterator[str]:
         """The events that close the output: an empty answer still has its message item."""
@@ -191,8 +195,8 @@ class _EventWriter:
             yield self.event("response.output_item.done", output_index=index, item=self.items.reasoning(text))
         elif kind == "text":
             where = {"item_id": self.items.id("message"), "output_index": index, "content_index": 0}
-            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-            yield self.event("response.output_text.done", **where, text=text, logprobs=[])
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": self.items.logprobs()}
+            yield self.event("response.output_text.done", **where, text=text, logprobs=part["logprobs"])
             yield self.event("response.content_part.done", **where, part=part)
             yield self.event("response.output_item.done", output_index=index, item=self.items.message(text))
 
@@ -211,7 +215,8 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
     """A ``POST /v1/responses`` body. ``added`` is its input as messages (function calls and their
     outputs as assistant tool calls and tool messages); the app puts it after the stored conversation."""
     body = read_object(body)
-    tools, choice, strict = read_tools(body, flat=True)
+    tool_fields = read_tools(body, flat=True)
+    tools, strict = tool_fields["tools"], tool_fields["strict_tools"]
     if body.get("reasoning"):
         raise BadRequestError("reasoning options are not supported by chatkit serve yet: leave them out.",
                               param="reasoning")
@@ -238,7 +243,8 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
     echo = {k: body.get(k) for k in ("instructions", "max_output_tokens", "temperature", "top_p")}
     echo["metadata"] = read_metadata(body)
     echo["tools"] = [{"type": "function", **t["function"], "strict": strict} for t in tools or ()]
-    echo["tool_choice"] = choice
+    echo["tool_choice"] = body.get("tool_choice") or "auto"
+    echo["parallel_tool_calls"] = tool_fields["parallel_tool_calls"]
     return TurnRequest(
         instructions, (), tuple(items),
         params=read_params(body, defaults, body.get("max_output_tokens"), "max_output_tokens"),
@@ -246,7 +252,8 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
         schema=schema,
         previous_response_id=previous,
         store=read_bool(body, "store", True),
-        tools=tools, tool_choice=choice, strict_tools=strict,
+        logprobs=read_included(body),
+        **tool_fields,
         echo=echo,
     )
 
@@ -317,8 +324,13 @@ class OutputItems:
     """The output items of one response (reasoning, message, function calls), with ids that stay the
     same from the first stream event to the stored response."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: Logprobs | None = None) -> None:
         self._ids: dict[str, str] = {}
+        self.read = read  # the reply's log-probabilities, when the request includes them
+
+    def logprobs(self) -> list[dict[str, Any]]:
+        """An output_text part's ``logprobs``: the reply's text tokens so far (none unless asked)."""
+        return list(self.read.entries) if self.read is not None else []
 
     def id(self, key: str) -> str:
         """The item id for ``"reasoning"``, ``"message"`` or a call id."""
@@ -336,7 +348,8 @@ class OutputItems:
                 "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
     def message(self, text: str, status: str = "completed") -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" else []
+        content = ([{"type": "output_text", "text": text, "annotations": [], "logprobs": self.logprobs()}]
+                   if status != "in_progress" else [])
         return {"type": "message", "id": self.id("message"), "status": status, "role": "assistant", "content": content}
 
     def call(self, call: ToolCall, status: str = "completed") -> dict[str, Any]:
@@ -363,7 +376,7 @@ def response_object(rid: str, model: str, *, created_at: int, status: str, outpu
         "error": None, "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": echo.get("instructions"), "max_output_tokens": echo.get("max_output_tokens"),
         "temperature": echo.get("temperature"), "top_p": echo.get("top_p"), "metadata": echo.get("metadata") or {},
-        "parallel_tool_calls": True, "tool_choice": echo.get("tool_choice", "auto"), "tools": echo.get("tools", []),
+        "parallel_tool_calls": echo.get("parallel_tool_calls", True), "tool_choice": echo.get("tool_choice", "auto"), "tools": echo.get("tools", []),
         "text": {"format": {"type": "text"}},
     }
 

@@ -28,6 +28,7 @@ from .lease import Lease
 from .metrics import Metrics
 from .response_store import ResponseStore
 from .session_index import SessionIndex
+from .tool_choice import call_constraint
 from .wire import TurnRequest
 
 
@@ -122,6 +123,12 @@ class ServerState:
         params = req.params
         if req.tools and req.tool_choice == "none":
             params = params.copy(logit_bias={**(params.logit_bias or {}), **_no_tool_calls(self.lm)})
+        if req.schema is not None and req.tools and req.tool_choice == "required":
+            raise BadRequestError("tool_choice: a reply with a response format is a value and calls no tools: "
+                                  "drop one of them.", param="tool_choice")
+        held = call_constraint(self.lm, req.tools, req.tool_choice, req.tool_name, req.parallel_tool_calls, params.stop)
+        if held is not None:
+            params = params.copy(logits_processors=[*params.logits_processors, held])
         await self.limiter.acquire()
         try:
             return await self.sessions.start(instructions, history, added, params, tools=req.tools, keep=keep,

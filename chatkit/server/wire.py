@@ -2,8 +2,8 @@
 output format read into plain data (a ``TurnRequest``), tool results linked to their calls, and a reply's
 chunks as the pieces a client is streamed (``Deltas``).
 
-Only what chatkit can honour is accepted; a field it cannot (n > 1, logprobs, penalties it has no
-sampler for, a tool_choice that forces a call) is a 400 naming the field rather than being ignored.
+Only what chatkit can honour is accepted; a field it cannot (a tool_choice that forces a call where the
+model's call format has no grammar) is a 400 naming the field rather than being ignored.
 Function tools, assistant tool calls, tool results and reasoning travel in OpenAI's fields
 (``tool_calls``, ``role: "tool"`` + ``tool_call_id``, ``reasoning_content``; on ``/v1/responses``
 ``function_call`` / ``function_call_output`` / ``reasoning`` items). A tool marked ``strict: true``
@@ -28,6 +28,7 @@ from ..params import GenerateParams
 from ..session.results import StreamChunk
 from ..text.reply import REASONING, TEXT, TOOL_CALL
 from .errors import BadRequestError
+from .tool_choice import read_choice
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,11 @@ class TurnRequest:
     previous_response_id: str | None = None  # /v1/responses only
     store: bool = True
     tools: tuple[dict[str, Any], ...] | None = None  # function schemas, {"type": "function", "function": {...}}
-    tool_choice: str = "auto"  # or "none": the model may not call them
+    tool_choice: str = "auto"  # or "none": the model may not call them; "required": it must (``tool_choice.py``)
+    tool_name: str | None = None  # tool_choice named this function: the call is to it
+    parallel_tool_calls: bool = True  # false: at most one call per reply
+    logprobs: int | None = None  # asked for: how many top tokens each entry lists (``logprobs.py``)
+    n: int = 1  # choices (chat completions; ``choices.py``)
     strict_tools: bool = False  # a tool said strict: true: calls are constrained to the tools' schemas
     echo: dict[str, Any] = field(default_factory=dict)  # request fields a response repeats back
 
@@ -145,10 +150,11 @@ def read_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def read_tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, Any], ...] | None, str, bool]:
-    """The request's function tools, each as ``{"type": "function", "function": {name, description,
-    parameters}}`` (``flat``: the Responses API's ``{"type": "function", "name", ...}``), its tool choice,
-    and whether a tool asked for strict calls (chatkit's ``strict_tools`` holds for all of a turn's tools)."""
+def read_tools(body: Mapping[str, Any], *, flat: bool) -> dict[str, Any]:
+    """The request's tool fields of a ``TurnRequest``: ``tools``, each as ``{"type": "function",
+    "function": {name, description, parameters}}`` (``flat``: the Responses API's ``{"type": "function",
+    "name", ...}``), ``tool_choice`` + ``tool_name`` + ``parallel_tool_calls`` (``tool_choice.read_choice``)
+    and ``strict_tools``: whether a tool asked for strict calls (they hold for all of a turn's tools)."""
     for name in ("functions", "function_call"):
         if body.get(name):
             raise BadRequestError(f"{name} is the deprecated form of tools: send tools and tool_choice instead.",
@@ -167,19 +173,11 @@ def read_tools(body: Mapping[str, Any], *, flat: bool) -> tuple[tuple[dict[str, 
         names = [t["function"]["name"] for t in tools]
         if len(set(names)) != len(names):
             raise BadRequestError(f"tools: names must be unique, got {names}.", param="tools")
-    choice = body.get("tool_choice")
-    if choice is None:
-        choice = "auto"
-    if choice not in ("auto", "none"):
-        raise BadRequestError(
-            f"tool_choice {choice!r}: chatkit cannot force a tool call; send 'auto' (the model decides) or 'none'.",
-            param="tool_choice")
-    if body.get("parallel_tool_calls") is False and tools:
-        raise BadRequestError("parallel_tool_calls=false: chatkit cannot hold the model to one call per reply; "
-                              "leave it out (or true) and run the calls you want.", param="parallel_tool_calls")
     if strict and tools:
         require_guided("tools", "strict: true (calls held to the tools' schemas)")
-    return (tuple(tools) if tools else None), choice, strict
+    choice, forced, parallel = read_choice(body, [t["function"]["name"] for t in tools or ()], flat=flat)
+    return {"tools": tuple(tools) if tools else None, "tool_choice": choice, "tool_name": forced,
+            "parallel_tool_calls": parallel, "strict_tools": strict}
 
 
 def _function_tool(item: Any, where: str, flat: bool) -> tuple[dict[str, Any], bool]:
@@ -284,15 +282,11 @@ def _is_json_object(text: str) -> bool:
 
 def read_params(body: Mapping[str, Any], defaults: GenerateParams, max_tokens: Any, max_name: str) -> GenerateParams:
     """``defaults`` with the request's sampling fields on top; ``max_name``: the field ``max_tokens`` came from."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name):
-            raise BadRequestError(
-                f"{name} is not supported by chatkit: use repetition_penalty (e.g. 1.1) instead.", param=name
-            )
     changes: dict[str, Any] = {}
     if max_tokens is not None:
         changes["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty"):
+    for name in ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
         if body.get(name) is not None:
             changes[name] = body[name]
     stop = body.get("stop")

@@ -31,6 +31,26 @@ class StreamChunk:
     kind: str = "text"
     tool_call: ToolCall | None = None
 
+    # ``logprobs`` is the step's log-softmax over the vocabulary: of the logits after the turn's logits
+    # processors (logit_bias, penalties, constraints), before temperature and top-p/top-k/min-p.
+
+    def token_logprob(self) -> float | None:
+        """The log-probability of ``token`` at its step (``None`` for a chunk without one, a tool result)."""
+        if self.logprobs is None:
+            return None
+        return float(self.logprobs.reshape(-1)[self.token].item())  # type: ignore[arg-type]
+
+    def top_logprobs(self, k: int) -> list[tuple[int, float]]:
+        """The step's ``k`` most likely tokens as (token id, log-probability), most likely first (ties:
+        lower id first); computed on demand, so a turn that does not ask pays nothing."""
+        if self.logprobs is None or k <= 0:
+            return []
+        row = self.logprobs.reshape(-1)
+        k = min(k, row.size)
+        ids = mx.argpartition(-row, kth=k - 1)[:k] if k < row.size else mx.arange(row.size)
+        values = row[ids].tolist()
+        return sorted(zip(ids.tolist(), values), key=lambda p: (-p[1], p[0]))  # type: ignore[arg-type]
+
 
 @dataclass(frozen=True)
 class TurnStats:

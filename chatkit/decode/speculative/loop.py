@@ -96,7 +96,7 @@ def _decode(run: _Run) -> Iterator[Token]:
     suffix, max_tokens, progress = run.request.suffix, run.request.max_tokens, run.request.progress
     y, logprobs = _plain_step(run, mx.array([suffix[-1]], dtype=mx.uint32))
     run.held.append(suffix[-1])
-    mx.eval(y)
+    mx.eval(y, logprobs)  # the log-probabilities too (no more work): a turn may read them on another thread
     if progress is not None:
         progress(len(suffix), len(suffix))
     queued = False  # y comes from a plain step queued one ahead (its time is a step's)
@@ -175,6 +175,7 @@ def _verify(run: _Run, y: mx.array, logprobs: mx.array, drafts: mx.array) -> tup
     for i in range(k + 1):
         sampled, logprobs_i = _sample(run, logits[:, i, :], lambda end=n + i, line=line: line[:end])  # type: ignore[misc]
         step_logprobs.append(logprobs_i)
+        mx.eval(sampled, logprobs_i)  # as in _decode
         token = _int(sampled)
         if i == k or token != proposed[i]:
             break
