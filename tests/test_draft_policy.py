@@ -129,6 +129,18 @@ def test_the_first_measured_round_outweighs_the_prior():
     assert round_cost(policy, 1) > 2.2
 
 
+def test_a_slow_first_round_is_forgotten_when_a_probe_comes_through():
+    policy = new_policy("auto", draft_model=True)
+    record_plain(policy, 1.0)
+    record_draft(policy, 1, 1, 4.0)  # a cold start: drafting looks too costly
+    assert choose(policy) == (0, False)
+    while choose(policy) == (0, False):
+        record_plain(policy, 1.0)
+    assert choose(policy) == (1, True)
+    record_draft(policy, 1, 1, 1.2, probe=True)  # the draft is cheap after all
+    assert choose(policy)[0] > 1
+
+
 @pytest.mark.parametrize("proposes", [0.05, 0.3])
 def test_a_lookup_that_rarely_finds_the_text_is_soon_asked_rarely(proposes):
     # Text that does not repeat: prompt lookup seldom has a proposal, and the few it has are wrong.

@@ -113,8 +113,9 @@ def record_plain(policy: DraftPolicy, seconds: float) -> None:
 def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: float, probe: bool = False) -> None:
     """A drafting round checked ``drafted`` tokens (``drafted >= 1``), accepted ``accepted`` and took
     ``seconds`` end to end; ``probe``: it was a probe while drafting did not pay."""
-    if probe and accepted == drafted:
-        policy.hits, policy.tries = PRIOR  # a probe came through: start over from the prior
+    if probe and accepted == drafted:  # a probe came through: start over from the prior and this round
+        policy.hits, policy.tries = PRIOR
+        policy.rounds = [0.0] * 5  # (a first round slowed by a cold start, or by other load, is forgotten)
     policy.hits = policy.hits * DECAY + accepted
     policy.tries = policy.tries * DECAY + accepted + (accepted < drafted)
     if policy.plain_time:
