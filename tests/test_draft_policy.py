@@ -1,9 +1,11 @@
-"""The adaptive draft-length policy and the prompt-lookup index, on their own (pure, no model)."""
+"""The adaptive draft-length policy and the prompt-lookup index, on their own (pure, no model), and
+the policy in the speculative loop with a clock of its own (deterministic costs)."""
 
 import random
 
-from chatkit import SpeculativeConfig
-from chatkit.decode.speculative import NgramIndex, new_policy
+from chatkit import GenerateParams, SpeculativeConfig
+from chatkit.decode.speculative import NgramIndex, loop, new_policy
+from chatkit.decode.speculative.drafters import ModelDrafter
 from chatkit.decode.speculative.policy import (
     AUTO_MAX,
     PROBE_MAX,
@@ -13,10 +15,12 @@ from chatkit.decode.speculative.policy import (
     record_draft,
     record_miss,
     record_plain,
+    round_cost,
 )
 from chatkit.errors import InvalidParamsError
 
 import pytest
+from conftest import session_for
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -56,10 +60,10 @@ def test_lookup_prefers_the_longest_ngram():
     assert index.propose(2) == [7, 2]
 
 
-def simulate(policy, acceptance, extra, tokens=3000, seed=0, proposes=1.0, asking=0.15):
+def simulate(policy, acceptance, extra, tokens=3000, seed=0, proposes=1.0, asking=0.15, base=1.0):
     """Decode ``tokens`` tokens with ``policy`` against a simulated draft: each draft token is accepted
     with probability ``acceptance`` (until the first rejection); a plain step costs 1, a step that
-    drafts k tokens 1 + extra * k. The drafter has a proposal with probability ``proposes`` (prompt
+    drafts k tokens base + extra * k (base > 1: the check cannot be queued ahead as plain steps are). The drafter has a proposal with probability ``proposes`` (prompt
     lookup finds none in text that does not repeat); asking it and getting none costs a plain step
     plus ``asking`` (the step could not be queued ahead). Returns the speed relative to plain decoding
     (tokens per unit time)."""
@@ -78,14 +82,14 @@ def simulate(policy, acceptance, extra, tokens=3000, seed=0, proposes=1.0, askin
         accepted = 0
         while accepted < k and rng.random() < acceptance:
             accepted += 1
-        cost = 1.0 + extra * k
+        cost = base + extra * k
         record_draft(policy, k, accepted, cost, probe)
         done, elapsed = done + accepted + 1, elapsed + cost
     return done / elapsed
 
 
-def best_fixed(acceptance, extra):
-    return max(simulate(new_policy(k, draft_model=True), acceptance, extra) for k in range(1, AUTO_MAX + 1))
+def best_fixed(acceptance, extra, base=1.0):
+    return max(simulate(new_policy(k, draft_model=True), acceptance, extra, base=base) for k in range(1, AUTO_MAX + 1))
 
 
 @pytest.mark.parametrize("extra", [0.05, 0.3, 0.6])
@@ -100,6 +104,43 @@ def test_the_adaptive_length_comes_within_ten_percent_of_the_best_fixed_one(acce
     assert simulate(new_policy("auto", draft_model=True), acceptance, extra) >= 0.9 * best_fixed(acceptance, extra)
 
 
+@pytest.mark.parametrize("acceptance,extra,base", [(0.8, 0.05, 1.5), (0.95, 0.1, 1.3), (0.7, 0.3, 1.2)])
+def test_a_round_with_a_fixed_cost_still_finds_the_best_length(acceptance, extra, base):
+    auto = simulate(new_policy("auto", draft_model=True), acceptance, extra, base=base)
+    assert auto >= 0.9 * best_fixed(acceptance, extra, base)
+
+
+@pytest.mark.parametrize("acceptance", [0.75, 0.9])
+def test_a_draft_nearly_as_costly_as_the_target_is_not_run_although_it_agrees(acceptance):
+    # The demo pair: tiny models, a round's fixed cost and a draft step each near a plain step's.
+    policy = new_policy("auto", draft_model=True)
+    assert simulate(policy, acceptance, 0.85, base=1.5) >= 0.97
+    assert best_fixed(acceptance, 0.85, 1.5) < 0.9
+    assert policy.draft == 0 and policy.probe_every == PROBE_MAX
+    assert round_cost(policy, 1) == pytest.approx(2.35, abs=0.15)  # measured, not the prior's 1.4
+
+
+def test_the_first_measured_round_outweighs_the_prior():
+    policy = new_policy("auto", draft_model=True)
+    record_plain(policy, 1.0)
+    assert choose(policy) == (1, False)  # the prior alone: one drafted token may pay
+    record_draft(policy, 1, 1, 2.4)
+    assert choose(policy) == (0, False)
+    assert round_cost(policy, 1) > 2.2
+
+
+def test_a_slow_first_round_is_forgotten_when_a_probe_comes_through():
+    policy = new_policy("auto", draft_model=True)
+    record_plain(policy, 1.0)
+    record_draft(policy, 1, 1, 4.0)  # a cold start: drafting looks too costly
+    assert choose(policy) == (0, False)
+    while choose(policy) == (0, False):
+        record_plain(policy, 1.0)
+    assert choose(policy) == (1, True)
+    record_draft(policy, 1, 1, 1.2, probe=True)  # the draft is cheap after all
+    assert choose(policy)[0] > 1
+
+
 @pytest.mark.parametrize("proposes", [0.05, 0.3])
 def test_a_lookup_that_rarely_finds_the_text_is_soon_asked_rarely(proposes):
     # Text that does not repeat: prompt lookup seldom has a proposal, and the few it has are wrong.
@@ -112,12 +153,13 @@ def test_a_lookup_that_finds_the_text_keeps_drafting():
     assert simulate(policy, 0.95, 0.05, proposes=0.9) >= 2.0
 
 
-def test_a_new_turn_probes_at_once_however_long_the_pause():
-    policy = new_policy("auto", draft_model=False)
-    simulate(policy, 0.0, 0.3, tokens=5000)
-    assert policy.probe_every == PROBE_MAX and choose(policy) == (0, False)
-    new_turn(policy)
-    assert choose(policy) == (1, True)
+def test_a_new_turn_probes_at_once_however_long_the_pause_with_prompt_lookup_only():
+    for lookup in (True, False):
+        policy = new_policy("auto", draft_model=not lookup)
+        simulate(policy, 0.0, 0.3, tokens=5000)
+        assert policy.probe_every == PROBE_MAX and choose(policy) == (0, False)
+        new_turn(policy)
+        assert choose(policy) == ((1, True) if lookup else (0, False))
 
 
 def test_probes_grow_sparser_while_drafting_does_not_pay_and_drafting_resumes_when_it_does():
@@ -155,3 +197,45 @@ def test_config_rules(tiny):
                 dict(draft="prompt_lookup", ngram_min=3, ngram_max=2), dict(draft="prompt_lookup", ngram_min=0)):
         with pytest.raises(InvalidParamsError):
             SpeculativeConfig(**bad)
+
+
+def run_with_costs(monkeypatch, lm, draft_step, turns=4, tokens=32):
+    """Turns of a session drafting with ``lm`` itself (every draft agrees) under a clock that advances
+    1 per plain step, 1.2 + 0.1 per token for the target's check of a round and ``draft_step`` per
+    drafted token: the loop's measurements, end to end, are then exact. Returns (session, stats)."""
+    now = [0.0]
+
+    def costs(function, cost):
+        def timed(*args):
+            result = function(*args)
+            now[0] += cost(*args)
+            return result
+        return timed
+
+    monkeypatch.setattr(loop, "clock", lambda: now[0])
+    monkeypatch.setattr(loop, "_plain_step", costs(loop._plain_step, lambda run, y: 1.0))
+    monkeypatch.setattr(loop, "_verify", costs(loop._verify, lambda run, y, lp, drafts: 1.2 + 0.1 * drafts.size))
+    monkeypatch.setattr(ModelDrafter, "propose", costs(ModelDrafter.propose, lambda self, y, k, held: draft_step * k))
+    session = session_for(lm, params=GenerateParams(max_tokens=tokens), speculative=SpeculativeConfig(lm))
+    stats = []
+    for prompt in ["Hi", "Tell me more", "And then?", "Go on"][:turns]:
+        session.respond(prompt)
+        stats.append(session.last_stats)
+    return session, stats
+
+
+def test_the_loop_stops_drafting_when_a_draft_step_costs_as_much_as_a_plain_one(tiny, monkeypatch):
+    session, stats = run_with_costs(monkeypatch, tiny(arch="qwen3", tokenizer="bpe"), draft_step=1.0)
+    policy = session._source.policy
+    assert policy.plain_time == pytest.approx(1.0)
+    assert round_cost(policy, 1) == pytest.approx(2.3, abs=0.05)  # 1.2 + 0.1 + 1.0, in plain steps
+    assert policy.draft == 0
+    assert sum(s.draft_tokens_proposed for s in stats) <= 5  # the prior's first round, then rare probes
+    assert stats[-1].draft_tokens_proposed <= 1
+
+
+def test_the_loop_drafts_long_when_the_draft_is_cheap(tiny, monkeypatch):
+    session, stats = run_with_costs(monkeypatch, tiny(arch="qwen3", tokenizer="bpe"), draft_step=0.05)
+    policy = session._source.policy
+    assert round_cost(policy, AUTO_MAX) < 2.5 and policy.draft == AUTO_MAX
+    assert stats[-1].draft_length >= 4 and stats[-1].draft_tokens_accepted == stats[-1].draft_tokens_proposed

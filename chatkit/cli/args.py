@@ -102,12 +102,13 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", metavar="ID|PATH|demo|prompt_lookup",
                    help="speculative decoding: a smaller model sharing the tokenizer, or 'prompt_lookup' (drafts "
                         "from the conversation itself, no model) (default: none). "
-                        "With the demo pair on a CPU it is no faster than without it (0.98-1.02x, "
-                        "measured): a draft pays off only when it is much cheaper than the "
-                        "model and agrees with it")
+                        "A draft pays off only when it is much cheaper than the model and agrees with it: the "
+                        "demo pair's draft costs nearly as much as the model on a CPU, so with --num-draft "
+                        "auto it decodes plainly and probes now and then")
     p.add_argument("--num-draft", type=_num_draft, default="auto", metavar="auto|N",
-                   help="tokens drafted per step with --draft: 'auto' tunes it from the acceptance measured so "
-                        "far, down to not drafting while it does not pay; or 1 to 64 (default: %(default)s)")
+                   help="tokens drafted per step with --draft: 'auto' tunes it from the acceptance and the step "
+                        "times measured so far, down to not drafting while it does not pay; or 1 to 64 "
+                        "(default: %(default)s)")
 
 
 def add_sampling_flags(p: argparse.ArgumentParser, *, max_tokens: int, otherwise: str) -> None:

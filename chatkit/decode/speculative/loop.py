@@ -27,6 +27,9 @@ from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .lookup import NgramIndex
 from .policy import DraftPolicy, choose, new_turn, record_draft, record_miss, record_plain
 
+clock = time.perf_counter
+"""The clock the draft-length policy's measurements read (tests give their own)."""
+
 Steps = Generator[Token, None, tuple[mx.array, mx.array]]
 """A step's tokens, then the next token to feed and its log-probabilities."""
 
@@ -111,26 +114,35 @@ def _decode(run: _Run) -> Iterator[Token]:
         else:
             y, logprobs = yield from _drafting(run, y, logprobs, drafts, probe)
             queued = False
-    if run.last is not None:
-        _record(run.policy, *run.last, time.perf_counter() - run.t_last)
+    _lap(run)
 
 
 def _draft_length(run: _Run, y: mx.array) -> tuple[int, bool]:
     """How many tokens to draft after ``y`` (0: a plain step) and whether that is a probe. The
-    previous step is timed here, when ``y`` (its result) is ready."""
+    previous step is timed here: a drafting round (its tokens are at hand) before the choice, a plain
+    step queued ahead when ``y`` (its token) is ready, or at the next step when it stays queued."""
+    if run.last is not None and run.last[0]:
+        _lap(run)
     options = run.request.options
     k, probe = choose(run.policy)
-    # A rotating cache's room, a cache about to be quantized: drafts stop where exactness would.
-    room = speculation_room(run.layers, options.kv_bits, options.quantized_kv_start)
-    k = min(k, run.request.max_tokens - run.out - 1, room)
-    if k > 0:  # the step that made y belongs to the last step's time; a catch-up to none
+    if k > 0:  # a rotating cache's room, a cache about to be quantized: drafts stop where exactness would
+        room = speculation_room(run.layers, options.kv_bits, options.quantized_kv_start)
+        k = min(k, run.request.max_tokens - run.out - 1, room)
+    if k > 0:
         mx.eval(y)
+    _lap(run)
+    if k > 0:  # a draft model's catch-up after plain steps belongs to no step: it is the switch's cost
         run.drafter.catch_up(run.held)
-    now = time.perf_counter()
+        run.t_last = clock()
+    return k, probe
+
+
+def _lap(run: _Run) -> None:
+    """The step to time (if any) ends now; the next starts."""
+    now = clock()
     if run.last is not None:
         _record(run.policy, *run.last, now - run.t_last)
     run.t_last, run.last = now, None
-    return k, probe
 
 
 def _plain(run: _Run, y: mx.array, logprobs: mx.array, queued: bool) -> Steps:

@@ -1,25 +1,31 @@
 """How many tokens to draft next: a fixed number, or tuned from what drafting achieved so far.
 
-The adaptive rule is a small cost model (as in the speculative decoding papers): with a per-token
-acceptance rate ``a``, a step that drafts ``k`` tokens yields ``(1 - a**(k+1)) / (1 - a)`` tokens on
-average and costs ``1 + c*k`` plain steps, where ``c`` is the measured extra time one drafted token
-adds (drafting it plus checking it). The policy drafts the ``k`` with the best expected speed when
-that beats a plain step by a margin, otherwise it decodes plainly and probes with one drafted token
-now and then (at growing intervals while probes keep failing), so a draft that stops paying costs
-little and one that starts paying again is found.
+The adaptive rule is a small cost model (as in the speculative decoding papers), fed with wall times
+measured in the session. A plain step's time is measured on plain steps (queued one ahead, so it can
+be shorter than a forward pass). A drafting round's time is measured end to end in the loop: the
+draft's steps, the target's pass over the ``k + 1`` tokens, the trims and the bookkeeping, until the
+next step starts. Its ratio to a plain step is fitted as ``base + per_token * k`` (decayed least
+squares over the rounds seen, with a weak prior on the base), so a round's fixed cost (a check that
+cannot be queued ahead as plain steps are) is told apart from what each drafted token adds. With a per-token
+acceptance ``a``, a round drafting ``k`` tokens yields ``(1 - a**(k+1)) / (1 - a)`` tokens on average;
+the policy drafts the ``k`` whose tokens per unit time beat plain steps by a margin, and otherwise
+decodes plainly (``k = 0``) and probes with one drafted token now and then, at doubling intervals
+while probes keep failing, so a draft that does not pay costs little and one that starts paying is
+found again. Prompt lookup also probes at the start of each turn (a reply may quote the conversation).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 AUTO_MAX = 8  # longest adaptive draft: the best fixed lengths measured lie between 4 and 8
 MARGIN = 1.05  # drafting must promise this speed-up over plain steps
-DECAY = 0.9  # weight of older acceptance evidence per drafting step
-SMOOTH = 0.2  # weight of a new time measurement
+DECAY = 0.9  # weight of older acceptance and round-time evidence per drafting step
 PROBE_MIN, PROBE_MAX = 16, 256  # plain tokens between probes while drafting does not pay
-MAX_EXTRA = 1.0  # a drafted token that costs a whole plain step can never pay
 PRIOR = (1.0, 2.0)  # (hits, tries) before any evidence: an acceptance of one half
+PRIOR_BASE = 1.1  # a round's cost before any is measured, in plain steps: PRIOR_BASE + extra * k
+PRIOR_WEIGHT = 0.25  # weight of the prior's round without drafts (a measured round weighs 1)
+SMOOTH = 0.2  # weight of a new plain step time
 REFRESH = 64  # drafting steps between plain steps that re-measure the plain step time
 
 
@@ -28,10 +34,14 @@ class DraftPolicy:
     """Per-session state of the draft length choice. ``fixed`` set: always that length."""
 
     fixed: int | None
-    extra: float  # extra cost of one drafted token, in plain steps (a prior until measured)
-    hits: float = 1.0  # decayed count of accepted draft tokens (the prior: PRIOR)
-    tries: float = 2.0  # decayed count of draft tokens the target checked
+    extra: float  # prior cost of one drafted token, in plain steps (before any round is measured)
+    lookup: bool = False  # the drafter is prompt lookup (it probes at each turn's start)
+    hits: float = PRIOR[0]  # decayed count of accepted draft tokens
+    tries: float = PRIOR[1]  # decayed count of draft tokens the target checked
     plain_time: float | None = None  # seconds of a plain step
+    rounds: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums: w, k, k*k, r, k*r
+    cost: tuple[float, float] = (PRIOR_BASE, 0.0)  # fitted (base, per_token) of a round, in plain steps
+    draft: int = 0  # the length the evidence so far says pays (0: none)
     idle: int = 0  # plain tokens since the last drafting step
     probe_every: int = PROBE_MIN
     since_plain: int = 0  # drafting steps since the last plain step
@@ -45,7 +55,10 @@ class DraftPolicy:
 def new_policy(num_draft_tokens: int | str, *, draft_model: bool) -> DraftPolicy:
     """The policy for a ``SpeculativeConfig.num_draft_tokens`` (an int or ``"auto"``)."""
     fixed = num_draft_tokens if isinstance(num_draft_tokens, int) else None
-    return DraftPolicy(fixed=fixed, extra=0.3 if draft_model else 0.1)
+    policy = DraftPolicy(fixed=fixed, extra=0.3 if draft_model else 0.1, lookup=not draft_model)
+    policy.cost = _fit(policy)
+    _decide(policy)
+    return policy
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -55,11 +68,16 @@ def expected_tokens(acceptance: float, k: int) -> float:
     return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
+def round_cost(policy: DraftPolicy, k: int) -> float:
+    """Estimated wall time of a round drafting ``k`` tokens, in plain steps (at least one)."""
+    base, per_token = policy.cost
+    return max(1.0, base + per_token * k)
+
+
 def best_length(policy: DraftPolicy, limit: int = AUTO_MAX) -> tuple[int, float]:
     """The draft length with the best expected speed relative to plain steps, and that speed."""
     a = policy.acceptance
-    scores = [(expected_tokens(a, k) / (1.0 + policy.extra * k), k) for k in range(1, limit + 1)]
-    speed, k = max(scores)
+    speed, k = max((expected_tokens(a, k) / round_cost(policy, k), k) for k in range(1, limit + 1))
     return k, speed
 
 
@@ -69,42 +87,50 @@ def choose(policy: DraftPolicy) -> tuple[int, bool]:
         return policy.fixed, False
     if policy.plain_time is None or policy.since_plain >= REFRESH:
         return 0, False  # measure a plain step first
-    k, speed = best_length(policy)
-    if speed >= MARGIN:
-        return k, False
+    if policy.draft:
+        return policy.draft, False
     if policy.idle >= policy.probe_every:
         return 1, True
     return 0, False
 
 
 def new_turn(policy: DraftPolicy) -> None:
-    """A turn starts: new text, so probe at its first drafting chance however long the pause was
-    (a reply that quotes the conversation is found at once, not after up to PROBE_MAX tokens)."""
-    policy.idle = max(policy.idle, policy.probe_every)
+    """A turn starts. Prompt lookup probes at its first drafting chance however long the pause was (a
+    reply that quotes the conversation is found at once, not after up to PROBE_MAX tokens); a draft
+    model's agreement does not hinge on the turn, so it keeps its probing interval."""
+    if policy.lookup:
+        policy.idle = max(policy.idle, policy.probe_every)
 
 
 def record_plain(policy: DraftPolicy, seconds: float) -> None:
-    """A plain step (one token) took ``seconds``."""
-    policy.plain_time = seconds if policy.plain_time is None else _smooth(policy.plain_time, seconds)
+    """A plain step (one token, queued one ahead) took ``seconds``."""
+    old = policy.plain_time
+    policy.plain_time = seconds if old is None else (1.0 - SMOOTH) * old + SMOOTH * seconds
     policy.idle += 1
     policy.since_plain = 0
 
 
 def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: float, probe: bool = False) -> None:
-    """A step checked ``drafted`` tokens (``drafted >= 1``), accepted ``accepted`` and took ``seconds``;
-    ``probe``: it was a probe while drafting did not pay."""
-    if probe and accepted == drafted:
-        policy.hits, policy.tries = PRIOR  # a probe came through: start over from the prior
+    """A drafting round checked ``drafted`` tokens (``drafted >= 1``), accepted ``accepted`` and took
+    ``seconds`` end to end; ``probe``: it was a probe while drafting did not pay."""
+    if probe and accepted == drafted:  # a probe came through: start over from the prior and this round
+        policy.hits, policy.tries = PRIOR
+        policy.rounds = [0.0] * 5  # (a first round slowed by a cold start, or by other load, is forgotten)
     policy.hits = policy.hits * DECAY + accepted
     policy.tries = policy.tries * DECAY + accepted + (accepted < drafted)
     if policy.plain_time:
-        # Clipped: one step slowed down by something else must not switch drafting off for long.
-        extra = min(max(0.0, (seconds / policy.plain_time - 1.0) / drafted), MAX_EXTRA)
-        policy.extra = _smooth(policy.extra, extra)
+        # Clipped: at k + 1 plain steps a round cannot pay whatever it yields, and one round slowed
+        # down by something else must not weigh more than that.
+        ratio = min(seconds / policy.plain_time, drafted + 2.0)
+        sums = [s * DECAY for s in policy.rounds]
+        for i, term in enumerate((1.0, drafted, drafted * drafted, ratio, drafted * ratio)):
+            sums[i] += term
+        policy.rounds = sums
+        policy.cost = _fit(policy)
     policy.since_plain += 1
+    _decide(policy)
     if probe:
-        paying = best_length(policy)[1] >= MARGIN
-        policy.probe_every = PROBE_MIN if paying else min(2 * policy.probe_every, PROBE_MAX)
+        policy.probe_every = PROBE_MIN if policy.draft else min(2 * policy.probe_every, PROBE_MAX)
     policy.idle = 0
 
 
@@ -117,14 +143,29 @@ def record_miss(policy: DraftPolicy, probe: bool = False) -> None:
     asking at every step and decoding slower than plain steps."""
     policy.hits *= DECAY
     policy.tries = policy.tries * DECAY + 1.0
+    _decide(policy)
     if probe:
         policy.probe_every = min(2 * policy.probe_every, PROBE_MAX)
         policy.idle = 0
 
 
-def _smooth(old: float, new: float) -> float:
-    return (1.0 - SMOOTH) * old + SMOOTH * new
+def _decide(policy: DraftPolicy) -> None:
+    k, speed = best_length(policy)
+    policy.draft = k if speed >= MARGIN else 0
+
+
+def _fit(policy: DraftPolicy) -> tuple[float, float]:
+    """Least squares ``ratio = base + per_token * k`` over the measured rounds and the prior: a round
+    that drafts nothing costs PRIOR_BASE (the check is not queued ahead as plain steps are), and,
+    weighing almost nothing, a round drafting one token ``PRIOR_BASE + extra``. While every round had
+    the same length, the fit goes through the prior's base, so a cheap draft is tried longer."""
+    w, sk, skk, sr, skr = policy.rounds
+    for k, weight in ((0, PRIOR_WEIGHT), (1, PRIOR_WEIGHT / 10)):
+        r = PRIOR_BASE + policy.extra * k
+        w, sk, skk, sr, skr = w + weight, sk + weight * k, skk + weight * k * k, sr + weight * r, skr + weight * k * r
+    per_token = max(0.0, (w * skr - sk * sr) / (w * skk - sk * sk))
+    return (sr - per_token * sk) / w, per_token
 
 
 __all__ = ["AUTO_MAX", "DraftPolicy", "best_length", "choose", "expected_tokens", "new_policy", "new_turn",
-           "record_draft", "record_miss", "record_plain"]
+           "record_draft", "record_miss", "record_plain", "round_cost"]
