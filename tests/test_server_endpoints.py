@@ -224,8 +224,9 @@ def test_error_replies_never_speak_of_the_python_api(server, monkeypatch):
     """The main error cases, each checked for wording of the Python library (methods, classes, builder)."""
     user = {"role": "user", "content": "x"}
     replies = [httpx.post(f"{server.url}/chat/completions", json={"messages": [user], **extra}, timeout=60)
-               for extra in ({"temperature": -1}, {"top_p": 5}, {"max_tokens": 0}, {"top_k": -3}, {"n": 2},
-                             {"presence_penalty": 1}, {"tool_choice": "required", "tools": []})]
+               for extra in ({"temperature": -1}, {"top_p": 5}, {"max_tokens": 0}, {"top_k": -3}, {"n": 0}, {"n": 99},
+                             {"presence_penalty": 5}, {"frequency_penalty": "x"}, {"top_logprobs": 50, "logprobs": True},
+                             {"tool_choice": "required", "tools": []})]
     replies += [httpx.post(f"{server.url}/responses", json=body, timeout=60) for body in (
         {"input": "x", "max_output_tokens": 0}, {"input": "x", "previous_response_id": "resp_nope"}, {"input": []})]
     replies += [httpx.get(f"{server.url}/models/nope", timeout=60), httpx.get(f"{server.url}/responses/nope", timeout=60),
