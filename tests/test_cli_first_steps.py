@@ -197,7 +197,7 @@ def test_a_conversion_says_so_the_first_time_only(tmp_path, monkeypatch, capsys,
 
 def test_a_draft_model_works_with_kv_bits(capsys, monkeypatch):
     """docs/cli.md said --draft could not be combined with --kv-bits; it can (a quantized cache for both)."""
-    repl = Repl(parser().parse_args(["chat", "--draft", "demo", "--kv-bits", "8"]), out=io.StringIO(), err=io.StringIO())
+    repl = Repl(parser().parse_args(["chat", "--draft", "demo", "--num-draft", "2", "--kv-bits", "8"]), out=io.StringIO(), err=io.StringIO())
     repl.turn("My name is Ada.")
     repl.turn("What is my name?")
     assert "Your name is Ada." in repl.out.getvalue()
