@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -220,15 +219,12 @@ def test_greedy_output_is_not_degenerate_and_fast(arch):
     assert out[0] not in lm.tokenizer.eos_token_ids
     assert len(set(out[:10])) >= 3
     assert len(set(out)) >= 8
-    # A 20-token reply after a ~50-token prompt.
-    long_ask = [{"role": "user", "content": "Tell me a story about a dragon. " * 5}]
-    ids = lm.tokenizer.apply_chat_template(long_ask, add_generation_prompt=True)
-    assert 40 <= len(ids) <= 70
-    start = time.perf_counter()
-    out = [int(t) for t, _ in generate_step(mx.array(ids), lm.model, max_tokens=20)]
-    elapsed = time.perf_counter() - start
-    assert len(out) == 20
-    assert elapsed < 1.0, f"{arch}: 20 tokens took {elapsed:.2f}s"
+    # Small enough that a suite of many turns stays fast: a size bound, not a timing (timings on a shared
+    # machine measure its load; speed is the benchmarks' job).
+    from mlx.utils import tree_flatten
+
+    size = sum(v.size for _, v in tree_flatten(lm.model.parameters()))
+    assert size < 2.5e6, f"{arch}: {size} parameters"
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
