@@ -41,7 +41,7 @@ def write(target: Path, where: str, write_to: Callable[[str], None]) -> int:
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
-        _fsync_folder(folder)
+        sync_folder(folder)
     except BaseException as exc:
         try:
             os.unlink(tmp)
@@ -178,7 +178,9 @@ def write_problem(where: str, folder: Path, exc: BaseException) -> str:
     return f"Could not write {where}: {reason}. Any earlier file there is intact."
 
 
-def _fsync_folder(folder: Path) -> None:
+def sync_folder(folder: Path) -> None:
+    """A change of ``folder``'s entries (a file written, renamed or removed) made durable, where the
+    platform can sync a folder."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -191,4 +193,4 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["TEMP_SUFFIX", "path_text", "remove_stale_temps", "save_target", "write", "write_problem"]
+__all__ = ["TEMP_SUFFIX", "path_text", "remove_stale_temps", "save_target", "sync_folder", "write", "write_problem"]

@@ -64,7 +64,7 @@ class ResponseStore:
         if self._folder is not None:
             try:
                 (self._folder / f"{rid}.json").unlink(missing_ok=True)
-                _sync_folder(self._folder)
+                atomic.sync_folder(self._folder)
             except OSError as exc:
                 raise ChatKitError(f"Response {rid} cannot be deleted: {exc.strerror or exc}. It is still stored; "
                                    "try again later.") from None
@@ -174,20 +174,6 @@ class ResponseStore:
         json.dumps(response, ensure_ascii=False, allow_nan=False).encode("utf-8")  # sent back as it is
         messages = [ChatMessage.from_dict(m) for m in (*record["added"], record["reply"])]
         self._responses[rid], self._messages[rid] = response, tuple(messages)
-
-
-def _sync_folder(folder: Path) -> None:
-    """A removal in ``folder`` made durable (where the platform can sync a folder)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _written(path: Path) -> tuple[int, str]:
