@@ -15,6 +15,7 @@ from chatkit.testing import Scripted
 import httpx
 import openai
 import pytest
+from helpers.forcing import Favour, FavourFirst
 
 PARAMS = GenerateParams(max_tokens=10, temperature=0.0)
 SYSTEM = "Be brief."
@@ -622,17 +623,6 @@ def test_changed_tools_start_another_conversation(think):
     assert same.choices[0].message.content == fresh.respond("sunny", role="tool", tool_call_id=tc.id)
 
 
-class Favour:
-    """A logits processor that pushes one token far ahead of the others."""
-
-    def __init__(self, token):
-        self.token = token
-
-    def __call__(self, tokens, logits):
-        import mlx.core as mx
-
-        return logits + 50.0 * (mx.arange(logits.shape[-1]) == self.token)
-
 
 def test_tool_choice_none_keeps_the_model_from_calling(think):
     start_call = think.tokenizer.encode("<tool_call>", add_special_tokens=False)
@@ -645,18 +635,6 @@ def test_tool_choice_none_keeps_the_model_from_calling(think):
     assert auto.choices[0].message.tool_calls  # it could not help calling (an unreadable call, cut short)
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
 
-
-class FavourFirst:
-    """Pushes ``token`` at the first step it sees only: the reply opens a tool call, the rest is free."""
-
-    def __init__(self, token):
-        self.token, self.calls = token, 0
-
-    def __call__(self, tokens, logits):
-        import mlx.core as mx
-
-        self.calls += 1
-        return logits + 50.0 * (mx.arange(logits.shape[-1]) == self.token) if self.calls == 1 else logits
 
 
 @pytest.mark.skipif(not guided_available(), reason="needs the guided extra")

@@ -17,6 +17,7 @@ from chatkit.testing import Scripted
 import anthropic
 import httpx
 import pytest
+from helpers.forcing import Ban, Favour, FavourFirst
 
 PARAMS = GenerateParams(max_tokens=10, temperature=0.0)
 SYSTEM = "Be brief."
@@ -184,17 +185,6 @@ def test_a_tool_round_trip_reuses_the_cache_and_equals_a_fresh_session(think, st
     assert text_of(r2) == fresh.respond("sunny", role="tool", tool_call_id=call.id)
 
 
-class Favour:
-    """Pushes one token far ahead of the others."""
-
-    def __init__(self, token):
-        self.token = token
-
-    def __call__(self, tokens, logits):
-        import mlx.core as mx
-
-        return logits + 50.0 * (mx.arange(logits.shape[-1]) == self.token)
-
 
 def test_tool_choice_none_keeps_the_model_from_calling(think):
     (start_call,) = think.tokenizer.encode("<tool_call>", add_special_tokens=False)
@@ -253,27 +243,6 @@ def thought(think, thinking):
         return ask(client(running), [user("Hi")], max_tokens=20, thinking=thinking)
 
 
-class FavourFirst:
-    """Pushes ``token`` at the first step it sees only."""
-
-    def __init__(self, token):
-        self.token, self.calls = token, 0
-
-    def __call__(self, tokens, logits):
-        import mlx.core as mx
-
-        self.calls += 1
-        return logits + 50.0 * (mx.arange(logits.shape[-1]) == self.token) if self.calls == 1 else logits
-
-
-class Ban:
-    def __init__(self, *ids):
-        self.ids = ids
-
-    def __call__(self, tokens, logits):
-        import mlx.core as mx
-
-        return logits + mx.array([-1e9 if i in self.ids else 0.0 for i in range(logits.shape[-1])], dtype=logits.dtype)
 
 
 # -- errors: Anthropic-style JSON, the right status and exception class, nothing changed ---------------------------

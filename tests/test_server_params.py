@@ -12,6 +12,7 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
+from helpers.forcing import Favour
 from mlx_lm.sample_utils import make_logits_processors
 
 needs_guided = pytest.mark.skipif(not guided_available(), reason="needs the guided extra")
@@ -58,16 +59,6 @@ def readable(tc):
     return set(arguments) == {"city"} and isinstance(arguments["city"], str) and len(arguments["city"]) <= 6
 
 
-class FavourStart:
-    """Pushes ``token`` (a call's start marker) at every step: with parallel calls allowed the reply
-    would open call after call."""
-
-    def __init__(self, token):
-        self.token = token
-
-    def __call__(self, tokens, logits):
-        return logits + 30.0 * (mx.arange(logits.shape[-1]) == self.token)
-
 
 # -- tool_choice and parallel_tool_calls ------------------------------------------------------------
 @needs_guided
@@ -101,7 +92,7 @@ def test_tool_choice_required_and_named_produce_calls_to_the_right_tool(think):
 @needs_guided
 def test_parallel_tool_calls_false_gives_at_most_one_call(think):
     (start_call,) = think.tokenizer.encode("<tool_call>", add_special_tokens=False)
-    params = GenerateParams(max_tokens=80, logits_processors=[FavourStart(start_call)])
+    params = GenerateParams(max_tokens=80, logits_processors=[Favour(start_call, weight=30.0)])
     with start(think, ServerConfig(defaults=params)) as running:
         c = client(running)
         many = chat(c, [user("Weather?")], tools=[WEATHER], tool_choice="required")
@@ -116,7 +107,7 @@ def test_parallel_tool_calls_false_gives_at_most_one_call(think):
 
 def test_tool_choice_none_is_still_held(think):
     (start_call,) = think.tokenizer.encode("<tool_call>", add_special_tokens=False)
-    params = GenerateParams(max_tokens=6, logits_processors=[FavourStart(start_call)])
+    params = GenerateParams(max_tokens=6, logits_processors=[Favour(start_call, weight=30.0)])
     with start(think, ServerConfig(defaults=params)) as running:
         none = chat(client(running), [user("Weather?")], tools=[WEATHER], tool_choice="none")
     assert none.choices[0].message.tool_calls is None and none.choices[0].message.content
