@@ -270,3 +270,15 @@ def test_n_choices_are_seeded_forks_of_one_prefilled_prompt(lm):
     fork = sessions[0].fork()
     fork.regenerate()
     assert fork.last_stats.prefilled_tokens == 1 and fork.last_stats.reused_tokens == r.usage.prompt_tokens - 1
+
+
+def test_every_choice_of_n_is_counted_in_metrics(lm):
+    def completion_tokens(running):
+        text = httpx.get(running.url.removesuffix("/v1") + "/metrics", timeout=60).text
+        (line,) = [row for row in text.splitlines() if row.startswith("chatkit_completion_tokens_total")]
+        return float(line.split()[-1])
+
+    with start(lm, ServerConfig(defaults=GenerateParams(max_tokens=5, temperature=1.0))) as running:
+        before = completion_tokens(running)
+        r = chat(client(running), [user("Hi")], n=3, seed=7)
+        assert completion_tokens(running) - before == r.usage.completion_tokens > 5

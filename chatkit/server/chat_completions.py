@@ -51,7 +51,7 @@ async def create(state: ServerState, request: Request) -> Response:
     choices: list[dict[str, Any]] = []
     completion = 0
     async with state.settled(lease):
-        async for index, stream, reply in _choices(lease, req):
+        async for index, stream, reply in _choices(state, lease, req):
             read = Logprobs(state.lm.tokenizer, req.logprobs) if req.logprobs is not None else None
             finish = None
             async with stream:  # closed (committed) however the block ends
@@ -69,11 +69,15 @@ async def create(state: ServerState, request: Request) -> Response:
     return JSONResponse(body, headers=compaction_headers(compaction))
 
 
-async def _choices(lease: Lease, req: TurnRequest) -> AsyncIterator[tuple[int, AsyncResponseStream, Callable[[], ChatMessage]]]:
-    """(index, stream, its reply once read) of each choice: the lease's turn, then ``n - 1`` forks (``choices``)."""
+async def _choices(state: ServerState, lease: Lease,
+                   req: TurnRequest) -> AsyncIterator[tuple[int, AsyncResponseStream, Callable[[], ChatMessage]]]:
+    """(index, stream, its reply once read) of each choice: the lease's turn, then ``n - 1`` forks
+    (``choices``), each counted in ``/metrics`` once the caller closed it (the lease's turn is counted
+    where it settles)."""
     yield 0, lease.stream, lambda: reply_of(lease)
     async for choice in more_choices(lease, req.n):
         yield choice.index, choice.stream, choice.reply
+        state.metrics.observe_turn(choice.stream.stats)
 
 
 async def _events(state: ServerState, lease: Lease, req: TurnRequest, cid: str) -> AsyncIterator[str]:
@@ -83,7 +87,7 @@ async def _events(state: ServerState, lease: Lease, req: TurnRequest, cid: str) 
     async with state.settled(lease):
         try:
             completion = 0
-            async for index, stream, _ in _choices(lease, req):
+            async for index, stream, _ in _choices(state, lease, req):
                 async with stream:  # closed (committed) however the block ends
                     async for text in _choice_events(state, stream, req, cid, index):
                         yield text

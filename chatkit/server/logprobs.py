@@ -63,6 +63,7 @@ class Logprobs:
         self._top = top
         self._last: Any = None  # the logprobs of the last token read (a token's chunks share them)
         self._pending: list[dict[str, Any]] = []
+        self._texts: dict[int, str] = {}
         self.entries: list[dict[str, Any]] = []
 
     def feed(self, chunk: StreamChunk) -> None:
@@ -81,7 +82,9 @@ class Logprobs:
         return pending
 
     def _entry(self, token: int, logprob: float | None) -> dict[str, Any]:
-        text = self._tokenizer.decode([token])
+        text = self._texts.get(token)
+        if text is None:  # each token decoded once per request (top_logprobs repeats the same few)
+            text = self._texts[token] = self._tokenizer.decode([token])
         value = FLOOR if logprob is None or not math.isfinite(logprob) else max(logprob, FLOOR)
         return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
 

@@ -71,7 +71,8 @@ def call_constraint(lm: LoadedModel, tools: Sequence[Mapping[str, Any]] | None, 
         from ..guided.call_grammar import ToolCallConstraint, call_shape, tool_call_grammar  # the guided extra
     except ImportError:
         raise BadRequestError(f"{param}: holding the model to it needs guided generation, which this chatkit "
-                              "does not have: install its guided extra, or leave it out.", param=param) from None
+                              "does not have installed: its administrator can add it with pip install \"chatkit[guided]\"; "
+                              "or leave it out.", param=param) from None
     what = ("tool_choice " + (repr(name) if name else repr(choice))) if required else "parallel_tool_calls=false"
     try:
         call_shape(lm.tokenizer)
