@@ -17,6 +17,7 @@ from ..decode.speculative import SpeculativeConfig, check_draft
 from ..errors import InvalidMessageError, InvalidParamsError, SpeculativeCacheRestoreError
 from ..messages import ChatMessage, MessageLike, Role, as_messages, check_instructions
 from ..model import tokenizer as _tokenizer
+from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
 from ..model.switchable import ActiveAdapter, activate
 from ..params import GenerateParams
@@ -236,10 +237,11 @@ class ChatSessionBuilder(Generic[S]):
         self._context_policy = policy.checked()
         return self
 
-    def adapter(self, adapter: Any, scale: float = 1.0) -> ChatSessionBuilder[S]:
+    def adapter(self, adapter: Adapter | None, scale: float = 1.0) -> ChatSessionBuilder[S]:
         """Apply a LoRA/DoRA adapter (``chatkit.load_adapter(path)``) to this session's turns, at ``scale``
         times its own scale, over the model's one copy of the weights (``None``: the base model).
-        ``ModelLoadError`` here if it does not fit the model. See docs/adapters.md."""
+        ``ModelLoadError`` here if it does not fit the model; ``InvalidParamsError`` for something that is
+        not an ``Adapter``, a bad scale or a sharded model. See docs/adapters.md."""
         self._adapter = activate(self._lm, adapter, scale)
         return self
 

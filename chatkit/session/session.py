@@ -200,7 +200,8 @@ class ChatSession(SessionCore):
     @property
     def adapter(self) -> Adapter | None:
         """The LoRA/DoRA adapter applied to this session's turns (``None``: the base model). Assigning
-        one (at scale 1; :meth:`set_adapter` for another) rebuilds the cache at the next turn."""
+        one sets it at scale 1 (:meth:`set_adapter` for another scale) and, when it changes, drops the KV
+        cache now: the next turn prefills the conversation again."""
         return None if self._adapter is None else self._adapter.adapter
 
     @adapter.setter
