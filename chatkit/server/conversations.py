@@ -35,7 +35,9 @@ async def retrieve(state: ServerState, request: Request) -> Response:
 
 
 def input_items(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the Responses API's input items (messages, function calls, function call outputs)."""
+    """Messages as the Responses API's input items (messages, function calls, function call outputs),
+    in the shape a client sends them (the page re-sends them to regenerate), not ``input_items``' listing
+    shape (``response_items.message_items``: ids, status, content parts, reasoning items)."""
     items: list[dict[str, Any]] = []
     for m in messages:
         if m.role is Role.TOOL:
