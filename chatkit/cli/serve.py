@@ -8,13 +8,16 @@ import ipaddress
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from ..decode.speculative import SpeculativeConfig
-from ..errors import ChatKitError
+from ..errors import ChatKitError, ModelLoadError
+from ..model.adapters import Adapter
+from ..model.loaded import LoadedModel
 from ..params import GenerateParams
+from ..server.models import check_adapter_name
 from ..server.run import serve
 from ..server.state import ServerConfig
 from .args import (
@@ -75,6 +78,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", type=int, default=32, help="requests waiting beyond those; more get 503 (default 32)")
     add_sampling_flags(p, max_tokens=SERVE_MAX_TOKENS, otherwise="for requests that set none")
     add_context_flag(p)
+    p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
+                   help="serve an mlx-lm LoRA/DoRA adapter folder over the model as the model id MODEL:NAME "
+                        "(MODEL: the --model id that /v1/models lists); requests select it with their model "
+                        "field, the base model with MODEL. Repeat for more; one copy of the weights serves all")
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS,
                    help=f"uvicorn's log level: {', '.join(LOG_LEVELS)} (default info)")
     return p
@@ -92,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         lm = load_model(args.model)
+        config.adapters = load_adapters(lm, config.adapters)
         draft = load_draft(args.draft)
         if draft is not None:
             config.speculative = SpeculativeConfig(draft, num_draft_tokens=args.num_draft)
@@ -125,7 +133,42 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_cache_bytes=args.max_cache_mb * 2**20,
         max_conversations=args.max_conversations, parallel=parallel, queue=args.queue,
         api_key=args.api_key, defaults=defaults, batch=args.batch > 0, context_policy=context_policy(args.context_policy),
+        adapters=adapter_flags(args.adapter),
     )
+
+
+def adapter_flags(values: Sequence[str]) -> dict[str, str]:
+    """The ``--adapter NAME=PATH`` flags as {name: folder}, checked before anything loads (that each
+    folder fits the model is checked once it is loaded: :func:`load_adapters`)."""
+    found: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        where = f"--adapter {value}"
+        if not sep or not name or not path:
+            raise UsageError(f"{where}: give NAME=PATH, e.g. --adapter tools=./adapters (clients then send "
+                             "model 'MODEL:tools').")
+        try:
+            check_adapter_name(name)
+        except ChatKitError as exc:
+            raise UsageError(f"{where}: {exc}") from None
+        if name in found:
+            raise UsageError(f"{where}: the name {name!r} is given twice; give each adapter its own name.")
+        if not Path(os.path.expanduser(path)).is_dir():
+            raise UsageError(f"{where}: no folder {path!r}; give the adapter folder mlx_lm.lora wrote "
+                             "(with adapter_config.json and adapters.safetensors).")
+        found[name] = path
+    return found
+
+
+def load_adapters(lm: LoadedModel, paths: Mapping[str, Any]) -> dict[str, Adapter]:
+    """Each ``--adapter`` folder read and checked against ``lm``; ``ModelLoadError`` naming the flag."""
+    adapters = {}
+    for name, path in paths.items():
+        try:
+            adapters[name] = lm.adapter(path)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"--adapter {name}={path}: {exc}") from None
+    return adapters
 
 
 def is_loopback(host: str) -> bool:
@@ -169,4 +212,5 @@ def check_store(path: str) -> str:
     return str(folder)
 
 
-__all__ = ["check_exposure", "check_store", "is_loopback", "main", "parser", "server_config"]
+__all__ = ["adapter_flags", "check_exposure", "check_store", "is_loopback", "load_adapters", "main", "parser",
+           "server_config"]

@@ -20,7 +20,7 @@ from ..params import GenerateParams
 from ..session.results import TurnStats
 from .body import read_metadata, read_object
 from .errors import BadRequestError, http_message, status_of
-from .wire import TurnRequest, read_bool, read_params, split_conversation
+from .wire import TurnRequest, read_bool, read_model, read_params, split_conversation
 
 SIGNATURE = "chatkit"  # a thinking block's signature: opaque to clients, ignored when they send it back
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -55,7 +55,7 @@ def parse_messages(body: Any, defaults: GenerateParams, *, counting: bool = Fals
     params = read_params(sampling, defaults, max_tokens, "max_tokens")
     params = _thinking(body.get("thinking"), params)
     return TurnRequest(instructions, history, added, params=params, stream=read_bool(body, "stream", False),
-                       tools=tools, **choice)
+                       tools=tools, model=read_model(body), **choice)
 
 
 def read_system(system: Any) -> str | None:

@@ -34,8 +34,9 @@ log = logging.getLogger("chatkit.server")
 
 
 def served_models(state: ServerState) -> list[dict[str, Any]]:
-    """The models this server answers for, as OpenAI model objects (today the one it was started with)."""
-    return [{"id": state.config.model_id, "object": "model", "created": state.started, "owned_by": "chatkit"}]
+    """The models this server answers for, as OpenAI model objects: the one it was started with, then
+    ``<id>:<name>`` for each of its adapters."""
+    return state.models.listing(state.started)
 
 
 async def models(state: ServerState, request: Request) -> Response:

@@ -33,6 +33,7 @@ from .wire import (
     new_id,
     read_bool,
     read_message,
+    read_model,
     read_params,
     read_tools,
     split_conversation,
@@ -65,7 +66,7 @@ async def create(state: ServerState, request: Request) -> Response:
                             "logprobs": None if read is None else {"content": read.entries, "refusal": None}})
             completion += stream.stats.generation_tokens if stream.stats is not None else 0
     compaction = lease.compaction()
-    body = chat_completion(cid, state.config.model_id, choices, chat_usage(lease.stream.stats, compaction, completion))
+    body = chat_completion(cid, lease.model, choices, chat_usage(lease.stream.stats, compaction, completion))
     return JSONResponse(body, headers=compaction_headers(compaction))
 
 
@@ -83,13 +84,13 @@ async def _choices(state: ServerState, lease: Lease,
 async def _events(state: ServerState, lease: Lease, req: TurnRequest, cid: str) -> AsyncIterator[str]:
     """The reply as server-sent chunks: the role, the pieces, the finish reason (each choice in turn,
     chunks carrying its ``index``), the usage if asked, [DONE]."""
-    model = state.config.model_id
+    model = lease.model
     async with state.settled(lease):
         try:
             completion = 0
             async for index, stream, _ in _choices(state, lease, req):
                 async with stream:  # closed (committed) however the block ends
-                    async for text in _choice_events(state, stream, req, cid, index):
+                    async for text in _choice_events(state, stream, req, cid, model, index):
                         yield text
                 completion += stream.stats.generation_tokens if stream.stats is not None else 0
             if req.include_usage:
@@ -100,10 +101,9 @@ async def _events(state: ServerState, lease: Lease, req: TurnRequest, cid: str) 
             yield _sse(error_body(exc)[1])
 
 
-async def _choice_events(state: ServerState, stream: AsyncResponseStream, req: TurnRequest, cid: str,
+async def _choice_events(state: ServerState, stream: AsyncResponseStream, req: TurnRequest, cid: str, model: str,
                          index: int) -> AsyncIterator[str]:
     """One choice's chunks: the role, the pieces, the finish reason."""
-    model = state.config.model_id
     yield _sse(chat_chunk(cid, model, {"role": "assistant", "content": ""}, index=index))
     finish, calls, deltas = None, 0, Deltas()
     read = Logprobs(state.lm.tokenizer, req.logprobs) if req.logprobs is not None else None
@@ -146,6 +146,7 @@ def parse_chat(body: Any, defaults: GenerateParams) -> TurnRequest:
         schema=_chat_schema(body.get("response_format")),
         logprobs=read_logprobs(body),
         n=read_n(body),
+        model=read_model(body),
         **tool_fields,
     )
 

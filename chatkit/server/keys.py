@@ -14,13 +14,18 @@ Tools = Sequence[Mapping[str, Any]] | None
 
 
 def prefix_keys(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None,
-                as_sent: Mapping[str, str] | None = None) -> list[str]:
+                as_sent: Mapping[str, str] | None = None, adapter: str | None = None) -> list[str]:
     """The index keys of a conversation's prefixes: ``keys[k]`` hashes the instructions, the tools
     and the first ``k`` messages (a hash chain, so all of them cost one pass). The tools are part of
     the root: the same messages with other tools render another prompt, so another conversation.
     ``as_sent``: a message's JSON as the session holds it -> as the client sent it (a guided prompt
-    holds its schema's description; the client re-sends it without)."""
-    root = json.dumps(instructions) if not tools else json.dumps([instructions, list(tools)], sort_keys=True)
+    holds its schema's description; the client re-sends it without). ``adapter``: the name of the
+    conversation's adapter, part of the root too (the same messages over another adapter are another
+    conversation, whose cache must not be reused)."""
+    if adapter:
+        root = json.dumps([instructions, list(tools or ()), {"adapter": adapter}], sort_keys=True)
+    else:
+        root = json.dumps(instructions) if not tools else json.dumps([instructions, list(tools)], sort_keys=True)
     digest = hashlib.sha256(root.encode("utf-8")).hexdigest()
     keys = [digest]
     for m in history:

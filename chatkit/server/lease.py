@@ -20,6 +20,7 @@ class Lease:
     base: int  # messages the session held when the turn started
     replaces: bool = False
     asked: ChatMessage | None = None  # the prompt as the client sent it, when the session holds it changed
+    model: str = ""  # the served model's id as replies show it (``<id>:<adapter>`` with an adapter)
 
     def reply(self) -> ChatMessage | None:
         """The assistant message the turn committed (``None`` before it committed, or if it never did)."""

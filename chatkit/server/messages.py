@@ -41,13 +41,14 @@ async def create(state: ServerState, request: Request) -> Response:
     finish = await state.complete(lease)
     reply = reply_of(lease)
     stop = stop_reason(finish, _runnable(reply.tool_calls), _stop_sequence(state.lm, lease, req))
-    body = message(mid, state.config.model_id, content_blocks(reply), stop, lease.stream.stats)
+    body = message(mid, lease.model, content_blocks(reply), stop, lease.stream.stats)
     return JSONResponse(body, headers=compaction_headers(lease.compaction()))
 
 
 async def count_tokens(state: ServerState, request: Request) -> Response:
     """``{"input_tokens": N}``: the tokens of the prompt the request would have (tools included)."""
     req = parse_messages(await read_body(request), state.config.defaults, counting=True)
+    state.models.select(req.model)  # an unknown adapter is a 404 here too (an adapter does not change the count)
     n = await state.sessions.count_tokens(req.instructions, req.history, req.added, req.params, tools=req.tools)
     return JSONResponse({"input_tokens": n})
 
@@ -114,7 +115,7 @@ async def _events(state: ServerState, lease: Lease, req: TurnRequest, mid: str) 
     """The reply as Anthropic's events: message_start, ping, the blocks, message_delta, message_stop."""
     async with state.settled(lease):
         try:
-            start = message(mid, state.config.model_id, [], (None, None), None)
+            start = message(mid, lease.model, [], (None, None), None)
             yield event("message_start", {"message": start})
             yield event("ping", {})
             finish, called, deltas, blocks = None, False, Deltas(), Blocks()

@@ -36,6 +36,7 @@ from .wire import (
     new_id,
     read_bool,
     read_message,
+    read_model,
     read_params,
     read_text,
     read_tool_call,
@@ -48,10 +49,12 @@ async def create(state: ServerState, request: Request) -> Response:
     """Answer the input after the conversation ``previous_response_id`` names (if any); store the response."""
     req = parse_responses(await read_body(request), state.config.defaults)
     before = state.responses.transcript(req.previous_response_id) if req.previous_response_id else ()
+    model = (state.models.chained(req.model, state.responses.get(req.previous_response_id).get("model", ""))
+             if req.previous_response_id else state.models.select(req.model))  # a chain keeps its model
     linked = link_tool_results([*before, *req.added], "input", offset=len(before))
     added = tuple(linked[len(before):])  # tool results named after their calls
     instructions, history, new = split_conversation(req.instructions, linked)
-    lease = await state.open_turn(req, instructions, history, new, keep=req.store)
+    lease = await state.open_turn(req, instructions, history, new, keep=req.store, model=model)
     turn = ResponseTurn(state, req, lease, added)
     if req.stream:
         return StreamingResponse(_events(state, turn), media_type="text/event-stream")
@@ -77,7 +80,7 @@ class ResponseTurn:
         """The response object with ``status`` and ``output``, usage as far as the turn got."""
         stats, req = self.lease.stream.stats, self._req
         return response_object(
-            self.id, self._state.config.model_id, created_at=self.created, status=status, output=output,
+            self.id, self.lease.model, created_at=self.created, status=status, output=output,
             previous_response_id=req.previous_response_id, store=req.store,
             usage=responses_usage(stats, self.lease.compaction()) if stats is not None else None, echo=req.echo,
             incomplete=finish == "length",
@@ -253,6 +256,7 @@ def parse_responses(body: Any, defaults: GenerateParams) -> TurnRequest:
         previous_response_id=previous,
         store=read_bool(body, "store", True),
         logprobs=read_included(body),
+        model=read_model(body),
         **tool_fields,
         echo=echo,
     )

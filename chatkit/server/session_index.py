@@ -8,7 +8,9 @@ tools and history), so a client that re-sends the whole conversation lands on th
 it and pays only for the new message (or the results of the tools the last reply called: the client
 runs them, each session is built with ``tool_execution="manual"``). After each turn the session is indexed
 under its new history. Every session has the server's context policy: a conversation that outgrows the
-window goes on (its history whole, so it is still found by what the client re-sends).
+window goes on (its history whole, so it is still found by what the client re-sends). A session with
+an adapter (``adapters``, by name) is another conversation than the same messages without it, or with
+another: its name is part of the keys, so a request is never answered on a session of another adapter.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig
 from ..errors import ChatKitError, ContextWindowExceededError, NoCacheAvailableError, SessionBusyError
 from ..messages import ChatMessage, Role
+from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
 from ..params import GenerateParams
 from ..session import saved
@@ -67,6 +70,7 @@ class SessionIndex:
         persist: bool = False,
         engine: BatchEngine | None = None,
         context_policy: ContextPolicy | None = None,
+        adapters: Mapping[str, Adapter] | None = None,
     ) -> None:
         self._lm = lm
         self._policy = context_policy if context_policy is not None else ContextPolicy()
@@ -82,6 +86,8 @@ class SessionIndex:
         self._prefixes: dict[str, str] = {}  # a prefix's key -> a pool key whose conversation starts so
         self._chain_of: dict[str, list[str]] = {}  # pool key -> its prefix keys
         self._tools: dict[str, tuple[Mapping[str, Any], ...]] = {}  # pool key -> its tools, when it has some
+        self._adapters = dict(adapters or {})
+        self._adapter_of: dict[str, str] = {}  # pool key -> its adapter's name, when it has one
         self._dormant: dict[str, tuple[str | None, tuple[ChatMessage, ...]]] = {}  # saved by an earlier run
         self._leased: set[str] = set()
         self._as_sent: dict[str, str] = {}  # guided prompts: as the sessions hold them -> as clients send them
@@ -96,15 +102,16 @@ class SessionIndex:
     # -- a turn ---------------------------------------------------------------------------------
     async def start(self, instructions: str | None, history: Sequence[ChatMessage], added: Sequence[ChatMessage],
                     params: GenerateParams, *, tools: Tools = None, keep: bool = True,
-                    schema: dict[str, Any] | None = None, strict_tools: bool = False) -> Lease:
+                    schema: dict[str, Any] | None = None, strict_tools: bool = False,
+                    adapter: str | None = None) -> Lease:
         """Open a turn answering ``added`` (a message, or the tool results answering the last reply's
         calls: all but the last join the history first) after ``instructions`` + ``tools`` + ``history``:
         on the pooled session that holds exactly that conversation, else on a new one. ``keep=False``:
-        on a throwaway copy that is not pooled. ``SessionBusyError`` if that conversation is generating
-        now; a refused turn changes no conversation."""
+        on a throwaway copy that is not pooled; ``adapter``: the name of the adapter it runs with.
+        ``SessionBusyError`` if that conversation is generating now; a refused turn changes no conversation."""
         tools = tuple(tools) if tools else None
         async with self._lock:
-            chain = prefix_keys(instructions, history, tools)
+            chain = prefix_keys(instructions, history, tools, adapter=adapter)
             conv = self._index.get(chain[-1])
             if conv is not None and not history and self._busy(conv):
                 conv = None  # a new conversation: independent of another one that starts the same way
@@ -113,7 +120,7 @@ class SessionIndex:
                 await self._written(conv)
                 session, conv, replaces = await self._continue(conv, added, keep)
             else:
-                session, conv = await self._begin(instructions, history, added, tools, chain, keep)
+                session, conv = await self._begin(instructions, history, added, tools, chain, keep, adapter)
                 created = conv is not None
             try:
                 if tools or added[-1].role is Role.TOOL:
@@ -154,12 +161,12 @@ class SessionIndex:
         return session, pooled, replaces
 
     async def _begin(self, instructions: str | None, history: Sequence[ChatMessage], added: Sequence[ChatMessage],
-                     tools: Tools, chain: list[str], keep: bool) -> tuple[ChatSession, str | None]:
+                     tools: Tools, chain: list[str], keep: bool, adapter: str | None) -> tuple[ChatSession, str | None]:
         """A new session holding the conversation before the last of ``added``, seeded with the cache of
         the pooled conversation that shares the longest prefix with it; pooled (its key returned) with ``keep``."""
         source = self._longest_prefix(chain)
         held = (*history, *added[:-1])
-        session = await self._run(self._build, instructions, held, tools)
+        session = await self._run(self._build, instructions, held, tools, adapter)
         if source is not None:
             await self._written(source)
             await self._run(self._seed, session, source)
@@ -167,7 +174,7 @@ class SessionIndex:
             return session, None
         conv = f"conv_{uuid.uuid4().hex}"
         await self._run(self.pool.add, conv, session)
-        self._remember(conv, prefix_keys(instructions, held, tools), tools)
+        self._remember(conv, prefix_keys(instructions, held, tools, adapter=adapter), tools, adapter)
         return session, conv
 
     async def count_tokens(self, instructions: str | None, history: Sequence[ChatMessage],
@@ -199,8 +206,9 @@ class SessionIndex:
                 self._as_sent[message_json(session.history[lease.base])] = message_json(lease.asked)
                 while len(self._as_sent) > AS_SENT_LIMIT:
                     del self._as_sent[next(iter(self._as_sent))]  # the oldest
-            self._remember(conv, prefix_keys(session.instructions, session.history, self._tools.get(conv),
-                                             self._as_sent), self._tools.get(conv))
+            tools, adapter = self._tools.get(conv), self._adapter_of.get(conv)
+            self._remember(conv, prefix_keys(session.instructions, session.history, tools, self._as_sent, adapter),
+                           tools, adapter)
             await self._run(self.pool.enforce_budget)
             self._trim()
             if self._behind is not None and conv in self.pool:
@@ -265,27 +273,33 @@ class SessionIndex:
         if session is not None and not self.pool.evicted(conv) and not session.busy and session.cache_info().tokens:
             session.save_cache(self.pool.path(conv))
 
-    def _manifest(self) -> tuple[list[str], dict[str, list[Any]]]:
-        """(On the loop) the conversations to list, those saved by an earlier run first, and their tools."""
+    def _manifest(self) -> tuple[list[str], dict[str, list[Any]], dict[str, str]]:
+        """(On the loop) the conversations to list, those saved by an earlier run first, their tools and adapters."""
         convs = [*self._dormant, *(conv for conv in self.pool if conv not in self._dormant)]
-        return convs, {conv: list(self._tools[conv]) for conv in convs if conv in self._tools}
+        return (convs, {conv: list(self._tools[conv]) for conv in convs if conv in self._tools},
+                {conv: self._adapter_of[conv] for conv in convs if conv in self._adapter_of})
 
-    def _write_manifest(self, convs: list[str], tools: dict[str, list[Any]]) -> None:
-        """The list of conversations whose cache file exists, with their tools, written atomically."""
+    def _write_manifest(self, convs: list[str], tools: dict[str, list[Any]], adapters: dict[str, str]) -> None:
+        """The list of conversations whose cache file exists, with their tools and adapters, written atomically."""
         kept = [conv for conv in convs if self.pool.path(conv).exists()]
-        data = json.dumps({"conversations": kept, "tools": {c: tools[c] for c in kept if c in tools}}).encode()
+        data = json.dumps({"conversations": kept, "tools": {c: tools[c] for c in kept if c in tools},
+                           "adapters": {c: adapters[c] for c in kept if c in adapters}}).encode()
         write_file(self._folder / MANIFEST, "the server's conversation list", data)
 
     def _load_manifest(self) -> None:
         try:
             manifest = json.loads((self._folder / MANIFEST).read_text())
             convs, tools = manifest["conversations"], dict(manifest.get("tools") or {})
+            adapters = dict(manifest.get("adapters") or {})
         except FileNotFoundError:
             return
         except (ValueError, KeyError, TypeError) as exc:
             log.warning("ignoring a damaged %s: %s", MANIFEST, exc)
             return
         for conv in convs:
+            if adapters.get(conv) is not None and adapters[conv] not in self._adapters:
+                log.warning("conversation %s: this server has no adapter %r now; it is not restored", conv, adapters[conv])
+                continue
             try:
                 conversation = saved.read(self.pool.path(conv))
             except ChatKitError as exc:
@@ -293,7 +307,8 @@ class SessionIndex:
                 continue
             conv_tools = tuple(tools[conv]) if tools.get(conv) else None
             instructions, history = conversation.instructions, conversation.messages
-            self._remember(conv, prefix_keys(instructions, history, conv_tools), conv_tools)
+            name = adapters.get(conv)
+            self._remember(conv, prefix_keys(instructions, history, conv_tools, adapter=name), conv_tools, name)
             self._dormant[conv] = (instructions, history)
 
     # -- internals (on the worker thread) ---------------------------------------------------------
@@ -306,11 +321,11 @@ class SessionIndex:
             except ChatKitError as exc:  # an unreadable evicted cache: the next turn prefills again
                 log.warning("conversation %s: cache not restored (%s)", conv, exc)
                 return self.pool.session(conv)
-        tools, path = self._tools.get(conv), self.pool.path(conv)
+        tools, adapter, path = self._tools.get(conv), self._adapter_of.get(conv), self.pool.path(conv)
         try:  # the file's conversation: its history, and what the context policy showed of it (its summary)
-            session = self._build(*dormant, tools, restore=path)
+            session = self._build(*dormant, tools, adapter, restore=path)
         except ChatKitError:  # e.g. a draft model (its cache is not saved): the transcript, then the cache
-            session = self._build(*dormant, tools)
+            session = self._build(*dormant, tools, adapter)
             try:
                 session.restore_cache(path)
             except ChatKitError as exc:  # the transcript is the truth: the first turn prefills it again
@@ -318,10 +333,11 @@ class SessionIndex:
         return self.pool.add(conv, session)
 
     def _build(self, instructions: str | None, history: Sequence[ChatMessage], tools: Tools,
-               restore: Path | None = None) -> ChatSession:
-        """A session over ``instructions`` + ``history``, or (``restore``) the conversation saved there."""
+               adapter: str | None = None, restore: Path | None = None) -> ChatSession:
+        """A session over ``instructions`` + ``history`` with the adapter named ``adapter``, or
+        (``restore``) the conversation saved there."""
         builder = ChatSession.builder(self._lm).generate_params(self._defaults.copy()).engine(self._engine)
-        builder = builder.context_policy(self._policy)
+        builder = builder.context_policy(self._policy).adapter(self._adapters[adapter] if adapter else None)
         builder = builder.cache(restore) if restore is not None else builder.instructions(instructions).history(history)
         if tools:  # the client runs the tools: a reply that calls them ends the turn
             builder = builder.tools([dict(t) for t in tools], tool_execution="manual")
@@ -345,7 +361,7 @@ class SessionIndex:
                 f"The prompt is {needed} tokens but the model's context window is {limit}: shorten the conversation "
                 "(or the tool results).", prompt_tokens=needed, context_length=limit)
 
-    def _remember(self, conv: str, chain: list[str], tools: Tools) -> None:
+    def _remember(self, conv: str, chain: list[str], tools: Tools, adapter: str | None = None) -> None:
         """Index ``conv`` under its conversation's key (``chain[-1]``) and its prefixes' keys."""
         self._unindex(conv)
         self._index[chain[-1]], self._key_of[conv], self._chain_of[conv] = conv, chain[-1], chain
@@ -353,6 +369,8 @@ class SessionIndex:
             self._prefixes[k] = conv
         if tools:
             self._tools[conv] = tuple(tools)
+        if adapter:
+            self._adapter_of[conv] = adapter
 
     def _unindex(self, conv: str) -> None:
         key = self._key_of.pop(conv, None)
@@ -400,6 +418,7 @@ class SessionIndex:
         self._unindex(conv)
         self._dormant.pop(conv, None)
         self._tools.pop(conv, None)
+        self._adapter_of.pop(conv, None)
         self.pool.remove(conv)
 
     def _trim(self) -> None:

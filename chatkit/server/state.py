@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from starlette.responses import Response
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig
 from ..messages import ChatMessage
+from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
 from ..params import GenerateParams
 from ..session.context import ContextPolicy
@@ -26,6 +28,7 @@ from ..text import reply as segments
 from .errors import BadRequestError, OverloadedError
 from .lease import Lease
 from .metrics import Metrics
+from .models import Selection, ServedModels
 from .response_store import ResponseStore
 from .session_index import SessionIndex
 from .tool_choice import call_constraint
@@ -39,7 +42,10 @@ class ServerConfig:
     ``batch``, decoded together by one ``chatkit.BatchEngine``: one forward pass per step for all of
     them, more throughput for many clients, some latency for one) and ``queue`` more may wait;
     beyond that, 503. ``api_key``: require ``Authorization: Bearer KEY``. ``context_policy``: what a
-    conversation does when it outgrows the context window (``chatkit serve --context-policy``)."""
+    conversation does when it outgrows the context window (``chatkit serve --context-policy``).
+    ``adapters``: LoRA/DoRA adapters by name (a ``chatkit.Adapter`` or an adapter folder's path), each
+    served as the model ``<model_id>:<name>`` over the one loaded model (``chatkit serve --adapter``;
+    see ``models``)."""
 
     model_id: str = "chatkit"
     store: str | None = None
@@ -52,6 +58,7 @@ class ServerConfig:
     defaults: GenerateParams = field(default_factory=lambda: GenerateParams(max_tokens=512))
     speculative: SpeculativeConfig | None = None
     context_policy: ContextPolicy = field(default_factory=ContextPolicy.rolling)
+    adapters: Mapping[str, Adapter | str | os.PathLike[str]] = field(default_factory=dict)
 
 
 class Limiter:
@@ -86,6 +93,7 @@ class ServerState:
 
     def __init__(self, lm: LoadedModel, config: ServerConfig) -> None:
         self.lm, self.config = lm, config
+        self.models = ServedModels(lm, config.model_id, config.adapters)  # a bad adapter: no app
         self.metrics = Metrics()
         self.started = int(time.time())
 
@@ -107,7 +115,7 @@ class ServerState:
             self.sessions = SessionIndex(
                 lm, folder=root, max_cache_bytes=config.max_cache_bytes, max_conversations=config.max_conversations,
                 defaults=config.defaults, speculative=config.speculative, persist=config.store is not None,
-                engine=engine, context_policy=config.context_policy,
+                engine=engine, context_policy=config.context_policy, adapters=self.models.adapters,
             )
             self.responses = ResponseStore(root / "responses" if config.store is not None else None)
             self.limiter = Limiter(config.parallel, config.queue)
@@ -117,9 +125,11 @@ class ServerState:
                 await self.sessions.close()
 
     async def open_turn(self, req: TurnRequest, instructions: str | None, history: Sequence[ChatMessage],
-                        added: Sequence[ChatMessage], *, keep: bool = True) -> Lease:
+                        added: Sequence[ChatMessage], *, keep: bool = True, model: Selection | None = None) -> Lease:
         """Take a slot and open a turn answering ``added`` after ``instructions`` + ``history`` with the
-        request's settings; :meth:`settled` closes it and frees the slot."""
+        request's settings, on the model it selects (``model``: already selected); :meth:`settled`
+        closes it and frees the slot."""
+        model = model if model is not None else self.models.select(req.model)
         params = req.params
         if req.tools and req.tool_choice == "none":
             params = params.copy(logit_bias={**(params.logit_bias or {}), **_no_tool_calls(self.lm)})
@@ -131,8 +141,10 @@ class ServerState:
             params = params.copy(logits_processors=[*params.logits_processors, held])
         await self.limiter.acquire()
         try:
-            return await self.sessions.start(instructions, history, added, params, tools=req.tools, keep=keep,
-                                             schema=req.schema, strict_tools=req.strict_tools)
+            lease = await self.sessions.start(instructions, history, added, params, tools=req.tools, keep=keep,
+                                              schema=req.schema, strict_tools=req.strict_tools, adapter=model.adapter)
+            lease.model = model.id
+            return lease
         except BaseException:
             self.limiter.release()
             raise

@@ -53,6 +53,7 @@ class TurnRequest:
     n: int = 1  # choices (chat completions; ``choices.py``)
     strict_tools: bool = False  # a tool said strict: true: calls are constrained to the tools' schemas
     echo: dict[str, Any] = field(default_factory=dict)  # request fields a response repeats back
+    model: str | None = None  # the request's model field: the base model or an adapter (``models.py``)
 
 
 def new_id(prefix: str) -> str:
@@ -138,6 +139,14 @@ def link_tool_results(messages: Sequence[ChatMessage], param: str, offset: int =
     if pending and out[-1].role is Role.TOOL:
         raise unanswered()
     return out
+
+
+def read_model(body: Mapping[str, Any]) -> str | None:
+    """The request's ``model`` (what it selects is ``ServedModels.select``'s business)."""
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequestError("model must be a string: a model id GET /v1/models lists.", param="model")
+    return model
 
 
 def read_bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
@@ -402,6 +411,6 @@ class Deltas:
 __all__ = [
     "COMPACTED_HEADER", "Deltas", "TurnRequest", "arguments_text", "compaction_headers", "compaction_usage", "format_schema", "guided_available", "link_tool_results", "new_id",
     "require_guided",
-    "read_bool", "read_message", "read_params", "read_text", "read_tool_call",
+    "read_bool", "read_message", "read_model", "read_params", "read_text", "read_tool_call",
     "read_tools", "split_conversation",
 ]
