@@ -15,9 +15,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ChatKitError
+from ..errors import ChatKitError, ModelLoadError
 
 if TYPE_CHECKING:
+    from ..model.adapters import Adapter
     from ..model.loaded import LoadedModel
     from ..session.context import ContextPolicy
 
@@ -91,6 +92,16 @@ def _temperature(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number; use 0 (greedy) or more") from None
     if not 0 <= value < float("inf"):  # also refuses nan
         raise argparse.ArgumentTypeError(f"{text} is out of range; use 0 (greedy) or a larger finite number")
+    return value
+
+
+def _adapter_scale(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; use e.g. 0.5 or 1") from None
+    if not abs(value) < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number; use e.g. 0.5 or 1")
     return value
 
 
@@ -185,6 +196,11 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                            "the current folder are found. Repeat for more; with the demo model they join its "
                            "calculate tool. A tool's schema comes from its signature, type hints and docstring "
                            "(an Args: section)")
+    chat.add_argument("--adapter", metavar="PATH",
+                      help="an mlx-lm LoRA/DoRA adapter folder (what mlx_lm.lora writes: adapter_config.json and "
+                           "adapters.safetensors) applied to the model for this chat (default: none)")
+    chat.add_argument("--adapter-scale", type=_adapter_scale, metavar="X",
+                      help="with --adapter: how strongly it applies, times the adapter's own scale (default: 1)")
     chat.add_argument("--hide-thinking", action="store_true", help="do not show the model's reasoning")
     chat.add_argument("--system", metavar="TEXT", help="the system prompt (default: none, or the saved one with --resume)")
     chat.add_argument("--resume", metavar="FILE",
@@ -224,6 +240,11 @@ def check_combination(args: argparse.Namespace) -> None:
         raise UsageError("--kv-bits cannot be combined with --max-kv-size (mlx-lm cannot quantize a rotating cache): drop one.")
     if args.kv_group_size is not None and args.kv_bits is None:
         raise UsageError("--kv-group-size only applies with --kv-bits: add --kv-bits B or drop it.")
+    if args.adapter_scale is not None and args.adapter is None:
+        raise UsageError("--adapter-scale only applies with --adapter: add --adapter PATH or drop it.")
+    if args.adapter is not None and args.distributed is not None:
+        raise UsageError("--adapter cannot be combined with --distributed (adapters switch on one process's "
+                         "layers): fuse the adapter into the model with mlx_lm.fuse and load that instead.")
 
 
 def check_save_path(path: str, flag: str = "--save") -> Path:
@@ -294,6 +315,38 @@ def load_model(name: str | None, **options: Any) -> LoadedModel:
         return load(name or "demo", **options)
 
 
+def read_adapter(path: str | None) -> Adapter | None:
+    """The adapter folder ``--adapter`` names, read and checked before the model loads (``None`` without it);
+    ``ModelLoadError`` naming the flag."""
+    if path is None:
+        return None
+    from ..model.adapters import load_adapter
+
+    try:
+        return load_adapter(path)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"--adapter {path}: {exc}") from None
+
+
+def fit_adapter(adapter: Adapter | None, lm: LoadedModel) -> None:
+    """``ModelLoadError`` naming ``--adapter`` when the adapter does not fit the loaded model."""
+    from ..model.adapters import check_adapter
+
+    if adapter is not None:
+        try:
+            check_adapter(adapter, lm)
+        except ModelLoadError as exc:
+            raise ModelLoadError(f"--adapter {adapter.path}: {exc}") from None
+
+
+def adapter_key(adapter: Adapter | None, args: argparse.Namespace) -> str | None:
+    """What a saved cache records of the adapter ``--adapter`` and ``--adapter-scale`` give (``None``: none)."""
+    from ..model.switchable import ActiveAdapter
+
+    scale = 1.0 if args.adapter_scale is None else args.adapter_scale
+    return None if adapter is None else ActiveAdapter(adapter, float(scale)).key
+
+
 def load_draft(name: str | None) -> LoadedModel | str | None:
     """What ``--draft`` names: a draft model loaded ('demo': the demo's own draft), 'prompt_lookup' or nothing."""
     if not name or name == "prompt_lookup":
@@ -305,7 +358,7 @@ def load_draft(name: str | None) -> LoadedModel | str | None:
 
 
 __all__ = [
-    "COMMANDS", "CONTEXT_POLICIES", "UsageError", "add_context_flag", "add_model_flags", "add_sampling_flags",
-    "check_combination", "check_save_path", "context_policy", "kv_group_size", "load_draft", "load_model", "parser",
-    "progress_lines", "version",
+    "COMMANDS", "CONTEXT_POLICIES", "UsageError", "adapter_key", "add_context_flag", "add_model_flags", "add_sampling_flags",
+    "check_combination", "check_save_path", "context_policy", "fit_adapter", "kv_group_size", "load_draft", "load_model",
+    "parser", "progress_lines", "read_adapter", "version",
 ]

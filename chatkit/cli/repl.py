@@ -16,12 +16,15 @@ from .args import (
     COMMANDS,
     KEYS,
     UsageError,
+    adapter_key,
     check_save_path,
     context_policy,
     explicit_settings,
+    fit_adapter,
     kv_group_size,
     load_draft,
     load_model,
+    read_adapter,
 )
 from .compaction import Preparation, compaction_notice, context_report
 from .terminal import ReplyKeys, history_path, line_reader
@@ -49,7 +52,9 @@ class Repl:
             from .. import demo
 
             join_tools(demo.tools(), self.user_tools)
+        self.adapter = read_adapter(args.adapter)  # a bad folder fails before the model loads
         self.lm = load_model(args.model, distributed=args.distributed, distributed_timeout=args.distributed_timeout)
+        fit_adapter(self.adapter, self.lm)
         group = self.lm.distributed
         self.group = group if group is not None and group.sharded else None  # ranks in lockstep
         if self.group is not None and not self.group.leader:
@@ -69,6 +74,7 @@ class Repl:
 
         a = self.args
         builder = ChatSession.builder(self.lm).prefill_progress(self._progress)
+        builder = builder.adapter(self.adapter, 1.0 if a.adapter_scale is None else a.adapter_scale)
         if a.max_kv_size is not None:
             builder = builder.max_kv_size(a.max_kv_size)
         if a.kv_bits is not None:
@@ -122,9 +128,12 @@ class Repl:
         the truth, so the conversation is restored from it and prefilled anew."""
         from ..session.saved import inspect as inspect_file
 
+        info = inspect_file(path)
+        if info.kind == "chatkit" and (info.fingerprint or {}).get("adapter") != adapter_key(self.adapter, self.args):
+            return "the saved cache was made with another adapter (or none) than --adapter gives, so it is not restored"
         if self.draft is not None and self.draft != "prompt_lookup":  # a draft model's cache would have to match
             return "with --draft the saved cache is not restored"
-        saved = (inspect_file(path).cache_options or {}).get("max_kv_size")
+        saved = (info.cache_options or {}).get("max_kv_size")
         if self.args.max_kv_size is not None and self.args.max_kv_size != saved:
             return f"the saved cache was not made with --max-kv-size {self.args.max_kv_size}, so it is not restored"
         return ""
@@ -158,7 +167,8 @@ class Repl:
             sys.stdin.reconfigure(errors="replace")  # piped bytes that are not UTF-8 must not end the chat
         read = read or line_reader(interactive and sys.stdout.isatty())
         if interactive:
-            self.say(f"chatkit: chatting with {self.args.model or 'the demo model'}. /help for commands, Ctrl-D to quit.")
+            adapter = f" + adapter {self.args.adapter}" if self.args.adapter else ""
+            self.say(f"chatkit: chatting with {self.args.model or 'the demo model'}{adapter}. /help for commands, Ctrl-D to quit.")
         with self.keys.installed():
             self._loop(read, interactive)
         self.prepared()
@@ -351,6 +361,8 @@ class Repl:
             if "RotatingKVCache" in classes:
                 cache += f"; a window of the last {s.cache_options.max_kv_size} tokens at most"
         lines = [f"conversation: {len(s.history)} messages" + (", with a system prompt" if s.instructions else ""), cache]
+        if s.adapter is not None:
+            lines.append(f"adapter: {s.adapter.path} ({s.adapter.kind}, rank {s.adapter.rank}), scale {s.adapter_scale:g}")
         if st is None:
             lines.append(f"last turn: {self.last.note}")
         else:
