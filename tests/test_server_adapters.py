@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 from chatkit import ChatMessage, ChatSession, GenerateParams, InvalidParamsError, ModelLoadError
 from chatkit.cli import main as cli_main
@@ -138,6 +139,26 @@ def test_the_messages_api_selects_the_adapter_too(server, lm, folders):
                               messages=[{"role": "user", "content": "Tell me about cats."}])
     assert reply.model == f"{MODEL}:b"
     assert "".join(b.text for b in reply.content if b.type == "text") == session(lm, folders, "b").respond("Tell me about cats.")
+
+
+def test_concurrent_requests_for_each_model_on_a_batch_engine(lm, folders):
+    """With --batch the base model's turns decode in the batch and each adapted turn next to it: every
+    reply is still its model's."""
+    truth = {name: session(lm, folders, name).respond("Tell me about cats.") for name in (None, "a", "b")}
+    config = ServerConfig(model_id=MODEL, defaults=PARAMS, batch=True, parallel=3, adapters=dict(folders))
+    with start(lm, config) as running:
+        c, got = oai(running), {}
+
+        def ask(name):
+            got[name] = chat(c, MODEL if name is None else f"{MODEL}:{name}", ["Tell me about cats."])
+
+        threads = [threading.Thread(target=ask, args=(name,)) for name in truth]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert running.engine is not None
+    assert {name: r.choices[0].message.content for name, r in got.items()} == truth
 
 
 def test_a_bad_adapter_in_the_config_stops_the_server_from_starting(lm, folders, tmp_path):

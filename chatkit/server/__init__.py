@@ -11,8 +11,9 @@ One module per job: ``app`` (``create_app`` and its route table), a handler modu
 (``chat_completions``, ``responses``, ``response_items``: deleting and listing a stored response's
 items, ``messages``: Anthropic's, ``conversations``: the stored ones, listed), ``page`` (the chat page and
 its files in ``static/``), ``metrics`` (``/metrics``' counters), ``body`` (a request body checked whole before it is read),
-``wire`` (what both APIs read: messages, tools, sampling parameters), ``state`` (``ServerConfig`` and
-what every handler shares), ``session_index`` (conversations as pooled sessions), ``write_behind``
+``wire`` (what both APIs read: messages, tools, sampling parameters), ``models`` (the served model
+and its adapters: what a request's ``model`` selects), ``state`` (``ServerConfig`` and what every
+handler shares), ``session_index`` (conversations as pooled sessions), ``write_behind``
 (each conversation's cache written behind its turn), ``response_store`` (stored responses),
 ``errors`` (HTTP statuses), ``run`` (uvicorn). The flags of ``chatkit serve`` are the command line's:
 chatkit/cli/serve.py.
