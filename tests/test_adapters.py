@@ -231,6 +231,20 @@ def test_fuse_gives_the_adapted_tokens_and_leaves_the_model(tiny, folders, truth
     assert talk(session_for(lm)) == truth[None]
 
 
+def test_doras_magnitude_factor_is_computed_once_per_adapter_and_scale(tiny, folders, monkeypatch):
+    lm = tiny()
+    b = lm.adapter(folders["b"])
+    norms = []
+    real = mx.linalg.norm
+    monkeypatch.setattr(mx.linalg, "norm", lambda *args, **kw: norms.append(1) or real(*args, **kw))
+    session = session_for(lm, adapter=b)
+    talk(session)
+    assert len(norms) == len(b.keys)  # one per adapted layer, not one per layer and forward pass
+    session.set_adapter(b, scale=0.5)
+    talk(session, PROMPTS[:1])
+    assert len(norms) == 2 * len(b.keys)
+
+
 # -- bad adapters -------------------------------------------------------------------------------------
 def _edit_config(folder, **changes):
     config = json.loads((folder / "adapter_config.json").read_text())
@@ -310,8 +324,13 @@ def test_adapters_that_do_not_fit_the_model(tiny, tmp_path, folders):
         session.adapter = chatkit.load_adapter(deep)
     with pytest.raises(InvalidParamsError):
         session.adapter = str(folders["b"])
-    with pytest.raises(InvalidParamsError):
-        ChatSession.builder(lm).adapter(a, scale="high")
+    for bad in ("high", True, float("nan"), float("inf")):  # one rule for sessions and fuse
+        with pytest.raises(InvalidParamsError):
+            ChatSession.builder(lm).adapter(a, scale=bad)
+        with pytest.raises(InvalidParamsError):
+            session.set_adapter(a, scale=bad)
+        with pytest.raises(InvalidParamsError):
+            lm.fuse(a, scale=bad)
     with pytest.raises(ModelLoadError):
         ChatSession.builder(other).adapter(a)
     assert session.adapter is a

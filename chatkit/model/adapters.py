@@ -15,13 +15,14 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import ModelLoadError
+from ..errors import InvalidParamsError, ModelLoadError
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
@@ -53,7 +54,20 @@ class Adapter:
 
     def layer(self, key: str) -> tuple[mx.array, mx.array, mx.array | None]:
         """The (lora_a, lora_b, m) of the layer ``key`` (``m`` only for DoRA)."""
-        return self.weights[f"{key}.lora_a"], self.weights[f"{key}.lora_b"], self.weights.get(f"{key}.m")
+        return self.layers[key]
+
+    @cached_property
+    def layers(self) -> dict[str, tuple[mx.array, mx.array, mx.array | None]]:
+        """(lora_a, lora_b, m) by layer key: what a forward pass looks up (no string building per call)."""
+        w = self.weights
+        return {key: (w[f"{key}.lora_a"], w[f"{key}.lora_b"], w.get(f"{key}.m")) for key in self.keys}
+
+
+def check_scale(scale: Any, what: str = "adapter scale") -> float:
+    """``scale`` as a float, or ``InvalidParamsError`` (not a number, a bool, NaN or infinite)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise InvalidParamsError(f"{what}={scale!r}: must be a finite number.")
+    return float(scale)
 
 
 def load_adapter(path: str | os.PathLike[str], lm: Any = None) -> Adapter:

@@ -103,15 +103,14 @@ class LoadedModel:
         weights, for one fixed adapter at the base model's speed; this model is unchanged (the weights
         the adapter does not touch are shared). ``ModelLoadError`` if it does not fit this model."""
         from ..errors import InvalidParamsError
-        from .adapters import Adapter, check_adapter
+        from .adapters import Adapter, check_adapter, check_scale
         from .switchable import ActiveAdapter, fused
 
         if not isinstance(adapter, Adapter):
             raise InvalidParamsError(f"fuse() takes a chatkit.Adapter (chatkit.load_adapter(path)), got {type(adapter).__name__}.")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise InvalidParamsError(f"fuse(scale={scale!r}): must be a number.")
+        scale = check_scale(scale, "fuse() scale")
         check_adapter(adapter, self)
-        active = ActiveAdapter(adapter, float(scale))
+        active = ActiveAdapter(adapter, scale)
         config = {**self.config, "chatkit_fused_adapter": active.key}
         return LoadedModel(fused(self.model, active), self.tokenizer, config, self.source, self.distributed)
 

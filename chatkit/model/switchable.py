@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -62,23 +63,34 @@ class _Switchable:
     _chatkit_key: str
     _chatkit_owner: int
 
+    _chatkit_dora: weakref.WeakKeyDictionary[Adapter, dict[float, mx.array]]
+
     def __call__(self, x: mx.array) -> mx.array:
         current = _CURRENT.get()
-        if current is None or current.owner != self._chatkit_owner or f"{self._chatkit_key}.lora_a" not in current.adapter.weights:
+        branch = None if current is None or current.owner != self._chatkit_owner else (
+            current.adapter.layers.get(self._chatkit_key))
+        if branch is None:
             return super().__call__(x)  # type: ignore[misc]  # the base layer, untouched
-        a, b, m = current.adapter.layer(self._chatkit_key)
+        assert current is not None
+        a, b, m = branch
         scale = current.adapter.scale * current.scale
         if m is None:  # LoRA, as mlx_lm.tuner.lora.LoRALinear
             y = super().__call__(x)  # type: ignore[misc]
             return y + (scale * ((x @ a) @ b)).astype(x.dtype)
-        return self._dora(x, a, b, m, scale)
+        return self._dora(x, current.adapter, scale)
 
-    def _dora(self, x: mx.array, a: mx.array, b: mx.array, m: mx.array, scale: float) -> mx.array:
-        """As mlx_lm.tuner.dora.DoRALinear."""
+    def _dora(self, x: mx.array, adapter: Adapter, scale: float) -> mx.array:
+        """As mlx_lm.tuner.dora.DoRALinear, with its magnitude factor (``m`` over the adapted weight's
+        row norms, fixed for an adapter and scale) computed once rather than at every call."""
+        a, b, m = adapter.layers[self._chatkit_key]
         w = self._base_weight()
         out = x @ w.T + (scale * ((x @ a) @ b)).astype(x.dtype)
-        adapted = w + (scale * b.T) @ a.T
-        out = (m / mx.stop_gradient(mx.linalg.norm(adapted, axis=1))).astype(x.dtype) * out
+        factors = self._chatkit_dora.setdefault(adapter, {})
+        if scale not in factors:
+            factor = m / mx.linalg.norm(w + (scale * b.T) @ a.T, axis=1)
+            mx.eval(factor)
+            factors[scale] = factor
+        out = factors[scale].astype(x.dtype) * out
         layer: Any = self
         return out + layer.bias if "bias" in layer else out
 
@@ -113,15 +125,15 @@ def install(model: nn.Module, adapter: Adapter) -> None:
             layer.__class__ = _SWITCHABLE[type(layer)]
             object.__setattr__(layer, "_chatkit_key", key)
             object.__setattr__(layer, "_chatkit_owner", id(model))
+            object.__setattr__(layer, "_chatkit_dora", weakref.WeakKeyDictionary())
 
 
 def activate(lm: Any, adapter: Any, scale: float = 1.0) -> ActiveAdapter | None:
     """A session's adapter over ``lm`` (a ``LoadedModel``), checked and installed; ``None`` for none.
     ``ModelLoadError`` for an adapter that does not fit ``lm``; ``InvalidParamsError`` for bad arguments."""
-    from .adapters import check_adapter
+    from .adapters import check_adapter, check_scale
 
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not float(scale) == float(scale):
-        raise InvalidParamsError(f"adapter scale={scale!r}: must be a number.")
+    scale = check_scale(scale)
     if adapter is None:
         return None
     if not isinstance(adapter, Adapter):
