@@ -8,7 +8,10 @@ from chatkit.decode.speculative import NgramIndex, loop, new_policy
 from chatkit.decode.speculative.drafters import ModelDrafter
 from chatkit.decode.speculative.policy import (
     AUTO_MAX,
+    PLAIN_MIN,
+    PLAIN_WINDOW,
     PROBE_MAX,
+    PROBE_MIN,
     choose,
     expected_tokens,
     new_turn,
@@ -120,9 +123,16 @@ def test_a_draft_nearly_as_costly_as_the_target_is_not_run_although_it_agrees(ac
     assert round_cost(policy, 1) == pytest.approx(2.35, abs=0.15)  # measured, not the prior's 1.4
 
 
+def plain_steps(policy, seconds=1.0, n=PLAIN_MIN):
+    for _ in range(n):
+        record_plain(policy, seconds)
+
+
 def test_the_first_measured_round_outweighs_the_prior():
     policy = new_policy("auto", draft_model=True)
     record_plain(policy, 1.0)
+    assert choose(policy) == (0, False)  # a turn's first steps may run cold: measure a few
+    plain_steps(policy, n=PLAIN_MIN - 1)
     assert choose(policy) == (1, False)  # the prior alone: one drafted token may pay
     record_draft(policy, 1, 1, 2.4)
     assert choose(policy) == (0, False)
@@ -131,14 +141,46 @@ def test_the_first_measured_round_outweighs_the_prior():
 
 def test_a_slow_first_round_is_forgotten_when_a_probe_comes_through():
     policy = new_policy("auto", draft_model=True)
-    record_plain(policy, 1.0)
+    plain_steps(policy)
     record_draft(policy, 1, 1, 4.0)  # a cold start: drafting looks too costly
     assert choose(policy) == (0, False)
     while choose(policy) == (0, False):
         record_plain(policy, 1.0)
-    assert choose(policy) == (1, True)
-    record_draft(policy, 1, 1, 1.2, probe=True)  # the draft is cheap after all
+    for _ in range(2):  # the draft is cheap after all: the next probe comes soon and confirms it
+        assert choose(policy) == (1, True)
+        record_draft(policy, 1, 1, 1.2, probe=True)
+        while choose(policy) == (0, False):
+            record_plain(policy, 1.0)
     assert choose(policy)[0] > 1
+
+
+def test_a_probe_that_comes_through_for_a_costly_draft_does_not_start_a_run_of_losing_rounds():
+    # The demo pair: the draft agrees often, but a round costs more than the tokens it yields.
+    policy = new_policy("auto", draft_model=True)
+    plain_steps(policy)
+    for _ in range(6):
+        record_draft(policy, 2, 2, 3.4)
+    for _ in range(4):  # probes come through but cost too much: they grow sparse
+        assert choose(policy) == (0, False)
+        while choose(policy) == (0, False):
+            record_plain(policy, 1.0)
+        record_draft(policy, 1, 1, 2.4, probe=True)
+    assert policy.probe_every > PROBE_MIN * 2
+    while choose(policy) == (0, False):
+        record_plain(policy, 1.0)
+    record_draft(policy, 1, 1, 1.5, probe=True)  # one round that looks cheap (a slow plain step nearby)
+    assert choose(policy) == (0, False) and policy.probe_every == PROBE_MIN  # look again soon
+    while choose(policy) == (0, False):
+        record_plain(policy, 1.0)
+    record_draft(policy, 1, 1, 2.4, probe=True)  # not confirmed: back to rare probes
+    assert choose(policy) == (0, False) and policy.probe_every == PROBE_MIN * 2
+
+
+def test_one_slow_plain_step_does_not_make_drafting_look_cheap():
+    policy = new_policy("auto", draft_model=True)
+    plain_steps(policy, 1.0, n=PLAIN_WINDOW - 1)
+    record_plain(policy, 5.0)  # a cold step or a burst of other load
+    assert policy.plain_time == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("proposes", [0.05, 0.3])

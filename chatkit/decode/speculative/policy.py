@@ -1,8 +1,8 @@
 """How many tokens to draft next: a fixed number, or tuned from what drafting achieved so far.
 
 The adaptive rule is a small cost model (as in the speculative decoding papers), fed with wall times
-measured in the session. A plain step's time is measured on plain steps (queued one ahead, so it can
-be shorter than a forward pass). A drafting round's time is measured end to end in the loop: the
+measured in the session. A plain step's time is the median of the last few plain steps (queued one
+ahead, so it can be shorter than a forward pass); nothing is drafted before three are measured. A drafting round's time is measured end to end in the loop: the
 draft's steps, the target's pass over the ``k + 1`` tokens, the trims and the bookkeeping, until the
 next step starts. Its ratio to a plain step is fitted as ``base + per_token * k`` (decayed least
 squares over the rounds seen, with a weak prior on the base), so a round's fixed cost (a check that
@@ -16,7 +16,8 @@ found again. Prompt lookup also probes at the start of each turn (a reply may qu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import statistics
+from dataclasses import dataclass, field, replace
 
 AUTO_MAX = 8  # longest adaptive draft: the best fixed lengths measured lie between 4 and 8
 MARGIN = 1.05  # drafting must promise this speed-up over plain steps
@@ -25,7 +26,8 @@ PROBE_MIN, PROBE_MAX = 16, 256  # plain tokens between probes while drafting doe
 PRIOR = (1.0, 2.0)  # (hits, tries) before any evidence: an acceptance of one half
 PRIOR_BASE = 1.1  # a round's cost before any is measured, in plain steps: PRIOR_BASE + extra * k
 PRIOR_WEIGHT = 0.25  # weight of the prior's round without drafts (a measured round weighs 1)
-SMOOTH = 0.2  # weight of a new plain step time
+PLAIN_WINDOW = 8  # plain step times kept: their median is the plain step's time
+PLAIN_MIN = 3  # plain steps measured before any drafting (a turn's first steps can run cold)
 REFRESH = 64  # drafting steps between plain steps that re-measure the plain step time
 
 
@@ -38,13 +40,15 @@ class DraftPolicy:
     lookup: bool = False  # the drafter is prompt lookup (it probes at each turn's start)
     hits: float = PRIOR[0]  # decayed count of accepted draft tokens
     tries: float = PRIOR[1]  # decayed count of draft tokens the target checked
-    plain_time: float | None = None  # seconds of a plain step
+    plain_time: float | None = None  # seconds of a plain step (the median of ``plain_times``)
+    plain_times: list[float] = field(default_factory=list)  # the last PLAIN_WINDOW plain step times
     rounds: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums: w, k, k*k, r, k*r
     cost: tuple[float, float] = (PRIOR_BASE, 0.0)  # fitted (base, per_token) of a round, in plain steps
     draft: int = 0  # the length the evidence so far says pays (0: none)
     idle: int = 0  # plain tokens since the last drafting step
     probe_every: int = PROBE_MIN
     since_plain: int = 0  # drafting steps since the last plain step
+    confirming: bool = False  # the last probe alone said drafting pays: the next one may confirm it
 
     @property
     def acceptance(self) -> float:
@@ -85,8 +89,8 @@ def choose(policy: DraftPolicy) -> tuple[int, bool]:
     """How many tokens to draft in the next step (0: a plain step), and whether that is a probe."""
     if policy.fixed is not None:
         return policy.fixed, False
-    if policy.plain_time is None or policy.since_plain >= REFRESH:
-        return 0, False  # measure a plain step first
+    if len(policy.plain_times) < PLAIN_MIN or policy.since_plain >= REFRESH:
+        return 0, False  # measure plain steps first
     if policy.draft:
         return policy.draft, False
     if policy.idle >= policy.probe_every:
@@ -103,22 +107,47 @@ def new_turn(policy: DraftPolicy) -> None:
 
 
 def record_plain(policy: DraftPolicy, seconds: float) -> None:
-    """A plain step (one token, queued one ahead) took ``seconds``."""
-    old = policy.plain_time
-    policy.plain_time = seconds if old is None else (1.0 - SMOOTH) * old + SMOOTH * seconds
+    """A plain step (one token, queued one ahead) took ``seconds``.
+
+    The median of the last few: a mean let one slow step (a cold start, a burst of other load) make
+    drafting rounds look cheap for the REFRESH rounds until the next plain step."""
+    policy.plain_times = [*policy.plain_times[1 - PLAIN_WINDOW:], seconds]
+    policy.plain_time = statistics.median(policy.plain_times)
     policy.idle += 1
     policy.since_plain = 0
 
 
 def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: float, probe: bool = False) -> None:
     """A drafting round checked ``drafted`` tokens (``drafted >= 1``), accepted ``accepted`` and took
-    ``seconds`` end to end; ``probe``: it was a probe while drafting did not pay."""
-    if probe and accepted == drafted:  # a probe came through: start over from the prior and this round
-        policy.hits, policy.tries = PRIOR
-        policy.rounds = [0.0] * 5  # (a first round slowed by a cold start, or by other load, is forgotten)
+    ``seconds`` end to end; ``probe``: it was a probe while drafting did not pay.
+
+    When a probe comes through and the prior with this round alone says drafting pays, the older
+    rounds may have been slowed by a cold start or other load: the next probe comes soon, and when
+    it says so too, the policy starts over from the prior and that round. One cheap-looking round
+    (a plain step slowed by other load) no longer starts a run of losing rounds."""
+    fresh = None
+    if probe and accepted == drafted:
+        fresh = replace(policy, hits=PRIOR[0], tries=PRIOR[1], rounds=[0.0] * 5)
+        _observe(fresh, drafted, accepted, seconds)
+    pays = fresh is not None and fresh.draft > 0
+    if pays and policy.confirming and fresh is not None:
+        policy.hits, policy.tries, policy.rounds = fresh.hits, fresh.tries, fresh.rounds
+        policy.cost, policy.draft = fresh.cost, fresh.draft
+    else:  # an unconfirmed cheap round is not cost evidence yet (it would tilt the fit on its own)
+        _observe(policy, drafted, accepted, None if pays else seconds)
+    policy.confirming = pays and not policy.draft
+    policy.since_plain += 1
+    if probe:
+        soon = policy.draft or policy.confirming
+        policy.probe_every = PROBE_MIN if soon else min(2 * policy.probe_every, PROBE_MAX)
+    policy.idle = 0
+
+
+def _observe(policy: DraftPolicy, drafted: int, accepted: int, seconds: float | None) -> None:
+    """The round's acceptance and cost (unless None) join the evidence; the length is decided again."""
     policy.hits = policy.hits * DECAY + accepted
     policy.tries = policy.tries * DECAY + accepted + (accepted < drafted)
-    if policy.plain_time:
+    if policy.plain_time and seconds is not None:
         # Clipped: at k + 1 plain steps a round cannot pay whatever it yields, and one round slowed
         # down by something else must not weigh more than that.
         ratio = min(seconds / policy.plain_time, drafted + 2.0)
@@ -127,11 +156,7 @@ def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: floa
             sums[i] += term
         policy.rounds = sums
         policy.cost = _fit(policy)
-    policy.since_plain += 1
     _decide(policy)
-    if probe:
-        policy.probe_every = PROBE_MIN if policy.draft else min(2 * policy.probe_every, PROBE_MAX)
-    policy.idle = 0
 
 
 def record_miss(policy: DraftPolicy, probe: bool = False) -> None:
