@@ -87,6 +87,7 @@ class _Switchable:
         out = x @ w.T + (scale * ((x @ a) @ b)).astype(x.dtype)
         factors = self._chatkit_dora.setdefault(adapter, {})
         if scale not in factors:
+            assert m is not None, "a DoRA layer has its magnitudes"
             factor = m / mx.linalg.norm(w + (scale * b.T) @ a.T, axis=1)
             mx.eval(factor)
             factors[scale] = factor
