@@ -12,6 +12,7 @@ from enum import Enum
 from typing import Any
 
 from .errors import ChatKitError, InvalidMessageError
+from .images import Image, as_image
 
 
 class Role(str, Enum):
@@ -124,9 +125,20 @@ class ChatMessage:
     reasoning: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    images: tuple[Image, ...] = ()
+    """Images the message shows (before its text, as the model's template places them): see chatkit.images."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role.parse(self.role))
+        if isinstance(self.content, (list, tuple)):  # Hugging Face / OpenAI content parts
+            text, images = content_parts(self.content)
+            object.__setattr__(self, "content", text)
+            object.__setattr__(self, "images", (*self.images, *images))
+        if not isinstance(self.images, (list, tuple)):
+            raise InvalidMessageError("Message images must be a list of images.")
+        object.__setattr__(self, "images", tuple(as_image(i) for i in self.images))
+        if self.images and self.role is not Role.USER:
+            raise InvalidMessageError("Only a user message can show images.")
         if not isinstance(self.content, str):
             raise InvalidMessageError(
                 f"Message content must be a str, got {type(self.content).__name__}."
@@ -149,8 +161,9 @@ class ChatMessage:
         return cls(Role.SYSTEM, content)
 
     @classmethod
-    def user(cls, content: str, name: str | None = None) -> ChatMessage:
-        return cls(Role.USER, content, name)
+    def user(cls, content: str, name: str | None = None, images: Sequence[Any] = ()) -> ChatMessage:
+        """A user message; ``images``: paths, bytes, data URLs, PIL images or arrays it shows."""
+        return cls(Role.USER, content, name, images=tuple(images))
 
     @classmethod
     def assistant(
@@ -166,6 +179,8 @@ class ChatMessage:
         """An OpenAI-style dict with the field names Hugging Face chat templates read: ``role``,
         ``content``, and when set ``name``, ``reasoning_content``, ``tool_calls``, ``tool_call_id``."""
         d: dict[str, Any] = {"role": self.role.value, "content": self.content}
+        if self.images:  # content parts, the shape vision templates read: the images, then the text
+            d["content"] = [*({"type": "image"} for _ in self.images), {"type": "text", "text": self.content}]
         if self.name is not None:
             d["name"] = self.name
         if self.reasoning is not None:
@@ -202,6 +217,7 @@ class ChatMessage:
             reasoning=reasoning,
             tool_calls=tuple(ToolCall.from_dict(c) for c in calls),
             tool_call_id=data.get("tool_call_id"),
+            images=tuple(data.get("images") or ()),
         )
 
 
@@ -215,7 +231,42 @@ def saved_dict(message: ChatMessage) -> dict[str, Any]:
     return d
 
 
-_KEYS = {"role", "content", "name", "reasoning_content", "reasoning", "thinking", "tool_calls", "tool_call_id"}
+_KEYS = {"role", "content", "name", "reasoning_content", "reasoning", "thinking", "tool_calls", "tool_call_id", "images"}
+
+
+def content_parts(parts: Sequence[Any]) -> tuple[str, tuple[Image, ...]]:
+    """The text and the images of content parts: ``{"type": "text", "text": ...}``, ``{"type": "image",
+    "image": ...}`` (Hugging Face; also ``"url"`` / ``"path"``), ``{"type": "image_url", "image_url": {"url":
+    ...}}`` (OpenAI: a data URL or a local path). Texts are joined with blank lines; images come first."""
+    texts: list[str] = []
+    images: list[Image] = []
+    for part in parts:
+        if isinstance(part, str):
+            texts.append(part)
+            continue
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind in ("text", "input_text"):
+            if not isinstance(part.get("text"), str):
+                raise InvalidMessageError("A text content part needs a 'text' string.")
+            texts.append(part["text"])
+        elif kind == "image":
+            source = next((part[k] for k in ("image", "url", "path") if part.get(k) is not None), None)
+            if source is None:
+                raise InvalidMessageError("An image content part needs 'image' (a path, bytes, a PIL image or an array).")
+            images.append(as_image(source))
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, Mapping) else url
+            if not isinstance(url, str):
+                raise InvalidMessageError("An image_url content part needs 'image_url': {'url': ...}.")
+            if url.startswith(("http://", "https://")):
+                raise InvalidMessageError("Image URLs are not fetched: send the image as a data URL (base64).")
+            images.append(as_image(url))
+        else:
+            raise InvalidMessageError(
+                f"Unsupported content part {kind!r}: use 'text', 'image' or 'image_url' parts."
+            )
+    return "\n\n".join(texts), tuple(images)
 
 
 def check_text(what: str, text: str, error: type[ChatKitError] = InvalidMessageError) -> None:

@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "chatkit"
 
 # Lowest first. A module may import its own layer and the layers below it, never one above.
 LAYERS = [
-    {"errors", "messages", "params", "distributed", "_blas", "_cachedir", "_version"},
+    {"errors", "images", "messages", "params", "distributed", "_blas", "_cachedir", "_version"},
     {"model"},
     {"text"},
     {"cache"},

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..images import ImageSpan
+
 
 @dataclass(frozen=True)
 class Ledger:
@@ -16,12 +18,15 @@ class Ledger:
 
     tokens: tuple[int, ...] = ()
     opaque: int = 0
+    images: tuple[ImageSpan, ...] = ()
+    """The images whose features fill some of ``tokens`` (their placeholder ids are alike for every image)."""
 
     def __len__(self) -> int:
         return self.opaque + len(self.tokens)
 
     @classmethod
-    def from_offset(cls, fed: Sequence[int], offset: int, opaque: int = 0) -> Ledger | None:
+    def from_offset(cls, fed: Sequence[int], offset: int, opaque: int = 0,
+                    images: Sequence[ImageSpan] = ()) -> Ledger | None:
         """The ledger of a cache at ``offset`` after ``fed`` went in after the opaque prefix.
 
         mlx-lm leaves the cache holding a prefix of what was fed (all of it, or one token less after a
@@ -31,7 +36,11 @@ class Ledger:
         held = offset - opaque
         if held < 0 or held > len(fed):
             return None
-        return cls(tuple(fed[:held]), opaque)
+        return cls(tuple(fed[:held]), opaque, tuple(s for s in images if s.end <= held))
+
+    def cut(self, keep: int) -> Ledger:
+        """The first ``keep`` tokens (and the images wholly inside them)."""
+        return Ledger(self.tokens[:keep], self.opaque, tuple(s for s in self.images if s.end <= keep))
 
 
 __all__ = ["Ledger"]

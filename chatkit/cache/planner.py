@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from ..images import ImageSpan
 from .ledger import Ledger
 
 
@@ -39,23 +40,36 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def same_images_until(held: Sequence[ImageSpan], wanted: Sequence[ImageSpan], keep: int) -> int:
+    """``keep`` cut to the start of the first image (before it) that is not the same in ``held`` and
+    ``wanted``: same tokens do not mean same pixels, as every image's placeholders are alike."""
+    mine, theirs = set(held), set(wanted)
+    for span in (*held, *wanted):
+        if span.start < keep and not (span in mine and span in theirs):
+            keep = span.start
+    return keep
+
+
 def plan(
     ledger: Ledger,
     prompt: Sequence[int],
     *,
     trimmable: bool,
     checkpoints: Sequence[int] = (),
+    images: Sequence[ImageSpan] = (),
 ) -> Plan:
     """Choose the cheapest way to get the cache to hold ``prompt`` (minus its last token at least).
 
     ``prompt`` is the ids to follow the opaque prefix. ``trimmable`` says whether every cache layer can
-    rewind. ``checkpoints`` are ledger lengths at which a snapshot of the cache exists.
+    rewind. ``checkpoints`` are ledger lengths at which a snapshot of the cache exists. ``images`` are
+    where the prompt's images are: cached tokens are reused only up to the first image that differs.
     """
     if not prompt:
         raise ValueError("plan() needs a non-empty prompt")
     prompt = tuple(prompt)
     # Keep at most len(prompt) - 1 so that at least one token is fed and produces logits.
     keep = min(common_prefix_length(ledger.tokens, prompt), len(prompt) - 1)
+    keep = same_images_until(ledger.images, images, keep)
     if keep == len(ledger.tokens):
         return Plan(Action.APPEND, keep, prompt[keep:])
     if trimmable:
@@ -67,4 +81,4 @@ def plan(
     return Plan(Action.REBUILD, 0, prompt)
 
 
-__all__ = ["Action", "Plan", "common_prefix_length", "plan"]
+__all__ = ["Action", "Plan", "common_prefix_length", "plan", "same_images_until"]

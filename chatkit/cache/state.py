@@ -22,6 +22,7 @@ from ._mlx import (
     trim_layers,
     window_of,
 )
+from ..images import ImageSpan
 from .ledger import Ledger
 from .planner import Action, Plan, common_prefix_length, plan
 from .prefix import PrefixCache
@@ -151,6 +152,7 @@ class CacheState:
         # cache offers its prompt's first ``_share_length`` tokens when it is recorded.
         self.shared: PrefixCache | None = None
         self._share_length = 0
+        self._images: tuple[ImageSpan, ...] = ()  # where the prompt being fed has images
 
     @property
     def empty(self) -> bool:
@@ -164,6 +166,7 @@ class CacheState:
         self.draft_layers = None
         self.draft_length = 0
         self._share_length = 0
+        self._images = ()
 
     def copy(self) -> CacheState:
         """An independent copy (for a fork): layers, ledger and checkpoints."""
@@ -245,8 +248,9 @@ class CacheState:
             trimmable=bool(layers) and can_trim(layers),
         )
 
-    def prepare(self, prompt: Sequence[int]) -> Plan:
-        """Plan reuse for ``prompt`` and apply the plan, so that the cache holds ``plan.keep`` tokens."""
+    def prepare(self, prompt: Sequence[int], images: Sequence[ImageSpan] = ()) -> Plan:
+        """Plan reuse for ``prompt`` (with ``images`` where they are) and apply the plan, so that the cache
+        holds ``plan.keep`` tokens."""
         if self.layers is None:
             self.reset()
             self._new_layers()
@@ -256,6 +260,7 @@ class CacheState:
             prompt,
             trimmable=can_trim(self.layers),
             checkpoints=[c.length for c in self.checkpoints],
+            images=images,
         )
         if p.action is Action.TRIM and not self._trim_to(p.keep):
             p = Plan(Action.REBUILD, 0, tuple(prompt))
@@ -268,9 +273,10 @@ class CacheState:
             self._new_layers()
         else:
             self._forget_after(p.keep)
+        self._images = tuple(images)
         if self.draft_layers is not None:
             self._align_draft(tuple(prompt[: p.keep]))
-        if p.keep == 0 and self.ledger.opaque == 0 and self._can_share():
+        if p.keep == 0 and self.ledger.opaque == 0 and not images and self._can_share():
             p = self._from_shared(prompt, p)
         return p
 
@@ -299,7 +305,7 @@ class CacheState:
         offset = layer_offset(self.layers)
         if offset is None and not any(hasattr(c, "offset") for c in self.layers):
             offset = len(self.ledger) + len(fed)  # no layer counts tokens: trust what was fed
-        ledger = None if offset is None else Ledger.from_offset(sequence, offset, self.ledger.opaque)
+        ledger = None if offset is None else Ledger.from_offset(sequence, offset, self.ledger.opaque, self._images)
         if ledger is None:
             self.reset()  # the cache no longer matches anything we can name: rebuild next turn
             return
@@ -316,7 +322,7 @@ class CacheState:
             self.draft_length = min(draft, len(ledger))
 
     def _forget_after(self, keep: int) -> None:
-        self.ledger = Ledger(self.ledger.tokens[:keep], self.ledger.opaque)
+        self.ledger = self.ledger.cut(keep)
         self.checkpoints = [c for c in self.checkpoints if c.length <= keep]
         if self.draft_layers is not None and self.draft_length > keep:
             if not trim_layers(self.draft_layers, keep):

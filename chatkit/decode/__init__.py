@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import mlx.core as mx
 
@@ -52,6 +52,10 @@ class Request:
     """Where a speculative source counts its drafting (the turn reads it for its stats)."""
     adapter: ActiveAdapter | None = None
     """The session's adapter, applied to the model's forward passes of this turn (``None``: the base)."""
+    embeddings: Any = None
+    """A vision-language prompt: the input embeddings of ``suffix`` (its images' features in place)."""
+    model: Any = None
+    """The model to call for this turn instead of the source's (a vision prompt's, bound to its positions)."""
 
 
 class TokenSource(Protocol):

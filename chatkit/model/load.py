@@ -50,6 +50,15 @@ def load(
             group = dist.Group(mx_group, used, rank, size, float(distributed_timeout))
             return LoadedModel(model=model, tokenizer=tok, config=config, source=source, distributed=group)
         group = dist.Group(mx_group, distributed, rank, size, float(distributed_timeout))
+    vision = _vision_config(source)
+    if vision is not None:
+        if group is not None and group.sharded:
+            raise ModelLoadError(f"{source!r} is a vision-language model: chatkit cannot shard those.")
+        from .vision import load_vision
+
+        text_model, tok, parts = load_vision(source, vision)
+        _tokenizer.silence_length_warning(tok)
+        return LoadedModel(model=text_model, tokenizer=tok, config=dict(vision), source=source, vision=parts)
     model, tok, config = _mlx_load(source, tokenizer_config)
     _tokenizer.silence_length_warning(tok)
     return LoadedModel(model=model, tokenizer=tok, config=dict(config), source=source, distributed=group)
@@ -85,6 +94,22 @@ def _mlx_load(source: str, tokenizer_config: dict[str, Any]) -> tuple[Any, Any, 
             else "check the repo id, or pass a local folder (offline? set HF_HUB_OFFLINE=1 and use a path)"
         )
         raise ModelLoadError(f"Could not load model {source!r}: {exc} ({hint}).") from exc
+
+
+def _vision_config(source: str) -> dict[str, Any] | None:
+    """The config of a local vision-language model folder (one whose config has a ``vision_config``)."""
+    import json
+
+    from .vision import is_vision_config
+
+    path = Path(source) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # mlx-lm reports it
+    return config if isinstance(config, dict) and is_vision_config(config) else None
 
 
 def _local_or_repo(source: str) -> str:

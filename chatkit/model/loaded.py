@@ -20,6 +20,7 @@ from . import tokenizer as _tokenizer
 if TYPE_CHECKING:
     from ..distributed import Group
     from .adapters import Adapter
+    from .vision import Vision
 
 # Config keys that name a model's context window, most specific first.
 _CONTEXT_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
@@ -38,6 +39,8 @@ class LoadedModel:
     source: str = ""
     distributed: Group | None = None
     """The ``mx.distributed`` group this model is sharded over (``load(..., distributed=...)``)."""
+    vision: Vision | None = None
+    """A vision-language model's vision side (mlx-vlm's model and processor); ``None`` for a text model."""
 
     @property
     def context_length(self) -> int | None:

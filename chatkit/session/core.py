@@ -23,6 +23,7 @@ from ..messages import ChatMessage, Role, check_instructions
 from ..model import tokenizer as _tokenizer
 from ..model.loaded import LoadedModel
 from ..model.switchable import ActiveAdapter
+from ..model.vision import ImageTable
 from ..params import GenerateParams, LogitsProcessor
 from ..text.template import ChatTemplate
 from ..tools import as_tools
@@ -82,6 +83,7 @@ class SessionCore:
         self._source: TokenSource = (
             engine.source(speculative) if engine is not None else source_for(lm.model, lm.distributed, speculative)
         )
+        self._images = _image_table(lm, speculative, engine)
         self._conversation = Conversation(history, self._new_cache(cache_options))
         if not isinstance(context_policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(context_policy).__name__}.")
@@ -192,7 +194,7 @@ class SessionCore:
 
     def _prompting(self, summary: str | None = None) -> Prompting:
         schemas = None if self._tools is None else [t.schema for t in self._tools]
-        return Prompting(self._template, self._instructions, schemas, summary)
+        return Prompting(self._template, self._instructions, schemas, summary, self._images)
 
     def _text(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` through the current window."""
@@ -267,7 +269,7 @@ class SessionCore:
     def _can_prepare(self) -> bool:
         """Preparations are for policies that compact, in one process (sharded ranks must run in step)."""
         group = self._lm.distributed
-        return self._policy.mode != "error" and not (group is not None and group.sharded)
+        return self._policy.mode != "error" and not (group is not None and group.sharded) and self._images is None
 
     def _prepare_compaction(self) -> bool:
         """See ``ChatSession.prepare_compaction``."""
@@ -335,6 +337,15 @@ class SessionCore:
             model, instructions, tuple(history), GenerateParams(max_tokens=max_tokens, temperature=0.0),
             context_policy=ContextPolicy.rolling(),
         ))
+
+
+def _image_table(lm: LoadedModel, speculative: SpeculativeConfig | None, engine: BatchEngine | None) -> ImageTable | None:
+    """A vision-language model's table of the session's images; what such a session cannot combine with."""
+    if lm.vision is None:
+        return None
+    if speculative is not None or engine is not None:
+        raise InvalidParamsError("A vision-language model runs its sessions alone: no speculative decoding or batch engine.")
+    return ImageTable(lm.vision)
 
 
 def _bad_adapter() -> ActiveAdapter:

@@ -25,6 +25,7 @@ class TurnKeywords(TypedDict, total=False):
     grammar: str | None
     include_schema: bool
     strict_tools: bool | None
+    images: Sequence[Any]
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class TurnOptions:
     grammar: str | None = None
     include_schema: bool = True
     strict_tools: bool | None = None
+    images: Sequence[Any] = ()
 
     @classmethod
     def of(cls, keywords: Mapping[str, Any]) -> TurnOptions:
@@ -64,7 +66,13 @@ class TurnOptions:
         """The guided spec, as ``chatkit.guided.guide`` takes it."""
         return {"output": self.output, "regex": self.regex, "grammar": self.grammar}
 
+    def _images(self) -> list[Any]:
+        if isinstance(self.images, (str, bytes)) or not isinstance(self.images, (list, tuple)):
+            raise InvalidParamsError("images= takes a list of images (paths, bytes, data URLs, PIL images, arrays).")
+        return list(self.images)
+
     def check(self) -> None:
+        self._images()
         if self.strict_tools is not None and not isinstance(self.strict_tools, bool):
             raise InvalidParamsError(f"strict_tools={self.strict_tools!r}: use True, False or None (the session's default).")
         if self.strict_tools and self.guided:
@@ -77,12 +85,15 @@ class TurnOptions:
         """The message ``prompt`` sends after ``history``: ``InvalidMessageError`` for an empty prompt, one
         from the assistant, or a tool result that answers no pending call."""
         if isinstance(prompt, str):
-            message = ChatMessage(Role.parse(self.role), prompt, tool_call_id=self.tool_call_id)
+            message = ChatMessage(Role.parse(self.role), prompt, tool_call_id=self.tool_call_id,
+                                  images=tuple(self._images()))
         elif isinstance(prompt, (ChatMessage, Mapping)):
             message = as_message(prompt)
+            if self.images:
+                message = replace(message, images=(*message.images, *self._images()))
         else:
             raise InvalidMessageError(f"A prompt is a str or a message, got {type(prompt).__name__}.")
-        if not message.content.strip() and message.role is not Role.TOOL:  # a tool may well return nothing
+        if not message.content.strip() and message.role is not Role.TOOL and not message.images:  # a tool may well return nothing
             raise InvalidMessageError("The prompt is empty: send some text.")
         if message.role is Role.ASSISTANT:
             raise InvalidMessageError("A prompt cannot come from the assistant: use role user, tool or system.")

@@ -20,10 +20,13 @@ import mlx.core as mx
 
 from ..cache.planner import Plan
 from ..decode import DraftCount, ProgressCallback, Request, Token, TokenSource
-from ..errors import ContextWindowExceededError
+from ..errors import ContextWindowExceededError, InvalidMessageError
+from ..images import Image, ImageSpan
 from ..messages import ChatMessage
 from ..model.switchable import ActiveAdapter
+from ..model.vision import ImageTable
 from ..params import GenerateParams, LogitsProcessor
+from ..text.images import expand, locate
 from ..text.reply import Segmenter
 from ..text.template import ChatTemplate
 from ..text.thinking import ThinkingBudget
@@ -41,13 +44,32 @@ class Prompting:
     instructions: str | None
     tools: Sequence[Mapping[str, Any]] | None
     summary: str | None = None
+    vision: ImageTable | None = None  # a vision-language model's images (None: the model reads no images)
 
     def ids(self, messages: Sequence[ChatMessage], params: GenerateParams, *, add_generation_prompt: bool = True) -> list[int]:
-        """The prompt ids of ``messages`` after the instructions."""
-        return self.template.encode(
+        """The prompt ids of ``messages`` after the instructions (each image's placeholder expanded to its
+        tokens)."""
+        images = self.images(messages)
+        ids = self.template.encode(
             self._with_system(messages), tools=self.tools, add_generation_prompt=add_generation_prompt,
             template_kwargs=params.chat_template_kwargs(),
         )
+        if not images or self.vision is None:
+            return ids
+        return expand(ids, images, self.vision.placeholder, self.vision.ids)
+
+    def images(self, messages: Sequence[ChatMessage]) -> list[Image]:
+        """The images ``messages`` show, in order; ``InvalidMessageError`` when the model reads none or
+        there are more than it takes."""
+        images = [image for m in messages for image in m.images]
+        if images and self.vision is None:
+            raise InvalidMessageError("This model reads no images: load a vision-language model to send images.")
+        if self.vision is not None and len(images) > self.vision.vision.max_images:
+            raise InvalidMessageError(
+                f"The conversation shows {len(images)} images, more than this model takes in one prompt "
+                f"({self.vision.vision.max_images}): start a new conversation or send fewer images."
+            )
+        return images
 
     def text(self, messages: Sequence[ChatMessage], params: GenerateParams, *, add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` after the instructions."""
@@ -86,6 +108,8 @@ class Turn:
     fed: list[int] = field(default_factory=list)
     fit: Fit | None = None  # the window this turn's prompt was rendered through, and what compacting did
     adapter: ActiveAdapter | None = None  # the session's adapter: part of what shapes this turn's KV
+    vision: ImageTable | None = None  # a vision-language model's images (encoded once per session)
+    images: tuple[ImageSpan, ...] = ()  # where the prompt's images are
 
     @classmethod
     def prepare(
@@ -118,9 +142,14 @@ class Turn:
             )
         room = params.max_tokens if context_length is None else min(params.max_tokens, context_length - needed)
         segmenter = Segmenter(prompting.template.tokenizer, stop=params.stop, prompt=prompt, tools=prompting.tools)
+        images: tuple[ImageSpan, ...] = ()
+        if prompting.vision is not None:
+            shown = prompting.images(fit.window.visible([*base, message]))
+            images = locate(prompt, shown, prompting.vision.placeholder, prompting.vision.ids)
         return cls(
             conversation, base=tuple(base), message=message, params=params, prompt=prompt,
-            prompt_tokens=needed, max_tokens=room, stop=tuple(params.stop), segmenter=segmenter, fit=fit, **rest,
+            prompt_tokens=needed, max_tokens=room, stop=tuple(params.stop), segmenter=segmenter, fit=fit,
+            vision=prompting.vision, images=images, **rest,
         )
 
     def start(self) -> tuple[int, Iterator[Token]]:
@@ -128,8 +157,11 @@ class Turn:
         if self.params.seed is not None:
             mx.random.seed(self.params.seed)
         cache = self.conversation.cache
-        self.plan = cache.prepare(self.prompt)
+        self.plan = cache.prepare(self.prompt, self.images)
         self.fed.extend(self.plan.suffix)
+        embeddings, model = None, None
+        if self.vision is not None:
+            embeddings, model = self.vision.inputs(self.prompt, self.images, self.plan.keep)
         request = Request(
             suffix=self.plan.suffix,
             context=cache.ledger.tokens,
@@ -140,6 +172,8 @@ class Turn:
             progress=self._on_progress,
             drafts=self.drafts,
             adapter=self.adapter,
+            embeddings=embeddings,
+            model=model,
         )
         return len(self.plan.suffix), self.source.generate(cache, request)
 

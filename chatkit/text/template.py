@@ -136,6 +136,8 @@ def _template_dict(message: ChatMessage, protect: Callable[[str], str]) -> dict[
     DeepSeek, MiniMax) and ``thinking`` (gpt-oss); empty fields are left out."""
     d = message.to_dict()
     d["content"] = protect(message.content)
+    if message.images:  # content parts, as vision templates read them: the images, then the text
+        d["content"] = [*({"type": "image"} for _ in message.images), {"type": "text", "text": d["content"]}]
     if message.reasoning is not None:
         d["reasoning_content"] = d["thinking"] = protect(message.reasoning)
     if message.tool_calls:

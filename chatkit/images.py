@@ -1,0 +1,140 @@
+"""Images in messages: what an image input may be, its content hash, and where its tokens sit in a prompt.
+
+An image is read once, when a message takes it: a path, bytes, a data URL, a PIL image or a uint8 array
+(H x W x 3 or 4, or H x W) becomes an :class:`Image`, RGB pixels and the SHA-256 of them (with the size),
+so the same picture given as a file or as bytes is the same image to the cache. An unreadable or
+oversized image is refused here, before anything else happens.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidMessageError, MissingDependencyError
+
+MAX_IMAGE_PIXELS = 50_000_000  # larger images are refused (decompression bombs, runaway memory)
+MAX_IMAGE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Image:
+    """An image of a message: ``digest`` (hex SHA-256 of size and RGB pixels) names it; ``pixels`` is the
+    PIL image, ``None`` for an image known only by its hash (a restored session saved without pixels)."""
+
+    digest: str
+    width: int
+    height: int
+    pixels: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def short(self) -> str:
+        return self.digest[:12]
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """The tokens ``[start, end)`` of a prompt that an image (``digest``) fills."""
+
+    start: int
+    end: int
+    digest: str
+
+
+def as_image(value: Any) -> Image:
+    """``value`` (an :class:`Image`, path, bytes, data URL, PIL image or array) read as an :class:`Image`;
+    ``InvalidMessageError`` if it cannot be read or is too large."""
+    if isinstance(value, Image):
+        return value
+    pil = _pil()
+    if isinstance(value, pil.Image):
+        return _from_pil(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _decode(bytes(value), "the image bytes")
+    if isinstance(value, (str, os.PathLike)):
+        text = os.fspath(value)
+        if isinstance(text, str) and text.startswith("data:"):
+            return _decode(_data_url(text), "the data URL")
+        return _from_path(text)
+    if hasattr(value, "__array_interface__") or type(value).__module__.startswith("numpy"):
+        return _from_array(value)
+    raise InvalidMessageError(
+        f"An image must be a path, bytes, a data URL, a PIL image or an array, got {type(value).__name__}."
+    )
+
+
+def _pil() -> Any:
+    try:
+        from PIL import Image as PILImage
+    except ImportError:  # pragma: no cover - the vision extra brings pillow
+        raise MissingDependencyError("Images need Pillow: pip install 'chatkit[vision]'.") from None
+    return PILImage
+
+
+def _from_pil(img: Any) -> Image:
+    width, height = img.size
+    if width * height > MAX_IMAGE_PIXELS:
+        raise InvalidMessageError(
+            f"The image is {width}x{height} pixels, more than {MAX_IMAGE_PIXELS:,}: scale it down first."
+        )
+    if width < 1 or height < 1:
+        raise InvalidMessageError(f"The image is empty ({width}x{height} pixels).")
+    rgb = img.convert("RGB")
+    digest = hashlib.sha256(f"{width}x{height}:".encode() + rgb.tobytes()).hexdigest()
+    return Image(digest, width, height, rgb)
+
+
+def _decode(data: bytes, what: str) -> Image:
+    pil = _pil()
+    if len(data) > MAX_IMAGE_BYTES:
+        raise InvalidMessageError(f"{what} hold {len(data):,} bytes, more than {MAX_IMAGE_BYTES:,}: use a smaller image.")
+    try:
+        with pil.open(io.BytesIO(data)) as img:
+            if img.size[0] * img.size[1] > MAX_IMAGE_PIXELS:
+                return _from_pil(img)  # refuses it before decoding the pixels
+            img.load()
+            return _from_pil(img)
+    except InvalidMessageError:
+        raise
+    except Exception as exc:  # PIL raises several kinds (UnidentifiedImageError, OSError, DecompressionBomb...)
+        raise InvalidMessageError(f"Could not read {what} as an image: {exc}.") from None
+
+
+def _from_path(path: str) -> Image:
+    if not os.path.isfile(path):
+        raise InvalidMessageError(f"No image file at {path!r}: check the path.")
+    if os.path.getsize(path) > MAX_IMAGE_BYTES:
+        raise InvalidMessageError(f"The image file {path!r} is larger than {MAX_IMAGE_BYTES:,} bytes.")
+    with open(path, "rb") as f:
+        return _decode(f.read(), f"the file {path!r}")
+
+
+def _data_url(url: str) -> bytes:
+    head, _, payload = url.partition(",")
+    if not head.startswith("data:image/") or ";base64" not in head or not payload:
+        raise InvalidMessageError("An image data URL must look like 'data:image/png;base64,<data>'.")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidMessageError("The image data URL's base64 data is not valid.") from None
+
+
+def _from_array(value: Any) -> Image:
+    import numpy as np
+
+    array = np.asarray(value)
+    if array.dtype != np.uint8 or array.ndim not in (2, 3) or (array.ndim == 3 and array.shape[2] not in (3, 4)):
+        raise InvalidMessageError(
+            f"An image array must be uint8, H x W or H x W x 3/4, got {array.dtype} of shape {array.shape}."
+        )
+    if array.shape[0] * array.shape[1] > MAX_IMAGE_PIXELS:
+        raise InvalidMessageError(f"The image array is {array.shape[1]}x{array.shape[0]} pixels: scale it down first.")
+    return _from_pil(_pil().fromarray(np.ascontiguousarray(array)))
+
+
+__all__ = ["MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "Image", "ImageSpan", "as_image"]

@@ -1,0 +1,225 @@
+"""Vision-language models through mlx-vlm (the ``vision`` extra, imported lazily).
+
+``load()`` sends a folder whose config has a ``vision_config`` here. The result is a ``LoadedModel`` whose
+``model`` is the language model alone, called as mlx-lm calls a model (``model(ids, cache=...,
+input_embeddings=...)`` returns logits), so sessions prefill, decode and keep their KV cache exactly as for
+text; its ``vision`` is a :class:`Vision`: the mlx-vlm model, its processor, and what turns images into the
+embeddings of their tokens (:class:`ImageEncoder`, one per session, encodes each image once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import InvalidMessageError, MissingDependencyError, ModelLoadError
+from ..images import Image, ImageSpan
+
+MAX_IMAGES = 16  # images in one prompt, by default
+
+
+def is_vision_config(config: Mapping[str, Any]) -> bool:
+    """Whether a model config describes a vision-language model (it has a vision tower's config)."""
+    return isinstance(config.get("vision_config"), Mapping)
+
+
+class TextModel(nn.Module):
+    """An mlx-vlm model's language model, called as mlx-lm calls a model; ``positions`` (set per call by
+    :class:`Positions`) gives multimodal RoPE position ids (Qwen2-VL's M-RoPE) for ``(offset, length)``."""
+
+    def __init__(self, vlm: nn.Module) -> None:
+        super().__init__()
+        self.language_model = vlm.language_model  # type: ignore[attr-defined]
+        self.args = getattr(self.language_model, "args", None) or getattr(self.language_model, "config", None)
+
+    @property
+    def layers(self) -> Any:
+        return self.language_model.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None,
+                 positions: Positions | None = None) -> mx.array:
+        kwargs: dict[str, Any] = {}
+        if positions is not None:
+            offset = int(cache[0].offset) if cache else 0
+            kwargs["position_ids"] = positions.at(offset, inputs.shape[1])
+        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **kwargs)
+        return out.logits if hasattr(out, "logits") else out
+
+
+class Bound(nn.Module):
+    """``TextModel`` with one prompt's positions: what a turn's token source calls."""
+
+    def __init__(self, text: TextModel, positions: Positions | None) -> None:
+        super().__init__()
+        self.text = text
+        self._positions = positions
+
+    @property
+    def layers(self) -> Any:
+        return self.text.layers
+
+    def __call__(self, inputs: mx.array, cache: Any = None, input_embeddings: mx.array | None = None) -> mx.array:
+        return self.text(inputs, cache=cache, input_embeddings=input_embeddings, positions=self._positions)
+
+
+@dataclass(frozen=True)
+class Positions:
+    """M-RoPE position ids of a whole prompt (3 x 1 x N) and the offset of the tokens after it."""
+
+    ids: mx.array
+    delta: int
+
+    def at(self, offset: int, length: int) -> mx.array:
+        n = self.ids.shape[-1]
+        if offset + length <= n:
+            return self.ids[:, :, offset : offset + length]
+        tail = mx.arange(max(offset, n), offset + length) + self.delta
+        head = [self.ids[:, :, offset:n]] if offset < n else []
+        return mx.concatenate([*head, mx.broadcast_to(tail[None, None], (3, 1, tail.shape[0]))], axis=-1)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One image as a model sees it: its placeholder ``ids`` and their embeddings (``features``),
+    and the processor's extra outputs (e.g. ``image_grid_thw``)."""
+
+    ids: tuple[int, ...]
+    features: mx.array
+    extra: Mapping[str, Any]
+
+
+class Vision:
+    """The vision side of a loaded vision-language model: the mlx-vlm model and its processor."""
+
+    def __init__(self, vlm: nn.Module, processor: Any, config: Mapping[str, Any]) -> None:
+        self.vlm = vlm
+        self.processor = processor
+        self.text = TextModel(vlm)
+        self.image_token: str = processor.image_token
+        self.image_token_id = int(_token_id(processor, self.image_token))
+        self.mrope = hasattr(self.text.language_model, "get_rope_index")
+        self.max_images = MAX_IMAGES
+
+    def encode(self, image: Image) -> Encoded:
+        """Run the processor and the vision tower on ``image``: its placeholder ids and their embeddings."""
+        if image.pixels is None:
+            raise InvalidMessageError(f"Image {image.short} has no pixels here: send the image again.")
+        out = self.processor(text=[self.image_token], images=[image.pixels])
+        ids = [int(t) for t in mx.array(out["input_ids"]).reshape(-1).tolist()]
+        extra = {k: mx.array(v) for k, v in out.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
+        first = ids.index(self.image_token_id)
+        ids = ids[first:]  # the tokenizer's BOS, if it adds one, is not the image's
+        features = self.vlm.get_input_embeddings(  # type: ignore[operator]
+            mx.array([ids]), mx.array(out["pixel_values"]), **extra
+        ).inputs_embeds[0]  # one row per id: the image's features where its tokens are
+        mx.eval(features)
+        return Encoded(tuple(ids), features, extra)
+
+    def embeddings(self, ids: Sequence[int], spans: Sequence[ImageSpan], start: int,
+                   encoded: Callable[[str], Encoded]) -> mx.array:
+        """The input embeddings of ``ids[start:]``: token embeddings, each image's features in its span."""
+        embed = self.text.language_model.model.embed_tokens
+        pieces, at = [], start
+        for span in spans:
+            if span.end <= at:
+                continue
+            lo = max(span.start, at)
+            if lo > at:
+                pieces.append(embed(mx.array(ids[at:lo])))
+            rows = encoded(span.digest).features
+            pieces.append(rows[lo - span.start : span.end - span.start].astype(rows.dtype))
+            at = span.end
+        if at < len(ids):
+            pieces.append(embed(mx.array(ids[at:])))
+        return mx.concatenate(pieces, axis=0)
+
+    def positions(self, ids: Sequence[int], spans: Sequence[ImageSpan],
+                  encoded: Callable[[str], Encoded]) -> Positions | None:
+        """M-RoPE positions of the whole prompt ``ids`` (``None`` for a model with plain positions)."""
+        if not self.mrope:
+            return None
+        grids = [encoded(s.digest).extra.get("image_grid_thw") for s in spans]
+        grid = mx.concatenate([g.reshape(-1, 3) for g in grids if g is not None], axis=0) if spans else None
+        pos, delta = self.text.language_model.get_rope_index(mx.array([list(ids)]), grid)
+        return Positions(pos, int(mx.array(delta).reshape(-1)[0].item()))
+
+
+class ImageTable:
+    """One session's images: each encoded once (by content hash) for the session's lifetime."""
+
+    def __init__(self, vision: Vision) -> None:
+        self.vision = vision
+        self.placeholder = vision.image_token_id
+        self._encoded: dict[str, Encoded] = {}
+        self.encodings = 0  # how many times the vision tower ran (tests, stats)
+
+    def ids(self, image: Image) -> tuple[int, ...]:
+        """The placeholder ids of ``image`` (encoding it on first sight)."""
+        return self.get(image).ids
+
+    def get(self, image: Image) -> Encoded:
+        found = self._encoded.get(image.digest)
+        if found is None:
+            found = self._encoded[image.digest] = self.vision.encode(image)
+            self.encodings += 1
+        return found
+
+    def encoded(self, digest: str) -> Encoded:
+        return self._encoded[digest]
+
+    def inputs(self, prompt: Sequence[int], spans: Sequence[ImageSpan], keep: int) -> tuple[mx.array, Bound]:
+        """What a turn feeds after ``keep`` cached tokens of ``prompt``: the embeddings of the rest, and
+        the model bound to the prompt's positions."""
+        embeddings = self.vision.embeddings(prompt, spans, keep, self.encoded)
+        return embeddings, Bound(self.vision.text, self.vision.positions(prompt, spans, self.encoded))
+
+    def copy(self) -> ImageTable:
+        other = ImageTable(self.vision)
+        other._encoded = dict(self._encoded)
+        return other
+
+
+def _token_id(processor: Any, token: str) -> int:
+    found = getattr(processor, "image_token_id", None)
+    if isinstance(found, int):
+        return found
+    if isinstance(found, (list, tuple)) and found:
+        return int(found[0])
+    return int(processor.tokenizer.convert_tokens_to_ids(token))
+
+
+def load_vision(source: str, config: Mapping[str, Any]) -> tuple[TextModel, Any, Vision]:
+    """mlx-vlm's model and processor for ``source``: (the language model as mlx-lm calls it, mlx-lm's
+    tokenizer wrapper over the processor's tokenizer, the :class:`Vision`)."""
+    try:
+        from mlx_vlm.utils import load as vlm_load
+    except ImportError:
+        raise MissingDependencyError(
+            f"{source!r} is a vision-language model: loading it needs the 'vision' extra (mlx-vlm): "
+            "pip install 'chatkit[vision]'."
+        ) from None
+    from mlx_lm.utils import load_tokenizer
+    from mlx_vlm.utils import get_model_path
+
+    try:
+        vlm, processor = vlm_load(source)
+        path = get_model_path(source)
+    except Exception as exc:  # mlx-vlm raises many kinds
+        hint = "check the folder holds config.json, weights, processor and tokenizer files" if Path(source).exists() \
+            else "check the repo id"
+        raise ModelLoadError(f"Could not load vision-language model {source!r}: {exc} ({hint}).") from exc
+    if not hasattr(processor, "image_token"):
+        raise ModelLoadError(f"{source!r}: its processor names no image token, so chatkit cannot place images.")
+    eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    tokenizer = load_tokenizer(Path(path), eos_token_ids=sorted(eos_ids) or None)
+    vision = Vision(vlm, processor, config)
+    return vision.text, tokenizer, vision
+
+
+__all__ = ["MAX_IMAGES", "Bound", "Encoded", "ImageTable", "Positions", "TextModel", "Vision", "is_vision_config", "load_vision"]

@@ -1,0 +1,188 @@
+"""Tiny random-weight vision-language models of real mlx-vlm architectures, built offline.
+
+    from chatkit.testing.vision import VISION_ARCHS, tiny_vision_model, tiny_vision_model_path
+
+``"qwen2_vl"``: Qwen2-VL (a ViT over 14x14 patches merged 2x2; ``<|vision_start|><|image_pad|>*N<|vision_end|>``;
+M-RoPE positions), Qwen's byte-level BPE and the Qwen2-VL chat template, mlx-vlm's Qwen2-VL processor
+(``preprocessor_config.json``: images are resized to 56x56 .. 112x112 pixels, 4 .. 16 image tokens).
+``"llava"``: LLaVA-1.5 (CLIP ViT + MLP projector over a Llama; one ``<image>`` expanded to one token per
+patch, plain RoPE), a SentencePiece-style tokenizer with ``<image>``, LLaVA's ``USER: <image>\\n... ASSISTANT:``
+template, and its processor (``processor_config.json`` + a CLIP image processor at 28x28: 4 image tokens).
+Weights are float32 NumPy draws seeded by ``(seed, parameter name)``: the same files in every process.
+Needs the ``vision`` extra (mlx-vlm, pillow) besides ``testing``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidParamsError
+from .models import _init_weights, _keep_mlx_random_state, _lock, _root_dir
+from .tokenizers import TokenizerFiles, _files, _qwen_bpe, _sentencepiece_like
+
+if TYPE_CHECKING:
+    from ..model.loaded import LoadedModel
+
+VISION_ARCHS: tuple[str, ...] = ("qwen2_vl", "llava")
+
+# Qwen2-VL's chat template (as released), which also reads plain string content.
+QWEN2_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# LLaVA-1.5's template (images first, then the text of each message), reading string content too.
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"
+    "{% endfor %}{% endif %}{% if message['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+_QWEN_VL_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                     "<|image_pad|>", "<|video_pad|>")
+_MEAN, _STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+
+
+def _qwen_vl_tokenizer() -> TokenizerFiles:
+    from tokenizers import AddedToken
+
+    tok = _qwen_bpe()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _QWEN_VL_SPECIALS])
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+              "errors": "replace", "clean_up_tokenization_spaces": False, "split_special_tokens": False,
+              "chat_template": QWEN2_VL_TEMPLATE}
+    return _files("qwen2_vl", tok, config, bos=None, eos=("<|im_end|>", "<|endoftext|>"), pad="<|endoftext|>")
+
+
+def _llava_tokenizer() -> TokenizerFiles:
+    tok = _sentencepiece_like(("<unk>", "<s>", "</s>", "<image>", "<pad>"), bos="<s>", unk="<unk>", dummy_prefix=True)
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+              "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+              "chat_template": LLAVA_TEMPLATE}
+    return _files("llava", tok, config, bos="<s>", eos=("</s>",), pad="<pad>")
+
+
+def _text(vocab: int, **extra: Any) -> dict[str, Any]:
+    return {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": vocab, "max_position_embeddings": 4096,
+            "tie_word_embeddings": False, "torch_dtype": "float32", **extra}
+
+
+def _qwen2_vl(tok: TokenizerFiles, ids: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    config = {
+        "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
+        **_text(tok.vocab_size, rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
+        "bos_token_id": None, "eos_token_id": list(tok.eos_token_ids), "pad_token_id": tok.pad_token_id,
+        "vision_config": {"model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                          "mlp_ratio": 2, "in_channels": 3, "patch_size": 14, "spatial_patch_size": 14,
+                          "spatial_merge_size": 2, "temporal_patch_size": 2},
+    }
+    image = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+             "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+             "min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14, "merge_size": 2,
+             "temporal_patch_size": 2, "image_mean": _MEAN, "image_std": _STD}
+    return config, image, {"processor_class": "Qwen2VLProcessor"}
+
+
+def _llava(tok: TokenizerFiles, ids: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    config = {
+        "model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
+        "text_config": {"model_type": "llama", **_text(tok.vocab_size, rope_theta=10000.0)},
+        "vision_config": {"model_type": "clip_vision_model", "num_hidden_layers": 2, "hidden_size": 32,
+                          "intermediate_size": 64, "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
+                          "projection_dim": 32, "num_channels": 3, "layer_norm_eps": 1e-5},
+        "image_token_index": ids["<image>"], "vision_feature_layer": -2, "vision_feature_select_strategy": "default",
+        "vocab_size": tok.vocab_size, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_ids[0],
+        "pad_token_id": tok.pad_token_id,
+    }
+    image = {"image_processor_type": "CLIPImageProcessor", "processor_class": "LlavaProcessor",
+             "do_resize": True, "size": {"shortest_edge": 28}, "do_center_crop": True,
+             "crop_size": {"height": 28, "width": 28}, "do_rescale": True, "rescale_factor": 1 / 255,
+             "do_normalize": True, "do_convert_rgb": True, "image_mean": _MEAN, "image_std": _STD, "resample": 3}
+    processor = {"processor_class": "LlavaProcessor", "patch_size": 14, "image_token": "<image>",
+                 "num_additional_image_tokens": 1, "vision_feature_select_strategy": "default"}
+    return config, image, processor
+
+
+def _build(folder: Path, arch: str, seed: int) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    tok = _qwen_vl_tokenizer() if arch == "qwen2_vl" else _llava_tokenizer()
+    ids = json.loads(tok.tokenizer_json)["added_tokens"]
+    ids = {t["content"]: t["id"] for t in ids}
+    config, image, processor = (_qwen2_vl if arch == "qwen2_vl" else _llava)(tok, ids)
+    module, _ = get_model_and_args(config)
+    copy = json.loads(json.dumps(config))
+    model_config = update_module_configs(module.ModelConfig.from_dict(copy), module, copy, ["text", "vision"])
+    model = module.Model(model_config)
+    _init_weights(model, arch, seed)
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    mx.save_safetensors(str(partial / "model.safetensors"), dict(tree_flatten(model.parameters())),
+                        metadata={"format": "mlx"})
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    (partial / "preprocessor_config.json").write_text(json.dumps(image, indent=2))
+    (partial / "processor_config.json").write_text(json.dumps(processor, indent=2))
+    generation = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    (partial / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    tok.write(partial)
+    partial.rename(folder)
+
+
+@functools.cache
+def _path(arch: str, seed: int) -> Path:
+    with _lock:
+        folder = _root_dir() / f"vision-{arch}-seed{seed}"
+        with _keep_mlx_random_state():
+            _build(folder, arch, seed)
+        return folder
+
+
+def tiny_vision_model_path(arch: str = "qwen2_vl", seed: int = 0) -> Path:
+    """The folder of a tiny random ``arch`` vision-language model (one of VISION_ARCHS), built once per
+    process into a temporary directory; ``mlx_vlm.load`` and ``chatkit.load`` read it."""
+    if arch not in VISION_ARCHS:
+        raise InvalidParamsError(f"Unknown test vision arch {arch!r}; choose one of {', '.join(VISION_ARCHS)}.")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InvalidParamsError(f"seed must be a non-negative int, got {seed!r}.")
+    return _path(arch, seed)
+
+
+@functools.cache
+def _loaded(arch: str, seed: int) -> LoadedModel:
+    from ..model.load import load
+
+    path = tiny_vision_model_path(arch, seed)
+    with _lock, _keep_mlx_random_state():
+        return load(path)
+
+
+def tiny_vision_model(arch: str = "qwen2_vl", seed: int = 0) -> LoadedModel:
+    """The ``chatkit.load`` result of :func:`tiny_vision_model_path`, loaded once per process (shared)."""
+    tiny_vision_model_path(arch, seed)
+    return _loaded(arch, seed)
+
+
+__all__ = ["LLAVA_TEMPLATE", "QWEN2_VL_TEMPLATE", "VISION_ARCHS", "tiny_vision_model", "tiny_vision_model_path"]

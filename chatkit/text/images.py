@@ -1,0 +1,47 @@
+"""Image placeholders in a rendered prompt: one per image from the model's own template, expanded to each
+image's tokens (as the model's processor writes them), and where each image's tokens are."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..errors import TemplateError
+from ..images import Image, ImageSpan
+
+
+def expand(ids: Sequence[int], images: Sequence[Image], placeholder: int,
+           tokens_of: Callable[[Image], Sequence[int]]) -> list[int]:
+    """``ids`` with the k-th ``placeholder`` replaced by the k-th image's tokens; ``TemplateError`` when the
+    template did not place one placeholder per image."""
+    out: list[int] = []
+    k = 0
+    for token in ids:
+        if token == placeholder and k < len(images):
+            out.extend(tokens_of(images[k]))
+            k += 1
+        else:
+            out.append(token)
+    if k != len(images):
+        raise TemplateError(f"The chat template placed {k} of {len(images)} images: does it render image parts?")
+    return out
+
+
+def locate(ids: Sequence[int], images: Sequence[Image], placeholder: int,
+           tokens_of: Callable[[Image], Sequence[int]]) -> tuple[ImageSpan, ...]:
+    """Where each of ``images`` (in order) sits in the expanded ``ids``."""
+    spans: list[ImageSpan] = []
+    at = 0
+    for image in images:
+        tokens = tuple(tokens_of(image))
+        first = tokens.index(placeholder) if placeholder in tokens else 0
+        while at < len(ids) and ids[at] != placeholder:
+            at += 1
+        start = at - first
+        if at >= len(ids) or tuple(ids[start : start + len(tokens)]) != tokens:
+            raise TemplateError("An image's tokens are not where the template placed it.")
+        spans.append(ImageSpan(start, start + len(tokens), image.digest))
+        at = start + len(tokens)
+    return tuple(spans)
+
+
+__all__ = ["expand", "locate"]
