@@ -9,6 +9,7 @@ from typing import Any, TypeGuard
 import mlx.core as mx
 
 from ..errors import InvalidParamsError
+from ..images import ImageSpan
 from ._mlx import (
     ALWAYS_TRIMMABLE,
     can_trim,
@@ -22,7 +23,6 @@ from ._mlx import (
     trim_layers,
     window_of,
 )
-from ..images import ImageSpan
 from .ledger import Ledger
 from .planner import Action, Plan, common_prefix_length, plan
 from .prefix import PrefixCache

@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..errors import InvalidMessageError, MissingDependencyError, ModelLoadError
 from ..images import Image, ImageSpan
@@ -34,7 +35,7 @@ class TextModel(nn.Module):
 
     def __init__(self, vlm: nn.Module) -> None:
         super().__init__()
-        self.language_model = vlm.language_model  # type: ignore[attr-defined]
+        self.language_model = vlm.language_model
         self.args = getattr(self.language_model, "args", None) or getattr(self.language_model, "config", None)
 
     @property
@@ -109,12 +110,15 @@ class Vision:
         """Run the processor and the vision tower on ``image``: its placeholder ids and their embeddings."""
         if image.pixels is None:
             raise InvalidMessageError(f"Image {image.short} has no pixels here: send the image again.")
-        out = self.processor(text=[self.image_token], images=[image.pixels])
-        ids = [int(t) for t in mx.array(out["input_ids"]).reshape(-1).tolist()]
+        try:
+            out = self.processor(text=[self.image_token], images=[image.pixels])
+        except Exception as exc:  # the processor's own checks (sizes, modes...)
+            raise InvalidMessageError(f"The model's processor could not take image {image.short}: {exc}.") from None
+        ids = [int(t) for t in _ints(out["input_ids"])]
         extra = {k: mx.array(v) for k, v in out.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
         first = ids.index(self.image_token_id)
         ids = ids[first:]  # the tokenizer's BOS, if it adds one, is not the image's
-        features = self.vlm.get_input_embeddings(  # type: ignore[operator]
+        features = self.vlm.get_input_embeddings(
             mx.array([ids]), mx.array(out["pixel_values"]), **extra
         ).inputs_embeds[0]  # one row per id: the image's features where its tokens are
         mx.eval(features)
@@ -130,12 +134,12 @@ class Vision:
                 continue
             lo = max(span.start, at)
             if lo > at:
-                pieces.append(embed(mx.array(ids[at:lo])))
+                pieces.append(embed(mx.array(list(ids[at:lo]))))
             rows = encoded(span.digest).features
             pieces.append(rows[lo - span.start : span.end - span.start].astype(rows.dtype))
             at = span.end
         if at < len(ids):
-            pieces.append(embed(mx.array(ids[at:])))
+            pieces.append(embed(mx.array(list(ids[at:]))))
         return mx.concatenate(pieces, axis=0)
 
     def positions(self, ids: Sequence[int], spans: Sequence[ImageSpan],
@@ -146,7 +150,7 @@ class Vision:
         grids = [encoded(s.digest).extra.get("image_grid_thw") for s in spans]
         grid = mx.concatenate([g.reshape(-1, 3) for g in grids if g is not None], axis=0) if spans else None
         pos, delta = self.text.language_model.get_rope_index(mx.array([list(ids)]), grid)
-        return Positions(pos, int(mx.array(delta).reshape(-1)[0].item()))
+        return Positions(pos, _ints(delta)[0])
 
 
 class ImageTable:
@@ -182,6 +186,11 @@ class ImageTable:
         other = ImageTable(self.vision)
         other._encoded = dict(self._encoded)
         return other
+
+
+def _ints(values: Any) -> list[int]:
+    """The integers of an array (mlx or NumPy), flattened."""
+    return [int(v) for v in np.asarray(values).reshape(-1).tolist()]
 
 
 def _token_id(processor: Any, token: str) -> int:

@@ -67,7 +67,7 @@ class SessionCore:
         check_engine(engine, lm.model)
         cache_options.validate(lm.head_dim)
         check_cache_options(speculative, cache_options)
-        self._lm = lm
+        self._lm, self._images = lm, _image_table(lm, speculative, engine)
         self._template = ChatTemplate(lm.tokenizer, chat_template, allow_special_in_content=allow_special_in_content)
         self._instructions = check_instructions(instructions)
         self._params = generate_params if generate_params is not None else GenerateParams()
@@ -83,7 +83,6 @@ class SessionCore:
         self._source: TokenSource = (
             engine.source(speculative) if engine is not None else source_for(lm.model, lm.distributed, speculative)
         )
-        self._images = _image_table(lm, speculative, engine)
         self._conversation = Conversation(history, self._new_cache(cache_options))
         if not isinstance(context_policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(context_policy).__name__}.")

@@ -315,6 +315,7 @@ class ChatSession(SessionCore):
                 self._template.allow_special_in_content, self._engine, self._policy, adapter=self._adapter,
             ))
             other._conversation = self._conversation.copy()
+            other._images = self._images.copy() if self._images is not None else None  # encoded images too
             other._last_stats = self._last_stats
             other._guided = self._guided
             return other

@@ -45,9 +45,10 @@ QWEN2_VL_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# LLaVA-1.5's template (images first, then the text of each message), reading string content too.
+# LLaVA-1.5's template (images first, then the text of each message), reading string content too, and
+# writing the BOS its tokenizer adds (chatkit tokenizes what templates write, adding nothing).
 LLAVA_TEMPLATE = (
-    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
     "{% if message['content'] is string %}{{ message['content'] + ' ' }}{% else %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>\n' }}{% endfor %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}{{ content['text'] + ' ' }}"

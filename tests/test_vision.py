@@ -1,0 +1,145 @@
+"""Vision-language models (issue 34): tiny offline Qwen2-VL (M-RoPE, <|image_pad|>) and LLaVA (<image>,
+plain RoPE) models through mlx-vlm; images in messages; the KV cache reused across turns, never across
+different images; every bad image refused before anything changes."""
+
+import base64
+import io
+
+from chatkit import ChatSession, GenerateParams
+from chatkit.cache.ledger import Ledger
+from chatkit.cache.planner import plan
+from chatkit.errors import InvalidMessageError, InvalidParamsError
+from chatkit.images import ImageSpan, as_image
+from chatkit.messages import ChatMessage
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+GREEDY = GenerateParams(max_tokens=8, temperature=0.0)
+ARCHS = ["qwen2_vl", "llava"]
+
+
+def picture(seed, shape=(60, 70, 3)):
+    return np.random.default_rng(seed).integers(0, 255, shape, dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    from chatkit.testing.vision import tiny_vision_model
+
+    return tiny_vision_model
+
+
+def session(lm, history=()):
+    return ChatSession.builder(lm).generate_params(GREEDY).history(list(history)).build()
+
+
+def reply_tokens(s, prompt, **options):
+    with s.stream_respond(prompt, **options) as stream:
+        for _ in stream:
+            pass
+    return list(stream.tokens)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_one_turn_matches_mlx_vlm_generate(vlm, arch):
+    """The same tokens as mlx-vlm's own generate_step over the processor's inputs for the same prompt."""
+    from mlx_vlm.generate.ar import generate_step
+
+    lm = vlm(arch)
+    s = session(lm)
+    image = picture(1)
+    text = s.render(ChatMessage.user("What is in this picture?", images=[image]))
+    ours = reply_tokens(s, "What is in this picture?", images=[image])
+    processor = lm.vision.processor
+    inputs = processor(text=[text], images=[as_image(image).pixels])
+    ids = mx.array(inputs["input_ids"])
+    if ids[0, 0].item() == lm.tokenizer.bos_token_id and text.startswith(lm.tokenizer.bos_token or "\0"):
+        ids = ids[:, 1:]  # the template wrote the BOS already
+    extra = {k: mx.array(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
+    steps = generate_step(ids, lm.vision.vlm, mx.array(inputs["pixel_values"]), None, max_tokens=len(ours),
+                          temperature=0.0, **extra)
+    theirs = [int(t) for t, _ in steps]
+    assert ours == theirs
+    assert ids.shape[1] == s.last_stats.prompt_tokens
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_turn_two_reuses_the_image_kv_and_encodes_once(vlm, arch):
+    lm = vlm(arch)
+    s = session(lm)
+    reply_tokens(s, "Describe it.", images=[picture(2)])
+    (span,) = s._conversation.cache.ledger.images
+    assert s._images.encodings == 1
+    second = reply_tokens(s, "Tell me more.")
+    stats = s.last_stats
+    assert stats.reused_tokens > span.end  # the image's tokens and everything up to the new message
+    assert stats.prefilled_tokens < stats.prompt_tokens - span.end
+    assert s._images.encodings == 1  # not encoded again
+    fresh = session(lm, s.history[:-2])
+    assert second == reply_tokens(fresh, "Tell me more.")  # the cache is only a saving
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_different_image_at_the_same_place_is_never_reused(vlm, arch):
+    lm = vlm(arch)
+    s = session(lm)
+    reply_tokens(s, "Describe it.", images=[picture(3)])
+    (span,) = s._conversation.cache.ledger.images
+    s.undo()
+    other = reply_tokens(s, "Describe it.", images=[picture(4)])  # same tokens, other pixels
+    assert s.last_stats.reused_tokens <= span.start
+    assert other == reply_tokens(session(lm), "Describe it.", images=[picture(4)])
+    assert s._images.encodings == 2
+
+
+def test_the_planner_stops_at_the_first_image_that_differs():
+    tokens = (1, 2, 9, 9, 9, 3, 4)
+    held = Ledger(tokens, 0, (ImageSpan(2, 5, "a"),))
+    same = plan(held, tokens + (5,), trimmable=True, images=[ImageSpan(2, 5, "a")])
+    assert same.keep == len(tokens)
+    other = plan(held, tokens + (5,), trimmable=True, images=[ImageSpan(2, 5, "b")])
+    assert other.keep == 2 and other.suffix == tokens[2:] + (5,)
+    none = plan(held, tokens + (5,), trimmable=True)  # the same ids, but no image there now
+    assert none.keep == 2
+
+
+def test_content_parts_hugging_face_and_openai_shapes():
+    image = picture(5)
+    buffer = io.BytesIO()
+    from PIL import Image as PILImage
+
+    PILImage.fromarray(image).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    hf = ChatMessage.from_dict({"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "hi"}]})
+    openai = ChatMessage.from_dict({"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                                {"type": "image_url", "image_url": {"url": url}}]})
+    assert hf.content == openai.content == "hi"
+    assert hf.images == openai.images  # the same pixels: the same image, whatever the wrapping
+    assert as_image(buffer.getvalue()).digest == hf.images[0].digest
+
+
+def test_bad_images_are_refused_before_anything_changes(vlm, tiny, monkeypatch):
+    text = session(tiny("qwen3", "bpe", 0))
+    with pytest.raises(InvalidMessageError, match="reads no images"):
+        text.respond("What is this?", images=[picture(6)])
+    assert text.history == [] and text._conversation.cache.empty
+    s = session(vlm("qwen2_vl"))
+    with pytest.raises(InvalidMessageError, match="Could not read"):
+        s.respond("What is this?", images=[b"not an image"])
+    with pytest.raises(InvalidMessageError, match="No image file"):
+        s.respond("What is this?", images=["/nonexistent/picture.png"])
+    with pytest.raises(InvalidMessageError, match="uint8"):
+        s.respond("What is this?", images=[np.zeros((4, 4, 3), dtype=np.float32)])
+    with pytest.raises(InvalidParamsError, match="list of images"):
+        s.respond("What is this?", images=picture(7))
+    monkeypatch.setattr("chatkit.images.MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(InvalidMessageError, match="scale it down"):
+        s.respond("What is this?", images=[picture(8)])
+    monkeypatch.setattr(s._images.vision, "max_images", 1)
+    with pytest.raises(InvalidMessageError, match="more than this model takes"):
+        s.respond("What is this?", images=[picture(9, (8, 8, 3)), picture(10, (8, 8, 3))])
+    assert s.history == [] and s._conversation.cache.empty and s._images.encodings == 0
