@@ -44,6 +44,38 @@ class ImageSpan:
     start: int
     end: int
     digest: str
+    layout: tuple[int, ...] = ()
+    """The processor's grid of the image (temporal, height, width patches) when the model's positions
+    depend on it (Qwen2-VL's M-RoPE); empty otherwise."""
+
+
+def image_part(image: Image, *, pixels: bool = False) -> dict[str, Any]:
+    """``image`` as a content part chatkit writes to its own files: its hash and size, and with ``pixels``
+    a PNG data URL of them (``as_image`` / ``ChatMessage.from_dict`` read both back)."""
+    part: dict[str, Any] = {"type": "image", "digest": image.digest, "width": image.width, "height": image.height}
+    if pixels and image.pixels is not None:
+        buffer = io.BytesIO()
+        image.pixels.save(buffer, format="PNG")
+        part["image"] = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+    return part
+
+
+def from_part(part: Any) -> Image:
+    """The image of a content part ``{"type": "image", ...}``: its ``image`` (``url`` / ``path``) read, or an
+    image known by its hash alone (``digest``, ``width``, ``height``: chatkit's files without pixels)."""
+    source = next((part[k] for k in ("image", "url", "path") if part.get(k) is not None), None)
+    digest = part.get("digest")
+    if source is None and isinstance(digest, str) and len(digest) == 64:
+        width, height = part.get("width"), part.get("height")
+        if not (isinstance(width, int) and isinstance(height, int)):
+            raise InvalidMessageError("An image part known by its digest needs its 'width' and 'height'.")
+        return Image(digest, width, height)
+    if source is None:
+        raise InvalidMessageError("An image content part needs 'image' (a path, bytes, a PIL image or an array).")
+    image = as_image(source)
+    if isinstance(digest, str) and digest != image.digest:
+        raise InvalidMessageError(f"The image's pixels do not match its digest {digest[:12]}: it was changed.")
+    return image
 
 
 def as_image(value: Any) -> Image:
@@ -137,4 +169,4 @@ def _from_array(value: Any) -> Image:
     return _from_pil(_pil().fromarray(np.ascontiguousarray(array)))
 
 
-__all__ = ["MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "Image", "ImageSpan", "as_image"]
+__all__ = ["MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "Image", "ImageSpan", "as_image", "from_part", "image_part"]

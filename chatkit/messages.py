@@ -12,7 +12,7 @@ from enum import Enum
 from typing import Any
 
 from .errors import ChatKitError, InvalidMessageError
-from .images import Image, as_image
+from .images import Image, as_image, from_part, image_part
 
 
 class Role(str, Enum):
@@ -221,11 +221,13 @@ class ChatMessage:
         )
 
 
-def saved_dict(message: ChatMessage) -> dict[str, Any]:
+def saved_dict(message: ChatMessage, *, pixels: bool = False) -> dict[str, Any]:
     """``message.to_dict()`` and the ``error`` / ``text`` of its unread tool calls, for the files chatkit
     writes itself (a saved session, the server's stored responses), which ``from_dict`` reads back.
     ``to_dict`` leaves them out: templates and the server's conversation keys see the OpenAI form only."""
     d = message.to_dict()
+    if message.images:  # each image by its hash (and, with ``pixels``, a PNG of it)
+        d["content"] = [*(image_part(i, pixels=pixels) for i in message.images), {"type": "text", "text": message.content}]
     for call, out in zip(message.tool_calls, d.get("tool_calls", ())):
         out.update({key: getattr(call, key) for key in ("error", "text") if getattr(call, key) is not None})
     return d
@@ -250,10 +252,7 @@ def content_parts(parts: Sequence[Any]) -> tuple[str, tuple[Image, ...]]:
                 raise InvalidMessageError("A text content part needs a 'text' string.")
             texts.append(part["text"])
         elif kind == "image":
-            source = next((part[k] for k in ("image", "url", "path") if part.get(k) is not None), None)
-            if source is None:
-                raise InvalidMessageError("An image content part needs 'image' (a path, bytes, a PIL image or an array).")
-            images.append(as_image(source))
+            images.append(from_part(part))
         elif kind == "image_url":
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, Mapping) else url

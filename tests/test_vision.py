@@ -143,3 +143,37 @@ def test_bad_images_are_refused_before_anything_changes(vlm, tiny, monkeypatch):
     with pytest.raises(InvalidMessageError, match="more than this model takes"):
         s.respond("What is this?", images=[picture(9, (8, 8, 3)), picture(10, (8, 8, 3))])
     assert s.history == [] and s._conversation.cache.empty and s._images.encodings == 0
+
+
+def test_save_and_restore_continue_without_re_encoding(vlm, tmp_path):
+    lm = vlm("qwen2_vl")
+    s = session(lm)
+    reply_tokens(s, "Describe it.", images=[picture(11)])
+    s.save_cache(tmp_path / "chat.safetensors")
+    live = reply_tokens(s.fork(), "Tell me more.")
+    restored = ChatSession.builder(lm).cache(tmp_path / "chat.safetensors").build()
+    assert restored.history[0].images[0].pixels is None  # known by its hash: no pixels in the file
+    (span,) = restored._conversation.cache.ledger.images
+    assert reply_tokens(restored, "Tell me more.") == live
+    assert restored.last_stats.reused_tokens > span.end and restored._images.encodings == 0
+
+
+def test_a_restored_turn_that_needs_missing_pixels_is_a_cache_error(vlm, tmp_path):
+    from chatkit.errors import CacheError
+
+    lm = vlm("qwen2_vl")
+    s = session(lm)
+    reply_tokens(s, "Describe it.", images=[picture(12)])
+    s.save_cache(tmp_path / "hashes.safetensors")
+    s.save_cache(tmp_path / "pixels.safetensors", images=True)
+    restored = ChatSession.builder(lm).cache(tmp_path / "hashes.safetensors").build()
+    restored.release_cache()  # the next turn must prefill the image again
+    history = restored.history
+    with pytest.raises(CacheError, match="images=True"):
+        restored.respond("Tell me more.")
+    assert restored.history == history
+    with_pixels = ChatSession.builder(lm).cache(tmp_path / "pixels.safetensors").build()
+    with_pixels.release_cache()
+    expected = reply_tokens(session(lm, s.history), "Tell me more.")
+    assert reply_tokens(with_pixels, "Tell me more.") == expected
+    assert with_pixels._images.encodings == 1

@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..errors import CacheFileError, ChatKitError, IncompatibleCacheError
+from ..images import ImageSpan
 from . import atomic
 from ._mlx import cut_to_offset, load_prompt_cache, save_prompt_cache, state_problem
 from .header import cache_classes, is_int, is_text, read_header, read_target, short
@@ -113,7 +114,9 @@ def save(
     meta = {
         "format_version": FORMAT_VERSION,
         "fingerprint": dict(fingerprint),
-        "ledger": {"tokens": list(ledger.tokens), "opaque": ledger.opaque},
+        "ledger": {"tokens": list(ledger.tokens), "opaque": ledger.opaque,
+                   **({"images": [[s.start, s.end, s.digest, list(s.layout)] for s in ledger.images]}
+                      if ledger.images else {})},
         **{key: conversation.get(key) for key in CONVERSATION_KEYS},
         "cache_options": dict(cache_options),
         "layer_classes": [type(c).__name__ for c in layers],
@@ -178,7 +181,8 @@ def load(path: str | os.PathLike[str], *, verify: bool = True) -> LoadedCache:
     if verify and "checksum" in meta:
         _verify_tensors(layers, meta["checksum"]["state"], where)
     _check_states(layers, where)
-    ledger = Ledger(tuple(meta["ledger"]["tokens"]), meta["ledger"]["opaque"])
+    images = tuple(ImageSpan(a, b, d, tuple(g)) for a, b, d, g in meta["ledger"].get("images", ()))
+    ledger = Ledger(tuple(meta["ledger"]["tokens"]), meta["ledger"]["opaque"], images)
     n = len(meta["layer_classes"])
     layers, extra = layers[:n], layers[n:]
     try:
@@ -298,6 +302,16 @@ def _check_ledger(meta: Mapping[str, Any], where: str) -> None:
         raise damaged(where, "ledger opaque count")
     if opaque + len(tokens) >= MAX_TOKENS:
         raise damaged(where, f"a ledger of {opaque + len(tokens)} tokens, more than any cache holds")
+    images = ledger.get("images", [])
+    if not (isinstance(images, list) and all(_image_entry(e, len(tokens)) for e in images)):
+        raise damaged(where, "ledger images")
+
+
+def _image_entry(entry: Any, tokens: int) -> bool:
+    """Whether ``entry`` is a ledger image: ``[start, end, digest, layout]`` inside the ledger's tokens."""
+    return (isinstance(entry, list) and len(entry) == 4 and is_int(entry[0]) and is_int(entry[1])
+            and 0 <= entry[0] < entry[1] <= tokens and isinstance(entry[2], str) and len(entry[2]) == 64
+            and isinstance(entry[3], list) and all(is_int(v) and v > 0 for v in entry[3]))
 
 
 def _check_conversation(meta: Mapping[str, Any], where: str) -> None:

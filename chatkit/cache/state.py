@@ -248,6 +248,13 @@ class CacheState:
             trimmable=bool(layers) and can_trim(layers),
         )
 
+    def preview(self, prompt: Sequence[int], images: Sequence[ImageSpan] = ()) -> int:
+        """How many ledger tokens ``prepare`` would keep at most (nothing changes)."""
+        if self.layers is None:
+            return 0
+        return plan(self.ledger, prompt, trimmable=can_trim(self.layers), checkpoints=[c.length for c in self.checkpoints],
+                    images=images).keep
+
     def prepare(self, prompt: Sequence[int], images: Sequence[ImageSpan] = ()) -> Plan:
         """Plan reuse for ``prompt`` (with ``images`` where they are) and apply the plan, so that the cache
         holds ``plan.keep`` tokens."""

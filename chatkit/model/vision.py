@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..errors import InvalidMessageError, MissingDependencyError, ModelLoadError
+from ..errors import CacheError, InvalidMessageError, MissingDependencyError, ModelLoadError
 from ..images import Image, ImageSpan
 
 MAX_IMAGES = 16  # images in one prompt, by default
@@ -90,8 +90,14 @@ class Encoded:
     and the processor's extra outputs (e.g. ``image_grid_thw``)."""
 
     ids: tuple[int, ...]
-    features: mx.array
+    features: mx.array | None  # None: known from a restored cache only (its pixels were not saved)
     extra: Mapping[str, Any]
+
+    @property
+    def layout(self) -> tuple[int, ...]:
+        """The processor's patch grid of the image, for models whose positions use it (else empty)."""
+        grid = self.extra.get("image_grid_thw")
+        return () if grid is None else tuple(_ints(grid))
 
 
 class Vision:
@@ -109,7 +115,8 @@ class Vision:
     def encode(self, image: Image) -> Encoded:
         """Run the processor and the vision tower on ``image``: its placeholder ids and their embeddings."""
         if image.pixels is None:
-            raise InvalidMessageError(f"Image {image.short} has no pixels here: send the image again.")
+            raise CacheError(f"Image {image.short} is known by its hash only (a cache file saved without pixels) and "
+                             "this turn needs it again: send the image again, or save with save_cache(path, images=True).")
         try:
             out = self.processor(text=[self.image_token], images=[image.pixels])
         except Exception as exc:  # the processor's own checks (sizes, modes...)
@@ -136,19 +143,19 @@ class Vision:
             if lo > at:
                 pieces.append(embed(mx.array(list(ids[at:lo]))))
             rows = encoded(span.digest).features
+            assert rows is not None, "check() first"
             pieces.append(rows[lo - span.start : span.end - span.start].astype(rows.dtype))
             at = span.end
         if at < len(ids):
             pieces.append(embed(mx.array(list(ids[at:]))))
         return mx.concatenate(pieces, axis=0)
 
-    def positions(self, ids: Sequence[int], spans: Sequence[ImageSpan],
-                  encoded: Callable[[str], Encoded]) -> Positions | None:
+    def positions(self, ids: Sequence[int], spans: Sequence[ImageSpan]) -> Positions | None:
         """M-RoPE positions of the whole prompt ``ids`` (``None`` for a model with plain positions)."""
         if not self.mrope:
             return None
-        grids = [encoded(s.digest).extra.get("image_grid_thw") for s in spans]
-        grid = mx.concatenate([g.reshape(-1, 3) for g in grids if g is not None], axis=0) if spans else None
+        layouts = [list(s.layout) for s in spans if s.layout]
+        grid = mx.array(layouts).reshape(-1, 3) if layouts else None
         pos, delta = self.text.language_model.get_rope_index(mx.array([list(ids)]), grid)
         return Positions(pos, _ints(delta)[0])
 
@@ -166,9 +173,12 @@ class ImageTable:
         """The placeholder ids of ``image`` (encoding it on first sight)."""
         return self.get(image).ids
 
+    def layout(self, image: Image) -> tuple[int, ...]:
+        return self.get(image).layout
+
     def get(self, image: Image) -> Encoded:
         found = self._encoded.get(image.digest)
-        if found is None:
+        if found is None or (found.features is None and image.pixels is not None):
             found = self._encoded[image.digest] = self.vision.encode(image)
             self.encodings += 1
         return found
@@ -176,11 +186,30 @@ class ImageTable:
     def encoded(self, digest: str) -> Encoded:
         return self._encoded[digest]
 
+    def check(self, spans: Sequence[ImageSpan], keep: int) -> None:
+        """``CacheError`` if feeding the prompt after ``keep`` cached tokens needs an image's features that
+        cannot be made: one known only from a restored cache file saved without pixels."""
+        for span in spans:
+            if span.end > keep and self._encoded[span.digest].features is None:
+                raise CacheError(
+                    f"This turn must prefill image {span.digest[:12]} again, and the restored cache file has "
+                    "no pixels of it: send the image again in a message, or save with save_cache(path, images=True)."
+                )
+
     def inputs(self, prompt: Sequence[int], spans: Sequence[ImageSpan], keep: int) -> tuple[mx.array, Bound]:
         """What a turn feeds after ``keep`` cached tokens of ``prompt``: the embeddings of the rest, and
         the model bound to the prompt's positions."""
+        self.check(spans, keep)
         embeddings = self.vision.embeddings(prompt, spans, keep, self.encoded)
-        return embeddings, Bound(self.vision.text, self.vision.positions(prompt, spans, self.encoded))
+        return embeddings, Bound(self.vision.text, self.vision.positions(prompt, spans))
+
+    def restore(self, tokens: Sequence[int], spans: Sequence[ImageSpan]) -> None:
+        """Learn the images of a restored cache (``tokens``: its ledger's): their ids and layout, not
+        their features, which only their pixels can give again."""
+        for span in spans:
+            if span.digest not in self._encoded:
+                extra = {"image_grid_thw": mx.array([list(span.layout)])} if span.layout else {}
+                self._encoded[span.digest] = Encoded(tuple(tokens[span.start : span.end]), None, extra)
 
     def copy(self) -> ImageTable:
         other = ImageTable(self.vision)

@@ -317,6 +317,8 @@ class SessionCore:
     def _use_cache(self, cache: CacheState) -> None:
         """Go on from a restored cache."""
         cache.shared = self._shared_prefixes()
+        if self._images is not None:
+            self._images.restore(cache.ledger.tokens, cache.ledger.images)
         self._conversation = self._conversation.with_cache(cache)
 
     def _new_cache(self, options: CacheOptions) -> CacheState:

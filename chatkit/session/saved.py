@@ -83,7 +83,7 @@ def check(info: CacheFileInfo) -> CacheFileInfo:
             ChatMessage.from_dict(m)
         except ChatKitError as exc:
             raise file.damaged(where, f"message {i}: {exc}") from None
-        if not isinstance(m, dict) or m["role"] not in _ROLES or not is_text(m["content"]) or not (
+        if not isinstance(m, dict) or m["role"] not in _ROLES or not (is_text(m["content"]) or isinstance(m["content"], list)) or not (
             m.get("name") is None or is_text(m["name"])
         ):
             raise file.damaged(where, f"message {i}")
@@ -119,13 +119,16 @@ def save(
     conversation: SavedConversation,
     cache_options: CacheOptions,
     adapter: ActiveAdapter | None = None,
+    *,
+    images: bool = False,
 ) -> int:
     """Write the cache and the conversation to ``path`` (over a sharded model: this rank's file, and
-    every rank must succeed); returns the file's size. The fingerprint names ``adapter`` too."""
+    every rank must succeed); returns the file's size. The fingerprint names ``adapter`` too. Images are
+    saved by their hash (and where their tokens are), with ``images`` their pixels too (PNG)."""
     params = conversation.generate_params or GenerateParams()
     document = {
         "instructions": conversation.instructions,
-        "messages": [saved_dict(m) for m in conversation.messages],
+        "messages": [saved_dict(m, pixels=images) for m in conversation.messages],
         "generate_params": params.to_dict(),
         "context": conversation.context.to_dict(),
     }

@@ -236,13 +236,16 @@ class ChatSession(SessionCore):
             self._conversation.cache.reset()
             self._preparer.discard()
 
-    def save_cache(self, path: str | os.PathLike[str]) -> int:
+    def save_cache(self, path: str | os.PathLike[str], *, images: bool = False) -> int:
         """Save the KV cache with the conversation to ``path`` (a ``.safetensors`` file), atomically.
 
         Restore it with ``ChatSession.builder(lm).cache(path).build()``, or into this session with
         :meth:`restore_cache`. Returns the file's size in bytes. ``NoCacheAvailableError`` before the
         first turn (or after ``clear``/``release_cache``). Over a sharded model every rank writes its
         own shard (rank r > 0 next to ``path``: ``chat.rank1.safetensors``) and fails if any rank fails.
+        Images are saved by their content hash and where their tokens are; ``images=True`` keeps their
+        pixels too (PNG), so a restored session can prefill them again (else it raises ``CacheError`` when a
+        turn needs to).
         """
         with self._gate.idle("save the cache"):
             cache = self._conversation.cache
@@ -252,7 +255,7 @@ class ChatSession(SessionCore):
             context = saved.SavedContext(self._policy, c.window, c.earlier)
             conversation = saved.SavedConversation(self._instructions, c.messages, self._params, None, context)
             return saved.save(path, self._lm, cache.layers, cache.ledger, cache.checkpoints, conversation, cache.options,
-                              self._adapter)
+                              self._adapter, images=images)
 
     def restore_cache(self, path: str | os.PathLike[str]) -> None:
         """Put back the KV cache of a file this session's conversation was saved to (e.g. by a pool

@@ -145,7 +145,7 @@ class Turn:
         images: tuple[ImageSpan, ...] = ()
         if prompting.vision is not None:
             shown = prompting.images(fit.window.visible([*base, message]))
-            images = locate(prompt, shown, prompting.vision.placeholder, prompting.vision.ids)
+            images = locate(prompt, shown, prompting.vision.placeholder, prompting.vision.ids, prompting.vision.layout)
         return cls(
             conversation, base=tuple(base), message=message, params=params, prompt=prompt,
             prompt_tokens=needed, max_tokens=room, stop=tuple(params.stop), segmenter=segmenter, fit=fit,
@@ -157,11 +157,13 @@ class Turn:
         if self.params.seed is not None:
             mx.random.seed(self.params.seed)
         cache = self.conversation.cache
+        if self.vision is not None:  # before anything changes: pixels a restored session does not have
+            self.vision.check(self.images, cache.preview(self.prompt, self.images))
         self.plan = cache.prepare(self.prompt, self.images)
-        self.fed.extend(self.plan.suffix)
         embeddings, model = None, None
         if self.vision is not None:
             embeddings, model = self.vision.inputs(self.prompt, self.images, self.plan.keep)
+        self.fed.extend(self.plan.suffix)
         request = Request(
             suffix=self.plan.suffix,
             context=cache.ledger.tokens,

@@ -27,8 +27,9 @@ def expand(ids: Sequence[int], images: Sequence[Image], placeholder: int,
 
 
 def locate(ids: Sequence[int], images: Sequence[Image], placeholder: int,
-           tokens_of: Callable[[Image], Sequence[int]]) -> tuple[ImageSpan, ...]:
-    """Where each of ``images`` (in order) sits in the expanded ``ids``."""
+           tokens_of: Callable[[Image], Sequence[int]],
+           layout_of: Callable[[Image], tuple[int, ...]] = lambda _: ()) -> tuple[ImageSpan, ...]:
+    """Where each of ``images`` (in order) sits in the expanded ``ids`` (with its ``layout_of``)."""
     spans: list[ImageSpan] = []
     at = 0
     for image in images:
@@ -39,7 +40,7 @@ def locate(ids: Sequence[int], images: Sequence[Image], placeholder: int,
         start = at - first
         if at >= len(ids) or tuple(ids[start : start + len(tokens)]) != tokens:
             raise TemplateError("An image's tokens are not where the template placed it.")
-        spans.append(ImageSpan(start, start + len(tokens), image.digest))
+        spans.append(ImageSpan(start, start + len(tokens), image.digest, layout_of(image)))
         at = start + len(tokens)
     return tuple(spans)
 
