@@ -179,8 +179,8 @@ class ChatMessage:
         """An OpenAI-style dict with the field names Hugging Face chat templates read: ``role``,
         ``content``, and when set ``name``, ``reasoning_content``, ``tool_calls``, ``tool_call_id``."""
         d: dict[str, Any] = {"role": self.role.value, "content": self.content}
-        if self.images:  # content parts, the shape vision templates read: the images, then the text
-            d["content"] = [*({"type": "image"} for _ in self.images), {"type": "text", "text": self.content}]
+        if self.images:  # content parts: the images (by hash and size), then the text
+            d["content"] = [*(image_part(i) for i in self.images), {"type": "text", "text": self.content}]
         if self.name is not None:
             d["name"] = self.name
         if self.reasoning is not None:
@@ -226,7 +226,7 @@ def saved_dict(message: ChatMessage, *, pixels: bool = False) -> dict[str, Any]:
     writes itself (a saved session, the server's stored responses), which ``from_dict`` reads back.
     ``to_dict`` leaves them out: templates and the server's conversation keys see the OpenAI form only."""
     d = message.to_dict()
-    if message.images:  # each image by its hash (and, with ``pixels``, a PNG of it)
+    if message.images and pixels:  # each image by its hash and a PNG of it
         d["content"] = [*(image_part(i, pixels=pixels) for i in message.images), {"type": "text", "text": message.content}]
     for call, out in zip(message.tool_calls, d.get("tool_calls", ())):
         out.update({key: getattr(call, key) for key in ("error", "text") if getattr(call, key) is not None})

@@ -5,7 +5,8 @@ shaped as a ``message``, its stream as Anthropic's server-sent events, an error 
 Blocks map onto chatkit's messages: ``system`` is the instructions; an assistant message's
 ``thinking`` blocks its reasoning, ``text`` blocks its content, ``tool_use`` blocks its tool calls;
 a user message's ``tool_result`` blocks are tool messages (answering the calls by ``tool_use_id``),
-its ``text`` blocks the user's message. What chatkit cannot honour (images, forced tool calls, server
+its ``text`` blocks the user's message and its ``image`` blocks (base64) that message's images (for a
+vision-language model). What chatkit cannot honour (image URLs, forced tool calls, server
 tools, a reply that continues an assistant message) is a 400 naming the field.
 """
 
@@ -15,6 +16,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import ChatKitError
+from ..images import Image, as_image
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
 from ..session.results import TurnStats
@@ -156,12 +159,15 @@ def read_conversation(messages: list[Any]) -> list[ChatMessage]:
             pending, asked = {c.id: c.name for c in message.tool_calls}, where
             out.append(message)
         else:
-            results, text = _user(blocks, f"{where}.content", pending)
+            images = [_image(b, f"{where}.content[{j}]") for j, b in enumerate(blocks)
+                      if isinstance(b, Mapping) and b.get("type") == "image"]
+            results, text = _user([b for b in blocks if not (isinstance(b, Mapping) and b.get("type") == "image")],
+                                  f"{where}.content", pending)
             if pending:
                 raise _unanswered(asked, pending)
             out += results
-            if text is not None:
-                out.append(ChatMessage.user(text))
+            if text is not None or images:
+                out.append(ChatMessage.user(text or "", images=images))
     return out
 
 
@@ -215,11 +221,22 @@ def _user(blocks: list[Any], where: str, pending: dict[str, str]) -> tuple[list[
             content = block.get("content")
             text = content if isinstance(content, str) else "" if content is None else _texts(content, f"{at}.content")
             results.append(ChatMessage(Role.TOOL, text, pending.pop(cid), tool_call_id=cid))
-        elif kind == "image":
-            raise BadRequestError(f"{at}: image blocks are not supported by chatkit serve yet: send text.", param=at)
         else:
             raise BadRequestError(f"{at}: a user message holds text and tool_result blocks, got {kind!r}.", param=at)
     return results, ("".join(texts) if texts or not results else None)
+
+
+def _image(block: Mapping[str, Any], at: str) -> Image:
+    """An image block, ``{"type": "image", "source": {"type": "base64", "media_type", "data"}}``."""
+    source = block.get("source")
+    if not (isinstance(source, Mapping) and source.get("type") == "base64" and isinstance(source.get("data"), str)
+            and isinstance(source.get("media_type"), str)):
+        raise BadRequestError(f'{at}: an image block is {{"type": "image", "source": {{"type": "base64", '
+                              '"media_type": "image/png", "data": ...}}}} (URLs are not fetched).', param=at)
+    try:
+        return as_image(f"data:{source['media_type']};base64,{source['data']}")
+    except ChatKitError as exc:
+        raise BadRequestError(f"{at}: {exc}", param=at) from None
 
 
 def _kind(block: Any, at: str) -> str:
@@ -236,7 +253,7 @@ def _texts(content: Any, at: str) -> str:
 
 def _text_block(block: Any, at: str) -> str:
     if _kind(block, at) != "text" or not isinstance(block.get("text"), str):
-        what = "image blocks are not supported by chatkit serve yet: send text" if block.get("type") == "image" \
+        what = "images in tool results are not supported: send text" if block.get("type") == "image" \
             else "expected a text block {\"type\": \"text\", \"text\": ...}"
         raise BadRequestError(f"{at}: {what}.", param=at)
     return str(block["text"])

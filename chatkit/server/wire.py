@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import ChatKitError
+from ..images import Image, as_image
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
 from ..session.results import StreamChunk
@@ -212,6 +213,30 @@ def _function_tool(item: Any, where: str, flat: bool) -> tuple[dict[str, Any], b
     return schema, bool(flag)
 
 
+def read_content(content: Any, where: str) -> tuple[str, tuple[Image, ...]]:
+    """A user message's content: its text and its images, ``image_url`` parts (chat completions:
+    ``{"image_url": {"url": ...}}``) or ``input_image`` parts (responses: ``{"image_url": ...}``), each a
+    base64 data URL; anything else is read as :func:`read_text` reads it."""
+    if not isinstance(content, list):
+        return read_text(content, where), ()
+    texts, images = [], []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind not in ("image_url", "input_image"):
+            texts.append(part)
+            continue
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, Mapping) else url
+        if not isinstance(url, str) or not url.startswith("data:"):
+            raise BadRequestError(f"{where}[{j}]: send an image as a base64 data URL "
+                                  "('data:image/png;base64,...'); URLs and file ids are not fetched.", param=where)
+        try:
+            images.append(as_image(url))
+        except ChatKitError as exc:
+            raise BadRequestError(f"{where}[{j}]: {exc}", param=where) from None
+    return read_text(texts, where), tuple(images)
+
+
 def read_text(content: Any, where: str) -> str:
     """Message content: a string, or a list of text parts joined."""
     if isinstance(content, str):
@@ -250,7 +275,9 @@ def read_message(data: Any, where: str) -> ChatMessage:
         raise BadRequestError(f"{where}.tool_calls must be a list.", param=f"{where}.tool_calls")
     calls = tuple(read_tool_call(c, f"{where}.tool_calls[{j}]") for j, c in enumerate(raw_calls))
     content = data.get("content")
-    text = "" if content is None and role == "assistant" and calls else read_text(content, f"{where}.content")
+    text, images = ("", ()) if content is None and role == "assistant" and calls else read_content(content, f"{where}.content")
+    if images and role != "user":
+        raise BadRequestError(f"{where}: only a user message can hold images.", param=f"{where}.content")
     reasoning = next((data[k] for k in ("reasoning_content", "reasoning") if data.get(k) is not None), None)
     if reasoning is not None and (role != "assistant" or not isinstance(reasoning, str)):
         raise BadRequestError(f"{where}: reasoning_content is an assistant message's string.", param=where)
@@ -259,7 +286,7 @@ def read_message(data: Any, where: str) -> ChatMessage:
         raise BadRequestError(f"{where}.tool_call_id must be a string.", param=f"{where}.tool_call_id")
     try:
         return ChatMessage(Role(role), text, name if isinstance(name, str) else None, reasoning=reasoning,
-                           tool_calls=calls, tool_call_id=call_id if role == "tool" else None)
+                           tool_calls=calls, tool_call_id=call_id if role == "tool" else None, images=images)
     except ChatKitError as exc:
         raise BadRequestError(f"{where}: {exc}", param=where) from exc
 
