@@ -177,3 +177,32 @@ def test_a_restored_turn_that_needs_missing_pixels_is_a_cache_error(vlm, tmp_pat
     expected = reply_tokens(session(lm, s.history), "Tell me more.")
     assert reply_tokens(with_pixels, "Tell me more.") == expected
     assert with_pixels._images.encodings == 1
+
+
+def test_chat_image_command_attaches_to_the_next_message(vlm, tmp_path, monkeypatch):
+    import io as _io
+
+    from chatkit.cli import parser
+    from chatkit.cli.repl import Repl
+
+    from PIL import Image as PILImage
+
+    lm = vlm("qwen2_vl")
+    path = tmp_path / "picture.png"
+    PILImage.fromarray(picture(13)).save(path)
+    monkeypatch.setattr("chatkit.cli.repl.load_model", lambda *a, **k: lm)
+    out = _io.StringIO()
+    repl = Repl(parser().parse_args(["chat", "--model", str(tmp_path), "--max-tokens", "4"]),
+                out=out, err=out)
+    lines = iter([f"/image {path}", "What is this?", "/image /nowhere.png", "And now?"])
+
+    def read(*_):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    repl.run(read=read)
+    first, second = repl.session.history[0], repl.session.history[2]
+    assert first.images[0].digest == as_image(path).digest and second.images == ()
+    assert "attached" in out.getvalue() and "No image file" in out.getvalue()

@@ -29,6 +29,7 @@ COMMANDS = """commands:
   /retry         answer the last message again
   /clear         forget the conversation
   /system TEXT   set the system prompt (/system alone removes it)
+  /image PATH    attach an image to your next message (a vision-language model)
   /stats         what the last turn cost and what the cache holds
   /context       the context window: tokens in use, what was dropped from it, the summary
   /help          this help

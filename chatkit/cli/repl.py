@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CacheFileError, ChatKitError, ContextWindowExceededError, DistributedError
+from ..errors import CacheFileError, ChatKitError, ContextWindowExceededError, DistributedError, InvalidParamsError
+from ..images import Image, as_image
 from .args import (
     CHAT_MAX_TOKENS,
     COMMANDS,
@@ -62,6 +63,7 @@ class Repl:
         # A draft model, "prompt_lookup" (drafts from the conversation itself), or None.
         self.draft = load_draft(args.draft)
         self.last = _LastTurn()
+        self.images: list[Image] = []  # attached with /image, sent with the next message
         self.preparation = Preparation()  # the next compaction, prepared while the user types
         self.session = self._build(resume=args.resume)
 
@@ -214,7 +216,8 @@ class Repl:
     def turn(self, line: str) -> None:
         """Answer ``line``: stream the reply, then save it when --save was given and prepare the next
         compaction while the user types."""
-        if self.reply(lambda: self.session.stream_respond(line), line):
+        images, self.images = self.images, []
+        if self.reply(lambda: self.session.stream_respond(line, images=images), line):
             self.autosave()
             self.prepare()
 
@@ -341,6 +344,11 @@ class Repl:
         elif name == "/system":
             s.instructions = rest or None
             self.say(f"system prompt {'set' if rest else 'removed'}")
+        elif name == "/image":
+            if self.lm.vision is None:
+                raise InvalidParamsError("This model reads no images: chat with a vision-language model (--model).")
+            self.images.append(as_image(_need(rest, "/image PATH")))
+            self.say(f"attached {rest} ({self.images[-1].width}x{self.images[-1].height}): it goes with your next message")
         elif name == "/stats":
             self.say(self.stats())
         elif name == "/context":
