@@ -90,6 +90,9 @@ class LoadedModel:
             from ..distributed import fingerprint_entry
 
             found["distributed"] = fingerprint_entry(self.distributed)
+        if self.vision is not None:  # the vision tower and projector shape the KV of every image
+            whole = fingerprint(self.vision.vlm, self.tokenizer)
+            found["vision"] = _digest([whole["parameters"], whole["weights"]])
         if isinstance(fused := self.config.get("chatkit_fused_adapter"), str):  # lm.fuse(adapter)'s copy
             found["fused_adapter"] = fused
         return found

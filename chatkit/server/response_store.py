@@ -41,7 +41,7 @@ class ResponseStore:
         """Keep ``response`` (an OpenAI response object) with the messages it added and its reply.
         ``ChatKitError`` (and nothing kept) if it cannot be written so that it reads back."""
         rid = response["id"]
-        record = {"response": response, "added": [saved_dict(m) for m in added], "reply": saved_dict(reply)}
+        record = {"response": response, "added": [saved_dict(m, pixels=True) for m in added], "reply": saved_dict(reply)}
         try:
             data = json.dumps(record, ensure_ascii=False, allow_nan=False).encode("utf-8")
         except (TypeError, ValueError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError

@@ -271,7 +271,7 @@ class SessionIndex:
     def _save(self, conv: str, session: ChatSession | None) -> None:
         """Write ``conv``'s cache unless the pool holds it on disk already (or it has none)."""
         if session is not None and not self.pool.evicted(conv) and not session.busy and session.cache_info().tokens:
-            session.save_cache(self.pool.path(conv))
+            session.save_cache(self.pool.path(conv), images=True)
 
     def _manifest(self) -> tuple[list[str], dict[str, list[Any]], dict[str, str]]:
         """(On the loop) the conversations to list, those saved by an earlier run first, their tools and adapters."""
@@ -404,7 +404,7 @@ class SessionIndex:
             path = self._folder / "handoff.safetensors"
         try:
             if pooled is not None and handoff:
-                pooled.save_cache(path)
+                pooled.save_cache(path, images=True)
             session.restore_cache(path)
         except ChatKitError as exc:  # e.g. no cache yet: the first turn prefills everything
             log.info("conversation not seeded from %s: %s", source, exc)

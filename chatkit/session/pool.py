@@ -138,7 +138,7 @@ class SessionPool:
                 except OSError:
                     pass  # then saving fails below, with a CacheFileError
                 try:
-                    session.save_cache(self.path(key))
+                    session.save_cache(self.path(key), images=True)
                     self._evicted.add(key)
                 except (SessionBusyError, NoCacheAvailableError):
                     continue  # busy meanwhile, or nothing to save: try the next one
