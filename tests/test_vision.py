@@ -206,3 +206,25 @@ def test_chat_image_command_attaches_to_the_next_message(vlm, tmp_path, monkeypa
     first, second = repl.session.history[0], repl.session.history[2]
     assert first.images[0].digest == as_image(path).digest and second.images == ()
     assert "attached" in out.getvalue() and "No image file" in out.getvalue()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_several_images_over_turns_answer_as_a_fresh_session(vlm, arch):
+    lm = vlm(arch)
+    s = session(lm)
+    reply_tokens(s, "Compare these.", images=[picture(14), picture(15, (30, 90, 3))])
+    third = reply_tokens(s, "And this one?", images=[picture(16)])
+    assert [span.digest for span in s._conversation.cache.ledger.images] == [
+        as_image(picture(n, shape)).digest for n, shape in ((14, (60, 70, 3)), (15, (30, 90, 3)), (16, (60, 70, 3)))]
+    assert s.last_stats.reused_tokens > s._conversation.cache.ledger.images[1].end
+    assert third == reply_tokens(session(lm, s.history[:-2]), "And this one?", images=[picture(16)])
+
+
+def test_mrope_positions_continue_after_the_prompt():
+    from chatkit.model.vision import Positions
+
+    ids = mx.array([[[0, 1, 2, 2, 3]] * 1] * 3)
+    positions = Positions(ids, delta=-1)  # 5 tokens whose last position is 3
+    assert positions.at(1, 2).tolist() == [[[1, 2]]] * 3
+    assert positions.at(5, 1).tolist() == [[[4]]] * 3
+    assert positions.at(4, 3).tolist() == [[[3, 4, 5]]] * 3

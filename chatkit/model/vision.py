@@ -79,9 +79,9 @@ class Positions:
         n = self.ids.shape[-1]
         if offset + length <= n:
             return self.ids[:, :, offset : offset + length]
-        tail = mx.arange(max(offset, n), offset + length) + self.delta
-        head = [self.ids[:, :, offset:n]] if offset < n else []
-        return mx.concatenate([*head, mx.broadcast_to(tail[None, None], (3, 1, tail.shape[0]))], axis=-1)
+        tail = mx.arange(max(offset, n) + self.delta, offset + length + self.delta, dtype=self.ids.dtype)
+        tail = mx.broadcast_to(tail[None, None], (3, 1, tail.shape[0]))
+        return tail if offset >= n else mx.concatenate([self.ids[:, :, offset:n], tail], axis=-1)
 
 
 @dataclass(frozen=True)
