@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CacheFileError, ChatKitError, ContextWindowExceededError, DistributedError, InvalidParamsError
+from ..errors import ChatKitError, ContextWindowExceededError, DistributedError, InvalidParamsError
 from ..images import Image, as_image
 from .args import (
     CHAT_MAX_TOKENS,
@@ -28,6 +28,7 @@ from .args import (
     read_adapter,
 )
 from .compaction import Preparation, compaction_notice, context_report
+from .resume import from_transcript, saved_policy, unreadable_as_file_error
 from .terminal import ReplyKeys, history_path, line_reader
 from .tools import import_tools, join_tools
 
@@ -87,17 +88,17 @@ class Repl:
         if a.context_policy is not None or resume is None:
             builder = builder.context_policy(context_policy(a.context_policy))
         else:  # the file's policy (one saved before policies existed: the chat's default)
-            builder = builder.context_policy(_unreadable_as_file_error(lambda: _saved_policy(resume), resume))
+            builder = builder.context_policy(unreadable_as_file_error(lambda: saved_policy(resume), resume))
         if resume is None:
             builder = builder.generate_params(GenerateParams(
                 max_tokens=a.max_tokens if a.max_tokens is not None else CHAT_MAX_TOKENS,
                 temperature=a.temp if a.temp is not None else 0.0,
             ))
         else:
-            transcript_only = _unreadable_as_file_error(lambda: self._transcript_only(resume), resume)
+            transcript_only = unreadable_as_file_error(lambda: self._transcript_only(resume), resume)
             if transcript_only:
-                builder = _unreadable_as_file_error(
-                    lambda: _from_transcript(builder, resume, keep_instructions=a.system is None), resume)
+                builder = unreadable_as_file_error(
+                    lambda: from_transcript(builder, resume, keep_instructions=a.system is None), resume)
             else:
                 builder = builder.cache(resume)
         builtin: list[Any] = []
@@ -110,7 +111,7 @@ class Repl:
             builder = builder.tools(tools)
         if self.draft is not None:
             builder = builder.speculative(SpeculativeConfig(self.draft, num_draft_tokens=a.num_draft))
-        session = _unreadable_as_file_error(builder.build, resume) if resume is not None else builder.build()
+        session = unreadable_as_file_error(builder.build, resume) if resume is not None else builder.build()
         if resume is not None and explicit:
             changes = {"temperature": a.temp, "max_tokens": a.max_tokens}
             session.generate_params = session.generate_params.copy(
@@ -384,45 +385,6 @@ class Repl:
                 lines.append(f"draft: {st.draft_tokens_accepted}/{st.draft_tokens_proposed} proposed tokens accepted, "
                              f"{st.draft_length:.1f} drafted per step")
         return "\n".join(lines)
-
-
-def _unreadable_as_file_error(action: Callable[[], Any], path: str) -> Any:
-    """``action()``; an error that is not chatkit's (a file whose metadata has the wrong types) becomes
-    a ``CacheFileError`` naming the file."""
-    try:
-        return action()
-    except ChatKitError:
-        raise
-    except Exception as exc:
-        raise CacheFileError(
-            f"{path!r} could not be restored ({type(exc).__name__}: {exc}): it is damaged or not a chatkit "
-            "file; start a new conversation, or restore another file."
-        ) from exc
-
-
-def _from_transcript(builder: Any, path: str, keep_instructions: bool) -> Any:
-    """``builder`` with the saved file's transcript and settings, without its cache."""
-    from ..session.saved import SavedConversation, inspect
-
-    info = inspect(path)
-    if info.kind != "chatkit":
-        raise UsageError(f"--resume {path}: a raw mlx-lm cache has no conversation to continue with --draft; drop --draft.")
-    saved = SavedConversation.of(info)
-    builder = builder.history(saved.messages)
-    if keep_instructions and saved.instructions is not None:
-        builder = builder.instructions(saved.instructions)
-    if saved.generate_params is not None:
-        builder = builder.generate_params(saved.generate_params)
-    return builder
-
-
-def _saved_policy(path: str) -> Any:
-    """The context policy a saved file was made with (the chat's default for a file without one)."""
-    from ..session.saved import SavedConversation, inspect
-
-    info = inspect(path)
-    saved = SavedConversation.of(info).context.policy if info.kind == "chatkit" else None
-    return saved if saved is not None else context_policy(None)
 
 
 def _shown(chunk: Any, args: argparse.Namespace, out: Any) -> str:
