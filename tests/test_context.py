@@ -500,3 +500,14 @@ def test_rolling_works_with_speculation_quantized_caches_and_the_batch_engine(ti
     assert session.dropped_messages and session.history == plain.history or setup == "kv_bits"
     if setup == "engine":
         options["engine"].close()
+
+
+def test_preparing_a_compaction_that_keeps_nothing_prepares_nothing(lm):
+    # No instructions and one exchange past the high-water mark: the next compaction drops it all, which
+    # leaves no prompt to prefill ahead (this raised ValueError from a worker thread between turns).
+    session = ChatSession.builder(lm).generate_params(PARAMS).context_policy(ContextPolicy.rolling(high_water=0.6)).build()
+    session.respond(" ".join(PROMPTS[:13]))
+    assert session.last_stats.prompt_tokens > 0.6 * WINDOW
+    assert not session.prepare_compaction()
+    session.respond("And now?")
+    assert len(session.history) == 4 and session.history[-1].role is Role.ASSISTANT  # the next turn runs

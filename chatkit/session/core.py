@@ -301,9 +301,9 @@ class SessionCore:
         try:
             compacted = s.earlier.compacted if s.earlier is not None else (
                 self._fitter(s.params).ahead(s.window, s.messages, s.spare.ledger.opaque, self._policy.room(s.params.max_tokens)))
-            if compacted is not None:
-                fill(s.spare, self._rendered_ids(compacted, s.messages, s.params), self._lm.model, self._draft_model,
-                     self._adapter)
+            ids = self._rendered_ids(compacted, s.messages, s.params) if compacted is not None else []
+            if compacted is not None and ids:  # (a conversation compacted to nothing has no prompt to prefill)
+                fill(s.spare, ids, self._lm.model, self._draft_model, self._adapter)
                 prepared = Prepared(s.messages, s.window, compacted, s.spare)
             return prepared is not None
         finally:
