@@ -213,6 +213,21 @@ def test_probes_grow_sparser_while_drafting_does_not_pay_and_drafting_resumes_wh
     assert choose(policy) == (AUTO_MAX, False)
 
 
+def test_a_lookup_finds_a_quote_that_starts_a_few_tokens_into_the_reply():
+    policy = new_policy("auto", draft_model=False)
+    simulate(policy, 0.0, 0.1, tokens=3000, proposes=0.05)  # turns of text that does not repeat
+    assert policy.probe_every == PROBE_MAX
+    new_turn(policy)
+    for _ in range(5):  # "Sure, here it is:" and then the quote
+        k, probe = choose(policy)
+        assert (k, probe) == (1, True)
+        record_miss(policy, probe)
+    k, probe = choose(policy)
+    record_draft(policy, k, k, 1.1 + 0.05 * k, probe)
+    assert choose(policy)[0] > 1 and policy.turn_probes == 0
+    assert simulate(policy, 0.95, 0.05, tokens=100, proposes=1.0) > 2.0
+
+
 def test_a_fixed_length_is_kept_whatever_happens():
     policy = new_policy(3, draft_model=True)
     simulate(policy, 0.0, 1.0, tokens=50)

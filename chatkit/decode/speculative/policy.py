@@ -29,6 +29,7 @@ PRIOR_WEIGHT = 0.25  # weight of the prior's round without drafts (a measured ro
 PLAIN_WINDOW = 8  # plain step times kept: their median is the plain step's time
 PLAIN_MIN = 3  # plain steps measured before any drafting (a turn's first steps can run cold)
 REFRESH = 64  # drafting steps between plain steps that re-measure the plain step time
+TURN_PROBES = 8  # prompt lookup probes each of a turn's first steps (a quote often starts a few tokens in)
 
 
 @dataclass
@@ -49,6 +50,7 @@ class DraftPolicy:
     probe_every: int = PROBE_MIN
     since_plain: int = 0  # drafting steps since the last plain step
     confirming: bool = False  # the last probe alone said drafting pays: the next one may confirm it
+    turn_probes: int = 0  # probes left at this turn's start (prompt lookup)
 
     @property
     def acceptance(self) -> float:
@@ -93,17 +95,18 @@ def choose(policy: DraftPolicy) -> tuple[int, bool]:
         return 0, False  # measure plain steps first
     if policy.draft:
         return policy.draft, False
-    if policy.idle >= policy.probe_every:
+    if policy.turn_probes > 0 or policy.idle >= policy.probe_every:
         return 1, True
     return 0, False
 
 
 def new_turn(policy: DraftPolicy) -> None:
-    """A turn starts. Prompt lookup probes at its first drafting chance however long the pause was (a
-    reply that quotes the conversation is found at once, not after up to PROBE_MAX tokens); a draft
-    model's agreement does not hinge on the turn, so it keeps its probing interval."""
+    """A turn starts. Prompt lookup probes at each of its first TURN_PROBES drafting chances however
+    long the pause was (a reply that quotes the conversation, perhaps after a few words of its own, is
+    found at once, not after up to PROBE_MAX tokens); a draft model's agreement does not hinge on the
+    turn, so it keeps its probing interval."""
     if policy.lookup:
-        policy.idle = max(policy.idle, policy.probe_every)
+        policy.turn_probes = TURN_PROBES
 
 
 def record_plain(policy: DraftPolicy, seconds: float) -> None:
@@ -130,7 +133,7 @@ def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: floa
         fresh = replace(policy, hits=PRIOR[0], tries=PRIOR[1], rounds=[0.0] * 5)
         _observe(fresh, drafted, accepted, seconds)
     pays = fresh is not None and fresh.draft > 0
-    if pays and policy.confirming and fresh is not None:
+    if pays and (policy.confirming or policy.lookup) and fresh is not None:  # (a lookup's cost is steady)
         policy.hits, policy.tries, policy.rounds = fresh.hits, fresh.tries, fresh.rounds
         policy.cost, policy.draft = fresh.cost, fresh.draft
     else:  # an unconfirmed cheap round is not cost evidence yet (it would tilt the fit on its own)
@@ -138,8 +141,17 @@ def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: floa
     policy.confirming = pays and not policy.draft
     policy.since_plain += 1
     if probe:
-        soon = policy.draft or policy.confirming
-        policy.probe_every = PROBE_MIN if soon else min(2 * policy.probe_every, PROBE_MAX)
+        _probed(policy, grow=not (policy.draft or policy.confirming))
+    policy.idle = 0
+
+
+def _probed(policy: DraftPolicy, grow: bool) -> None:
+    """After a probe: the next one comes at twice the interval (``grow``: it did not pay) or soon; a
+    turn's first probes keep the interval as it was, and end once drafting pays."""
+    if policy.turn_probes > 0:
+        policy.turn_probes = 0 if policy.draft else policy.turn_probes - 1
+    else:
+        policy.probe_every = min(2 * policy.probe_every, PROBE_MAX) if grow else PROBE_MIN
     policy.idle = 0
 
 
@@ -170,8 +182,7 @@ def record_miss(policy: DraftPolicy, probe: bool = False) -> None:
     policy.tries = policy.tries * DECAY + 1.0
     _decide(policy)
     if probe:
-        policy.probe_every = min(2 * policy.probe_every, PROBE_MAX)
-        policy.idle = 0
+        _probed(policy, grow=True)
 
 
 def _decide(policy: DraftPolicy) -> None:
