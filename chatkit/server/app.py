@@ -25,7 +25,7 @@ from starlette.routing import BaseRoute, Route
 
 from ..errors import ChatKitError
 from ..model.loaded import LoadedModel
-from . import anthropic_wire, chat_completions, conversations, messages, page, response_items, responses
+from . import anthropic_wire, chat_completions, conversations, messages, page, response_items, responses, trace
 from .errors import UnauthorizedError, UnknownModelError, error_body
 from .metrics import CONTENT_TYPE
 from .state import Handler, ServerConfig, ServerState
@@ -111,6 +111,7 @@ def _endpoint(state: ServerState, handler: Handler, method: str, route: str, *,
     ``route``, its path template) in ``state.metrics``."""
     shown = re.sub(r":\w+}", "}", route)  # /v1/models/{mid}, not {mid:path}
     async def endpoint(request: Request) -> Response:
+        traced = trace.begin(request)  # None unless the client asked (X-Chatkit-Trace)
         try:
             if handler not in OPEN:
                 _authorize(request, state.config.api_key, anthropic)
@@ -118,7 +119,7 @@ def _endpoint(state: ServerState, handler: Handler, method: str, route: str, *,
         except Exception as exc:
             response = _error(exc, anthropic)
         state.metrics.observe_request(method, shown, response.status_code)
-        return response
+        return response if traced is None else trace.attach(traced, response)
     return endpoint
 
 

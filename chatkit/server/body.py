@@ -12,6 +12,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from . import trace
 from .errors import BadRequestError
 
 MAX_DEPTH = 100  # levels of JSON nesting in a request (a tool schema nested about 45 levels deep fits)
@@ -21,7 +22,9 @@ METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 async def read_body(request: Request) -> Any:
     """The request's body as JSON; a 400 when it is not JSON or is nested too deeply to read."""
     try:
-        return json.loads(await request.body())
+        body = json.loads(await request.body())
+        trace.stamp("body")
+        return body
     except ValueError as exc:
         raise BadRequestError(f"The request body is not valid JSON ({exc}).") from exc
     except RecursionError:

@@ -16,6 +16,7 @@ from ..messages import ChatMessage, ToolCall
 from ..params import GenerateParams
 from ..session.aio import AsyncResponseStream
 from ..session.results import TurnStats
+from . import trace
 from .body import read_body, read_metadata, read_object
 from .choices import more_choices, read_n
 from .errors import BadRequestError, error_body
@@ -111,11 +112,15 @@ async def _choice_events(state: ServerState, stream: AsyncResponseStream, req: T
     def taken() -> dict[str, Any] | None:  # the entries since the last chunk sent, when asked
         return None if read is None else {"content": read.take(), "refusal": None}
 
+    trace.stamp("turn")
     async for chunk in stream:
+        trace.stamp("token")
         finish = chunk.finish_reason
         if read is not None:
             read.feed(chunk)
         for kind, value in deltas.feed(chunk):
+            if kind == "text" and value:
+                trace.stamp("text")
             yield _sse(chat_chunk(cid, model, _delta(kind, value, calls), logprobs=taken(), index=index))
             calls += kind == "call"
     for kind, value in deltas.end():

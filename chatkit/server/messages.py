@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..messages import ToolCall
 from ..model.loaded import LoadedModel
+from . import trace
 from .anthropic_wire import (
     SIGNATURE,
     content_blocks,
@@ -119,10 +120,14 @@ async def _events(state: ServerState, lease: Lease, req: TurnRequest, mid: str) 
             yield event("message_start", {"message": start})
             yield event("ping", {})
             finish, called, deltas, blocks = None, False, Deltas(), Blocks()
+            trace.stamp("turn")
             async for chunk in lease.stream:
+                trace.stamp("token")
                 finish = chunk.finish_reason
                 for kind, value in deltas.feed(chunk):
                     called = called or (kind == "call" and value.error is None)
+                    if kind == "text" and value:
+                        trace.stamp("text")
                     for line in blocks.feed(kind, value):
                         yield line
             for kind, value in deltas.end():

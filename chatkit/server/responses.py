@@ -20,6 +20,7 @@ from ..errors import ChatKitError
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
 from ..session.results import TurnStats
+from . import trace
 from .body import read_body, read_metadata, read_object
 from .errors import BadRequestError, error_body
 from .lease import Lease
@@ -95,6 +96,7 @@ class ResponseTurn:
         obj = self.object(status, self.items.of(reply, status != "completed"), finish)
         if self._req.store and self.lease.reply() is not None:  # committed
             self._state.responses.add(obj, self._added, reply)
+            trace.stamp("stored")
         return obj
 
 
@@ -110,11 +112,15 @@ async def _events(state: ServerState, turn: ResponseTurn) -> AsyncIterator[str]:
                 yield out.event("response.created", response=turn.object("in_progress", []))
                 yield out.event("response.in_progress", response=turn.object("in_progress", []))
                 deltas = Deltas()
+                trace.stamp("turn")
                 async for chunk in turn.lease.stream:
+                    trace.stamp("token")
                     finish = chunk.finish_reason
                     if turn.items.read is not None:
                         turn.items.read.feed(chunk)
                     for kind, value in deltas.feed(chunk):
+                        if kind == "text" and value:
+                            trace.stamp("text")
                         for text in out.pieces(kind, value):
                             yield text
                 for kind, value in deltas.end():

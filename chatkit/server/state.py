@@ -25,6 +25,7 @@ from ..model.loaded import LoadedModel
 from ..params import GenerateParams
 from ..session.context import ContextPolicy
 from ..text import reply as segments
+from . import trace
 from .errors import BadRequestError, OverloadedError
 from .lease import Lease
 from .metrics import Metrics
@@ -130,6 +131,7 @@ class ServerState:
         request's settings, on the model it selects (``model``: already selected); :meth:`settled`
         closes it and frees the slot."""
         model = model if model is not None else self.models.select(req.model)
+        trace.stamp("parsed")
         params = req.params
         if req.tools and req.tool_choice == "none":
             params = params.copy(logit_bias={**(params.logit_bias or {}), **_no_tool_calls(self.lm)})
@@ -140,6 +142,7 @@ class ServerState:
         if held is not None:
             params = params.copy(logits_processors=[*params.logits_processors, held])
         await self.limiter.acquire()
+        trace.stamp("slot")
         try:
             lease = await self.sessions.start(instructions, history, added, params, tools=req.tools, keep=keep,
                                               schema=req.schema, strict_tools=req.strict_tools, adapter=model.adapter)
@@ -164,6 +167,8 @@ class ServerState:
                 finally:
                     self.limiter.release()
                     self.metrics.observe_turn(lease.stream.stats)
+                    trace.turn(lease.stream.stats)
+                    trace.stamp("settled")
 
     async def complete(self, lease: Lease) -> str | None:
         """Run the turn to its end and settle it (a reply that is not streamed); its finish reason."""
