@@ -16,6 +16,7 @@ another: its name is part of the keys, so a request is never answered on a sessi
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import logging
 import os
@@ -36,9 +37,11 @@ from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
 from ..params import GenerateParams
 from ..session import saved
+from ..session.aio import AsyncResponseStream
 from ..session.context import ContextPolicy, exchange_starts
 from ..session.pool import SessionPool
 from ..session.session import ChatSession
+from . import trace
 from .keys import Tools, message_json, prefix_keys
 from .lease import Lease
 from .response_store import write_file
@@ -108,8 +111,13 @@ class SessionIndex:
         calls: all but the last join the history first) after ``instructions`` + ``tools`` + ``history``:
         on the pooled session that holds exactly that conversation, else on a new one. ``keep=False``:
         on a throwaway copy that is not pooled; ``adapter``: the name of the adapter it runs with.
-        ``SessionBusyError`` if that conversation is generating now; a refused turn changes no conversation."""
+        ``SessionBusyError`` if that conversation is generating now; a refused turn changes no conversation.
+        The turn starts generating at once (its prefill runs while the response starts); finding the
+        session and opening the turn are one hop to the worker thread."""
         tools = tuple(tools) if tools else None
+        extra: dict[str, Any] = {"output": schema} if schema is not None else {}
+        if strict_tools:
+            extra["strict_tools"] = True
         async with self._lock:
             chain = prefix_keys(instructions, history, tools, adapter=adapter)
             conv = self._index.get(chain[-1])
@@ -118,64 +126,73 @@ class SessionIndex:
             replaces = created = False
             if conv is not None:
                 await self._written(conv)
-                session, conv, replaces = await self._continue(conv, added, keep)
+                find, conv, replaces = self._continue(conv, added, keep)
             else:
-                session, conv = await self._begin(instructions, history, added, tools, chain, keep, adapter)
+                find, conv = await self._begin(instructions, history, added, tools, chain, keep, adapter)
                 created = conv is not None
-            try:
+
+            def open_turn() -> tuple[ChatSession, int, AsyncResponseStream]:
+                session = find()
+                trace.stamp("session")
                 if tools or added[-1].role is Role.TOOL:
-                    await self._run(self._check_fits, session, added[-1])
+                    self._check_fits(session, added[-1])
                 session.generate_params = params
-                extra: dict[str, Any] = {"output": schema} if schema is not None else {}
-                if strict_tools:
-                    extra["strict_tools"] = True
-                base = len(session.history)
-                stream = await self._run(lambda: session.astream_respond(added[-1], **extra))
+                return session, len(session.history), session.astream_respond(added[-1], **extra)
+
+            try:
+                session, base, stream = await self._run(open_turn)
             except BaseException:
                 if created and conv is not None:
                     self._forget(conv)  # created for this request, which was refused
                 raise
+            trace.stamp("opened")
+            if created and conv is not None:
+                self._remember(conv, prefix_keys(instructions, (*history, *added[:-1]), tools, adapter=adapter), tools, adapter)
+            stream.start()
             if conv is not None:
                 self._leased.add(conv)
             return Lease(session, stream, conv, base, replaces, asked=added[-1] if schema is not None else None)
 
-    async def _continue(self, conv: str, added: Sequence[ChatMessage],
-                        keep: bool) -> tuple[ChatSession, str | None, bool]:
-        """The pooled session ``conv`` for a turn answering ``added``: (session, its pool key or ``None``
-        for a throwaway copy, whether it is a copy that replaces the pooled one once its turn commits)."""
+    def _continue(self, conv: str, added: Sequence[ChatMessage],
+                  keep: bool) -> tuple[Callable[[], ChatSession], str | None, bool]:
+        """How to get the pooled session ``conv`` for a turn answering ``added`` (on the worker thread),
+        its pool key (``None`` for a throwaway copy) and whether it is a copy that replaces the pooled
+        session once its turn commits."""
         if self._busy(conv):
             raise SessionBusyError(
                 "This conversation is already generating a reply: wait for it to finish "
                 "(or stop that request) before sending the next message."
             )
-        session = await self._run(self._session, conv)
-        pooled: str | None = conv
-        replaces = False
-        if not keep or len(added) > 1:
-            # The tool results before the last join the history before the turn: on a copy, which
-            # replaces the pooled session only once the turn commits (a refused turn changes nothing).
-            session, replaces = await self._run(session.fork), keep
-            pooled = conv if keep else None
-        for message in added[:-1]:
-            await self._run(session.respond, message)  # answers a call; another one waits: no reply
-        return session, pooled, replaces
+        # The tool results before the last join the history before the turn: on a copy, which
+        # replaces the pooled session only once the turn commits (a refused turn changes nothing).
+        copy = not keep or len(added) > 1
+
+        def find() -> ChatSession:
+            session = self._session(conv)
+            if copy:
+                session = session.fork()
+            for message in added[:-1]:
+                session.respond(message)  # answers a call; another one waits: no reply
+            return session
+        return find, conv if keep else None, copy and keep
 
     async def _begin(self, instructions: str | None, history: Sequence[ChatMessage], added: Sequence[ChatMessage],
-                     tools: Tools, chain: list[str], keep: bool, adapter: str | None) -> tuple[ChatSession, str | None]:
-        """A new session holding the conversation before the last of ``added``, seeded with the cache of
-        the pooled conversation that shares the longest prefix with it; pooled (its key returned) with ``keep``."""
+                     tools: Tools, chain: list[str], keep: bool,
+                     adapter: str | None) -> tuple[Callable[[], ChatSession], str | None]:
+        """How to build (on the worker thread) a new session holding the conversation before the last of
+        ``added``, seeded with the cache of the pooled conversation that shares the longest prefix with
+        it and pooled with ``keep``; and its pool key (the caller indexes it once it is built)."""
         source = self._longest_prefix(chain)
-        held = (*history, *added[:-1])
-        session = await self._run(self._build, instructions, held, tools, adapter)
         if source is not None:
             await self._written(source)
-            await self._run(self._seed, session, source)
-        if not keep:
-            return session, None
-        conv = f"conv_{uuid.uuid4().hex}"
-        await self._run(self.pool.add, conv, session)
-        self._remember(conv, prefix_keys(instructions, held, tools, adapter=adapter), tools, adapter)
-        return session, conv
+        conv = f"conv_{uuid.uuid4().hex}" if keep else None
+
+        def find() -> ChatSession:
+            session = self._build(instructions, (*history, *added[:-1]), tools, adapter)
+            if source is not None:
+                self._seed(session, source)
+            return self.pool.add(conv, session) if conv is not None else session
+        return find, conv
 
     async def count_tokens(self, instructions: str | None, history: Sequence[ChatMessage],
                            added: Sequence[ChatMessage], params: GenerateParams, *, tools: Tools = None) -> int:
@@ -435,7 +452,8 @@ class SessionIndex:
             await self._behind.wait(conv)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+        """``fn(*args)`` on the worker thread, in this request's context (its trace, ``trace.py``)."""
+        return await asyncio.get_running_loop().run_in_executor(self._io, contextvars.copy_context().run, fn, *args)
 
 
 __all__ = ["SessionIndex"]
