@@ -19,6 +19,7 @@ After = Callable[[], "Callable[[], None] | None"]  # after a turn: the work to r
 LOOKAHEAD = 2  # chunks a worker may compute before the consumer takes them (once the first text is out)
 IDLE_SECONDS = 30.0  # how long a worker thread whose turn ended waits for the next turn
 POLL = 0.25  # seconds between an idle worker's checks that the program goes on
+Job = Callable[[], "Callable[[], None] | None"]  # a worker's job; what it returns is called once the thread is idle
 
 
 class Failure:
@@ -182,20 +183,26 @@ class AsyncResponseStream:
 
 
 def _work(stream: ReplyStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, done: asyncio.Future,
-          cancel: threading.Event, credits: threading.Semaphore, after: After | None = None) -> None:
-    """A turn on its worker thread: pump the stream into the event loop's queue, resolve ``done``, then
-    run ``after`` (between turns: the caller is not waiting for it)."""
+          cancel: threading.Event, credits: threading.Semaphore,
+          after: After | None = None) -> Callable[[], None] | None:
+    """A turn on its worker thread: pump the stream into the event loop's queue, then run ``after``
+    (between turns: the caller is not waiting for it). Resolves ``done`` before that work, or (no
+    work) returns how to resolve it once the thread waits for the next turn, which then runs on it."""
+    # A closed event loop takes no more chunks (e.g. asyncio.run() returned while a stream was
+    # still referenced): the turn stops and commits instead of blocking the process's exit.
+    # So does the main thread's end (the interpreter then joins this thread before anything else).
     try:
-        # A closed event loop takes no more chunks (e.g. asyncio.run() returned while a stream was
-        # still referenced): the turn stops and commits instead of blocking the process's exit.
-        # So does the main thread's end (the interpreter then joins this thread before anything else).
         pump(stream, lambda item: _call(loop, queue.put_nowait, item), cancel, credits,
              lambda: not loop.is_closed() and threading.main_thread().is_alive())
-    finally:
         work = after() if after is not None else None
+    except BaseException:
         _call(loop, done.set_result, None)
-        if work is not None:
-            work()
+        raise
+    if work is None:
+        return lambda: _call(loop, done.set_result, None)
+    _call(loop, done.set_result, None)
+    work()
+    return None
 
 
 class Workers:
@@ -207,11 +214,12 @@ class Workers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._idle = 0  # threads waiting for a job that no job has claimed yet
 
-    def run(self, job: Callable[[], None]) -> None:
-        """Run ``job`` on an idle worker thread, or on a new one."""
+    def run(self, job: Job) -> None:
+        """Run ``job`` on an idle worker thread, or on a new one; what it returns, if anything, is
+        called once the thread is ready for the next job."""
         with self._lock:
             if self._idle:
                 self._idle -= 1  # claimed: one of the waiting threads takes it
@@ -219,18 +227,19 @@ class Workers:
                 return
         threading.Thread(target=self._serve, args=(job,), name="chatkit-turn", daemon=False).start()
 
-    def _serve(self, job: Callable[[], None] | None) -> None:
+    def _serve(self, job: Job | None) -> None:
         try:
             while job is not None:
-                job()
-                job = self._next()
+                job = self._next(job())
         finally:
             mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
 
-    def _next(self) -> Callable[[], None] | None:
-        """The next job, or ``None`` once this thread may end."""
+    def _next(self, then: Callable[[], None] | None) -> Job | None:
+        """The next job (``then`` called once this thread is ready for it), or ``None`` once it may end."""
         with self._lock:
             self._idle += 1
+        if then is not None:
+            then()
         waited = 0.0
         while True:
             try:

@@ -1,0 +1,121 @@
+"""The request path's own costs: ``X-Chatkit-Trace`` stamps (chatkit/server/trace.py) sent back only when
+asked, in the order the stages ran; and the async stream under them: turns reuse a worker thread, a
+stream started before it is read (as the server starts it) holds at most its first chunk."""
+
+import asyncio
+import json
+import threading
+import time
+
+from chatkit import GenerateParams
+from chatkit.server import ServerConfig, start
+
+import httpx
+import pytest
+from conftest import assert_ledger_matches_cache, fresh_reply, session_for
+
+PARAMS = GenerateParams(max_tokens=6, temperature=0.0)
+ORDER = ["handler", "body", "parsed", "slot", "session", "opened", "headers", "turn", "token"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with start(tiny("qwen3", "bpe", 0), ServerConfig(defaults=PARAMS)) as running:
+        yield running
+
+
+def streamed(url: str, path: str, body: dict, headers: dict) -> tuple[list[str], int, int]:
+    """(the lines of a streamed reply, perf_counter_ns before sending, after reading)."""
+    t0 = time.perf_counter_ns()
+    with httpx.stream("POST", f"{url}/{path}", json={**body, "stream": True}, headers=headers, timeout=60) as r:
+        r.raise_for_status()
+        lines = list(r.iter_lines())
+    return lines, t0, time.perf_counter_ns()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("responses", {"input": "Hi"}),
+    ("messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}),
+])
+def test_a_traced_request_gets_its_stages_in_order_and_others_nothing(server, path, body):
+    plain, _, _ = streamed(server.url, path, body, {})
+    assert not any(line.startswith(": chatkit-trace") for line in plain)
+
+    lines, t0, t1 = streamed(server.url, path, body, {"X-Chatkit-Trace": "1"})
+    [comment] = [line for line in lines if line.startswith(": chatkit-trace ")]
+    assert lines[-1] == comment or lines.index(comment) > max(i for i, x in enumerate(lines) if x.startswith("data:"))
+    trace = json.loads(comment[len(": chatkit-trace "):])
+    stamps = dict(trace["stamps"])
+    names = [name for name, _ in trace["stamps"]]
+    assert [n for n in names if n in ORDER] == [n for n in ORDER if n in stamps]
+    assert set(ORDER) <= set(stamps) and "settled" in stamps
+    # one clock: the server's stamps fall between the client's sending and its last read
+    assert t0 <= stamps["handler"] <= stamps["token"] <= stamps["settled"] <= t1
+    assert trace["prefilled_tokens"] > 0 and trace["prefill_ms"] > 0
+    if path == "responses":
+        assert "stored" in stamps
+
+
+def test_a_reply_that_is_not_streamed_carries_its_trace_in_a_header(server):
+    body = {"model": "any", "input": "Hello"}
+    assert "x-chatkit-trace" not in httpx.post(f"{server.url}/responses", json=body, timeout=60).headers
+    r = httpx.post(f"{server.url}/responses", json=body, headers={"X-Chatkit-Trace": "1"}, timeout=60)
+    stamps = dict(json.loads(r.headers["x-chatkit-trace"])["stamps"])
+    assert {"handler", "body", "parsed", "session", "opened", "settled", "stored"} <= set(stamps)
+    assert "headers" not in stamps  # no streamed body: its sends are not stamped
+
+
+def test_async_turns_reuse_idle_worker_threads(tiny):
+    lm = tiny()
+    threads = []
+
+    def record(tokens, logits):
+        threads.append(threading.get_ident())
+        return logits
+
+    session = session_for(lm, params=GenerateParams(max_tokens=3, logits_processors=[record]))
+
+    async def main():
+        await session.arespond("Hi")
+        before = {t.ident for t in threading.enumerate()}
+        del threads[:]
+        for prompt in ("Again", "Once more"):
+            await session.arespond(prompt)
+        return before
+
+    before = asyncio.run(main())
+    assert threads and set(threads) <= before - {threading.get_ident()}  # no new thread: an idle one ran them
+    assert_ledger_matches_cache(session)
+
+
+def test_a_stream_started_before_reading_holds_one_chunk_until_read(tiny):
+    lm = tiny()
+    endless = GenerateParams(max_tokens=50, logit_bias={i: -1e9 for i in lm.tokenizer.eos_token_ids})
+    session = session_for(lm, params=endless)
+    expected = fresh_reply(session, "Talk")
+
+    async def main():
+        stream = session.astream_respond("Talk")
+        stream.start()
+        for _ in range(500):  # the worker prefills and computes the first chunk ...
+            if stream.tokens:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)  # ... then waits: it would have run ahead meanwhile
+        await stream.aclose()
+
+    asyncio.run(main())
+    assert session.last_stats.generation_tokens == 1 and session.last_stats.finish_reason == "cancelled"
+    assert_ledger_matches_cache(session)
+
+    session = session_for(lm, params=endless)
+
+    async def read_all():
+        stream = session.astream_respond("Talk")
+        stream.start()
+        await asyncio.sleep(0.05)
+        async with stream:
+            return [chunk.token async for chunk in stream]
+
+    assert asyncio.run(read_all()) == expected  # started early, read later: the same reply
