@@ -119,3 +119,16 @@ def test_a_stream_started_before_reading_holds_one_chunk_until_read(tiny):
             return [chunk.token async for chunk in stream]
 
     assert asyncio.run(read_all()) == expected  # started early, read later: the same reply
+
+
+def test_a_stored_response_is_on_disk_before_the_client_hears_it_completed(tiny, tmp_path):
+    with start(tiny("qwen3", "bpe", 0), ServerConfig(defaults=PARAMS, store=str(tmp_path))) as running:
+        with httpx.stream("POST", f"{running.url}/responses", json={"input": "Hi", "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and ('"response.completed"' in line or '"response.incomplete"' in line):
+                    rid = json.loads(line[6:])["response"]["id"]
+                    assert (tmp_path / "responses" / f"{rid}.json").exists()  # written (off the loop) first
+                    break
+            else:
+                pytest.fail("no response.completed event")
+        assert httpx.get(f"{running.url}/responses/{rid}", timeout=60).json()["id"] == rid

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+
 from ..cache import atomic
 from ..errors import ChatKitError
 from ..messages import ChatMessage, Role, saved_dict
@@ -40,15 +42,17 @@ class ResponseStore:
     def add(self, response: dict[str, Any], added: Sequence[ChatMessage], reply: ChatMessage) -> None:
         """Keep ``response`` (an OpenAI response object) with the messages it added and its reply.
         ``ChatKitError`` (and nothing kept) if it cannot be written so that it reads back."""
-        rid = response["id"]
-        record = {"response": response, "added": [saved_dict(m, pixels=True) for m in added], "reply": saved_dict(reply)}
-        try:
-            data = json.dumps(record, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        except (TypeError, ValueError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
-            raise ChatKitError(f"Response {rid} cannot be stored: it does not make JSON that reads back ({exc}). "
-                               "Nothing was stored; send the request again without the offending value.") from None
+        rid, data = _encoded(response, added, reply)
         if self._folder is not None:
             write_file(self._folder / f"{rid}.json", f"response {rid}", data)
+        self._responses[rid], self._messages[rid] = response, (*added, reply)
+
+    async def add_async(self, response: dict[str, Any], added: Sequence[ChatMessage], reply: ChatMessage) -> None:
+        """:meth:`add` on the event loop: the file is written (and synced) on a thread meanwhile, and the
+        response is kept once it is."""
+        rid, data = _encoded(response, added, reply)
+        if self._folder is not None:
+            await anyio.to_thread.run_sync(write_file, self._folder / f"{rid}.json", f"response {rid}", data)
         self._responses[rid], self._messages[rid] = response, (*added, reply)
 
     def get(self, rid: str) -> dict[str, Any]:
@@ -174,6 +178,17 @@ class ResponseStore:
         json.dumps(response, ensure_ascii=False, allow_nan=False).encode("utf-8")  # sent back as it is
         messages = [ChatMessage.from_dict(m) for m in (*record["added"], record["reply"])]
         self._responses[rid], self._messages[rid] = response, tuple(messages)
+
+
+def _encoded(response: dict[str, Any], added: Sequence[ChatMessage], reply: ChatMessage) -> tuple[str, bytes]:
+    """(id, the file's bytes) of a response to store; ``ChatKitError`` if it does not make JSON that reads back."""
+    rid = response["id"]
+    record = {"response": response, "added": [saved_dict(m, pixels=True) for m in added], "reply": saved_dict(reply)}
+    try:
+        return rid, json.dumps(record, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
+        raise ChatKitError(f"Response {rid} cannot be stored: it does not make JSON that reads back ({exc}). "
+                           "Nothing was stored; send the request again without the offending value.") from None
 
 
 def _written(path: Path) -> tuple[int, str]:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -59,7 +60,7 @@ async def create(state: ServerState, request: Request) -> Response:
     turn = ResponseTurn(state, req, lease, added)
     if req.stream:
         return StreamingResponse(_events(state, turn), media_type="text/event-stream")
-    kept = turn.keep(await complete(state, lease, turn.items.read))
+    kept = await turn.keep(await complete(state, lease, turn.items.read))
     return JSONResponse(kept, headers=compaction_headers(lease.compaction()))
 
 
@@ -87,15 +88,17 @@ class ResponseTurn:
             incomplete=finish == "length",
         )
 
-    def keep(self, finish: str | None, ended: str = "done") -> dict[str, Any]:
+    async def keep(self, finish: str | None, ended: str = "done") -> dict[str, Any]:
         """The response as stored; ``ended``: "done", or "cancelled" (the client went away) or
         "failed" (an error mid-stream), each stored as far as the turn got. ``ChatKitError`` when it
-        cannot be stored (e.g. the disk is full)."""
+        cannot be stored (e.g. the disk is full). The file is written off the event loop, before the
+        client hears the response completed; a client gone meanwhile does not interrupt it."""
         reply = reply_of(self.lease)
         status = ended if ended != "done" else "incomplete" if finish == "length" else "completed"
         obj = self.object(status, self.items.of(reply, status != "completed"), finish)
         if self._req.store and self.lease.reply() is not None:  # committed
-            self._state.responses.add(obj, self._added, reply)
+            with anyio.CancelScope(shield=True):
+                await self._state.responses.add_async(obj, self._added, reply)
             trace.stamp("stored")
         return obj
 
@@ -133,7 +136,7 @@ async def _events(state: ServerState, turn: ResponseTurn) -> AsyncIterator[str]:
                 return
     finally:  # also when the client went away: the turn committed as far as it got, so is stored
         try:
-            kept = turn.keep(finish, ended)
+            kept = await turn.keep(finish, ended)
         except ChatKitError as exc:  # not stored: the client is told instead of "completed"
             kept = exc
     if isinstance(kept, ChatKitError):
