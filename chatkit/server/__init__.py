@@ -13,7 +13,7 @@ items, ``messages``: Anthropic's, ``conversations``: the stored ones, listed), `
 its files in ``static/``), ``metrics`` (``/metrics``' counters), ``body`` (a request body checked whole before it is read),
 ``wire`` (what both APIs read: messages, tools, sampling parameters), ``models`` (the served model
 and its adapters: what a request's ``model`` selects), ``state`` (``ServerConfig`` and what every
-handler shares), ``session_index`` (conversations as pooled sessions), ``write_behind``
+handler shares), ``session_index`` (conversations as pooled sessions; ``manifest``: their list on disk), ``write_behind``
 (each conversation's cache written behind its turn), ``response_store`` (stored responses), ``trace``
 (a request's stage times, when it asks with ``X-Chatkit-Trace``),
 ``errors`` (HTTP statuses), ``run`` (uvicorn). The flags of ``chatkit serve`` are the command line's:

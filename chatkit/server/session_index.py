@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import json
 import logging
 import os
 import uuid
@@ -41,15 +40,13 @@ from ..session.aio import AsyncResponseStream
 from ..session.context import ContextPolicy, exchange_starts
 from ..session.pool import SessionPool
 from ..session.session import ChatSession
-from . import trace
+from . import manifest, trace
 from .keys import Tools, message_json, prefix_keys
 from .lease import Lease
-from .response_store import write_file
 from .write_behind import Job, WriteBehind
 
 log = logging.getLogger("chatkit.server")
 T = TypeVar("T")
-MANIFEST = "conversations.json"
 
 AS_SENT_LIMIT = 4096  # guided prompts remembered as clients send them (older ones: their turns prefill again)
 
@@ -99,7 +96,7 @@ class SessionIndex:
         self._behind = WriteBehind(self._write_job) if persist else None
         if persist:
             atomic.remove_stale_temps(self._folder)  # a hand-off or list a killed process was writing
-            (self._folder / (MANIFEST + ".tmp")).unlink(missing_ok=True)  # ... as older versions wrote it
+            (self._folder / (manifest.MANIFEST + ".tmp")).unlink(missing_ok=True)  # ... as older versions wrote it
             self._load_manifest()
 
     # -- a turn ---------------------------------------------------------------------------------
@@ -299,20 +296,10 @@ class SessionIndex:
     def _write_manifest(self, convs: list[str], tools: dict[str, list[Any]], adapters: dict[str, str]) -> None:
         """The list of conversations whose cache file exists, with their tools and adapters, written atomically."""
         kept = [conv for conv in convs if self.pool.path(conv).exists()]
-        data = json.dumps({"conversations": kept, "tools": {c: tools[c] for c in kept if c in tools},
-                           "adapters": {c: adapters[c] for c in kept if c in adapters}}).encode()
-        write_file(self._folder / MANIFEST, "the server's conversation list", data)
+        manifest.write(self._folder, kept, tools, adapters)
 
     def _load_manifest(self) -> None:
-        try:
-            manifest = json.loads((self._folder / MANIFEST).read_text())
-            convs, tools = manifest["conversations"], dict(manifest.get("tools") or {})
-            adapters = dict(manifest.get("adapters") or {})
-        except FileNotFoundError:
-            return
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("ignoring a damaged %s: %s", MANIFEST, exc)
-            return
+        convs, tools, adapters = manifest.read(self._folder)
         for conv in convs:
             if adapters.get(conv) is not None and adapters[conv] not in self._adapters:
                 log.warning("conversation %s: this server has no adapter %r now; it is not restored", conv, adapters[conv])
