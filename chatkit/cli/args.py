@@ -116,8 +116,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "from the conversation itself, no model) (default: none). "
                         "A draft pays off only when it is much cheaper than the model and agrees with it: the "
                         "demo pair's draft costs nearly as much as the model on a CPU, so with --num-draft "
-                        "auto it decodes plainly and probes now and then, and still runs at about 0.8x standard "
-                        "decoding (measured idle): leave --draft out with the demo")
+                        "auto it decodes plainly and probes now and then (about 1.0x standard decoding, "
+                        "measured idle): leave --draft out with the demo")
     p.add_argument("--num-draft", type=_num_draft, default="auto", metavar="auto|N",
                    help="tokens drafted per step with --draft: 'auto' tunes it from the acceptance and the step "
                         "times measured so far, down to not drafting while it does not pay; or 1 to 64 "

@@ -347,7 +347,7 @@ class BatchSource:
     def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
         self.engine.check_open()
         assert cache.layers is not None, "prepare the cache before generating"
-        if self.speculative or request.adapter is not None or not batchable(cache):
+        if self.speculative or request.adapter is not None or request.model is not None or not batchable(cache):
             return self.fallback.generate(cache, request)
         return self._tokens(cache, request)
 
