@@ -202,6 +202,9 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                            "adapters.safetensors) applied to the model for this chat (default: none)")
     chat.add_argument("--adapter-scale", type=_adapter_scale, metavar="X",
                       help="with --adapter: how strongly it applies, times the adapter's own scale (default: 1)")
+    chat.add_argument("--no-adapter", action="store_true",
+                      help="with --model smollm2: the base model alone (without --adapter, chatkit's tools adapter is applied "
+                           "and the demo's calculate tool given: see docs/adapters.md)")
     chat.add_argument("--hide-thinking", action="store_true", help="do not show the model's reasoning")
     chat.add_argument("--system", metavar="TEXT", help="the system prompt (default: none, or the saved one with --resume)")
     chat.add_argument("--resume", metavar="FILE",
@@ -243,6 +246,8 @@ def check_combination(args: argparse.Namespace) -> None:
         raise UsageError("--kv-group-size only applies with --kv-bits: add --kv-bits B or drop it.")
     if args.adapter_scale is not None and args.adapter is None:
         raise UsageError("--adapter-scale only applies with --adapter: add --adapter PATH or drop it.")
+    if getattr(args, "no_adapter", False) and args.adapter is not None:
+        raise UsageError("--no-adapter and --adapter contradict each other: keep one.")
     if args.adapter is not None and args.distributed is not None:
         raise UsageError("--adapter cannot be combined with --distributed (adapters switch on one process's "
                          "layers): fuse the adapter into the model with mlx_lm.fuse and load that instead.")

@@ -50,12 +50,18 @@ class Repl:
         # Checked before loading anything: a bad path fails at once, not at every turn.
         self.save_path = check_save_path(args.save) if args.save else None
         self.user_tools = import_tools(args.tools or [])
-        if args.model in (None, "demo"):  # a clash with the demo's tools, refused before it loads
-            from .. import demo
+        from .. import demo
 
+        # SmolLM2 gets chatkit's tools adapter and the demo's calculate tool (--no-adapter: the base model alone).
+        self.tuned = (args.model == "smollm2" and not getattr(args, "no_adapter", False) and args.adapter is None
+                      and args.distributed is None)
+        if args.model in (None, "demo") or self.tuned:  # a clash with the demo's tools, refused before it loads
             join_tools(demo.tools(), self.user_tools)
-        self.adapter = read_adapter(args.adapter)  # a bad folder fails before the model loads
-        self.lm = load_model(args.model, distributed=args.distributed, distributed_timeout=args.distributed_timeout)
+        # A bad folder fails before the model loads; SmolLM2's default is chatkit's shipped adapter.
+        self.adapter = read_adapter(str(demo.smollm2_adapter_path()) if self.tuned else args.adapter)
+        parser = {"tool_parser_type": demo.SMOLLM2_TOOL_PARSER} if self.tuned else {}
+        self.lm = load_model(args.model, distributed=args.distributed, distributed_timeout=args.distributed_timeout,
+                             **parser)
         fit_adapter(self.adapter, self.lm)
         group = self.lm.distributed
         self.group = group if group is not None and group.sharded else None  # ranks in lockstep
@@ -102,10 +108,10 @@ class Repl:
             else:
                 builder = builder.cache(resume)
         builtin: list[Any] = []
-        if a.model in (None, "demo") and getattr(self.lm.tokenizer, "has_tool_calling", False):
-            from .. import demo  # a demo trained to call its calculator (v2) gets it; --tools join it
+        from .. import demo
 
-            builtin = demo.tools()
+        if (a.model in (None, "demo") and getattr(self.lm.tokenizer, "has_tool_calling", False)) or self.tuned:
+            builtin = demo.tools()  # a demo trained to call its calculator (v2) gets it; --tools join it
         tools = join_tools(builtin, self.user_tools)
         if tools:
             builder = builder.tools(tools)

@@ -32,6 +32,7 @@ from typing import Any
 from .calculator import calculate
 
 _MODELS = Path(__file__).resolve().parent / "models"
+SMOLLM2_TOOL_PARSER = "json_tools"  # mlx-lm's Qwen/Hermes tool-call parser: what the SmolLM2 adapter writes
 
 
 def path() -> Path:
@@ -44,9 +45,22 @@ def draft_path() -> Path:
     return _MODELS / "draft"
 
 
+def smollm2_adapter_path() -> Path:
+    """The folder of chatkit's LoRA adapter for SmolLM2-135M-Instruct (``scripts/train_smollm2_adapter.py``):
+    it calls ``calculate`` and answers from the result, recalls what the user said and says when it was
+    not told. Load the model with ``tool_parser_type=SMOLLM2_TOOL_PARSER`` (its own template has no tool
+    format; the adapter writes Qwen/Hermes ``<tool_call>`` blocks)::
+
+        lm = chatkit.load("smollm2", tool_parser_type=chatkit.demo.SMOLLM2_TOOL_PARSER)
+        session = ChatSession.builder(lm).adapter(lm.adapter(chatkit.demo.smollm2_adapter_path())).tools(
+            chatkit.demo.tools()).build()
+    """
+    return _MODELS / "smollm2-tools"
+
+
 def tools() -> list[Callable[..., Any]]:
     """The demo's tools, for ``builder.tools(...)``: ``[calculate]`` (exact + - * / and parentheses)."""
     return [calculate]
 
 
-__all__ = ["calculate", "draft_path", "path", "tools"]
+__all__ = ["SMOLLM2_TOOL_PARSER", "calculate", "draft_path", "path", "smollm2_adapter_path", "tools"]
