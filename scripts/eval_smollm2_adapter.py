@@ -114,21 +114,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dialogues", type=int, default=60)
     p.add_argument("--no-base", action="store_true", help="evaluate the adapted model only")
+    p.add_argument("--base-only", action="store_true", help="evaluate the base model only")
     p.add_argument("--show-misses", type=int, default=8)
     args = p.parse_args(argv)
 
     lm = chatkit.load("smollm2", **gen.TOOL_PARSER)
-    folder, tmp = adapter_folder(args.adapter or chatkit.demo.smollm2_adapter_path())
-    adapter = chatkit.load_adapter(folder)
+    folder, tmp = (None, None) if args.base_only else adapter_folder(args.adapter or chatkit.demo.smollm2_adapter_path())
+    adapter = None if folder is None else chatkit.load_adapter(folder)
     dialogues = heldout(args.seed, args.dialogues)
     print(f"{len(dialogues)} held-out dialogues, {sum(len(d.turns) for d in dialogues)} turns (seed {args.seed}); "
-          f"adapter {args.adapter or 'shipped'}")
+          f"adapter {'-' if adapter is None else args.adapter or 'shipped'}")
     results = {}
-    for label, a in ([] if args.no_base else [("base", None)]) + [("base + adapter", adapter)]:
+    runs = ([] if args.no_base else [("base", None)]) + ([] if args.base_only else [("base + adapter", adapter)])
+    for label, a in runs:
         t0 = time.perf_counter()
         print(f"\n{label}:")
         results[label] = play(lm, a, dialogues, args.show_misses)
-        print(f"  ({(time.perf_counter() - t0) / 60:.1f} min)")
+        print(f"  ({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
     if tmp is not None:
         shutil.rmtree(tmp)
     keys = ["tool call", "answer", "tool call and answer", "recall", "untold"]

@@ -16,8 +16,13 @@ city, pet, favourite colour, job) asked later; questions about facts never told 
 a little small talk. ``HELDOUT`` holds names, cities, pets, jobs and phrasings training never sees
 (``scripts/eval_smollm2_adapter.py`` plays dialogues of that world).
 
-    python scripts/train_smollm2_adapter.py --out chatkit/demo/models/smollm2-tools --iters 1200
-    python scripts/train_smollm2_adapter.py --out /tmp/a --iters 20 --measure     # time per step only
+    python scripts/train_smollm2_adapter.py --out /tmp/smollm2-tools --lr 2e-4 --minutes 27
+    python scripts/train_smollm2_adapter.py --out /tmp/smollm2-tools --lr 2e-4 --minutes 1000 --max-iters 217
+
+The run stops after ``--minutes`` of wall clock (the shipped adapter: 217 steps of 4 dialogues in 27 min on
+the loaded 2-core machine, run 2 of scripts/logs/train_smollm2_adapter*.log); ``--max-iters`` gives the
+same steps, hence the same weights, on any machine. Checkpoints ``NNNNN_adapters.safetensors`` are written
+beside the adapter every ``--save-every`` steps (scripts/eval_smollm2_adapter.py --adapter takes one).
 """
 
 from __future__ import annotations
