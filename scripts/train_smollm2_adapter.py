@@ -21,7 +21,7 @@ a little small talk. ``HELDOUT`` holds names, cities, pets, jobs and phrasings t
 
 The run stops after ``--minutes`` of wall clock (the shipped adapter: 217 steps of 4 dialogues in 27 min on
 the loaded 2-core machine, run 2 of scripts/logs/train_smollm2_adapter*.log); ``--max-iters`` gives the
-same steps, hence the same weights, on any machine. Checkpoints ``NNNNN_adapters.safetensors`` are written
+same steps (same data, order and initialisation) on any machine. Checkpoints ``NNNNN_adapters.safetensors`` are written
 beside the adapter every ``--save-every`` steps (scripts/eval_smollm2_adapter.py --adapter takes one).
 """
 

@@ -13,6 +13,8 @@ from chatkit.demo import calculate
 import pytest
 
 GREEDY = GenerateParams(max_tokens=48, temperature=0.0)
+# SmolLM2's template renders no tool schemas (the adapter learnt calculate without them): chatkit warns.
+pytestmark = pytest.mark.filterwarnings("ignore:This chat template does not render the tools")
 
 
 def test_the_shipped_adapter_folder_reads_and_names_its_tool_format():
