@@ -67,12 +67,18 @@ def test_one_turn_matches_mlx_vlm_generate(vlm, arch):
     assert ids.shape[1] == s.last_stats.prompt_tokens
 
 
+def image_turn(lm, n):
+    """A session that answered one message with picture ``n``, and where that image's tokens are."""
+    s = session(lm)
+    reply_tokens(s, "Describe it.", images=[picture(n)])
+    (span,) = s._conversation.cache.ledger.images
+    return s, span
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_turn_two_reuses_the_image_kv_and_encodes_once(vlm, arch):
     lm = vlm(arch)
-    s = session(lm)
-    reply_tokens(s, "Describe it.", images=[picture(2)])
-    (span,) = s._conversation.cache.ledger.images
+    s, span = image_turn(lm, 2)
     assert s._images.encodings == 1
     second = reply_tokens(s, "Tell me more.")
     stats = s.last_stats
@@ -86,9 +92,7 @@ def test_turn_two_reuses_the_image_kv_and_encodes_once(vlm, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_different_image_at_the_same_place_is_never_reused(vlm, arch):
     lm = vlm(arch)
-    s = session(lm)
-    reply_tokens(s, "Describe it.", images=[picture(3)])
-    (span,) = s._conversation.cache.ledger.images
+    s, span = image_turn(lm, 3)
     s.undo()
     other = reply_tokens(s, "Describe it.", images=[picture(4)])  # same tokens, other pixels
     assert s.last_stats.reused_tokens <= span.start
