@@ -250,10 +250,12 @@ class CacheState:
 
     def preview(self, prompt: Sequence[int], images: Sequence[ImageSpan] = ()) -> int:
         """How many ledger tokens ``prepare`` would keep at most (nothing changes)."""
-        if self.layers is None:
-            return 0
-        return plan(self.ledger, prompt, trimmable=can_trim(self.layers), checkpoints=[c.length for c in self.checkpoints],
-                    images=images).keep
+        return 0 if self.layers is None else self._plan(prompt, images).keep
+
+    def _plan(self, prompt: Sequence[int], images: Sequence[ImageSpan]) -> Plan:
+        assert self.layers is not None
+        return plan(self.ledger, prompt, trimmable=can_trim(self.layers),
+                    checkpoints=[c.length for c in self.checkpoints], images=images)
 
     def prepare(self, prompt: Sequence[int], images: Sequence[ImageSpan] = ()) -> Plan:
         """Plan reuse for ``prompt`` (with ``images`` where they are) and apply the plan, so that the cache
@@ -261,14 +263,7 @@ class CacheState:
         if self.layers is None:
             self.reset()
             self._new_layers()
-        assert self.layers is not None
-        p = plan(
-            self.ledger,
-            prompt,
-            trimmable=can_trim(self.layers),
-            checkpoints=[c.length for c in self.checkpoints],
-            images=images,
-        )
+        p = self._plan(prompt, images)
         if p.action is Action.TRIM and not self._trim_to(p.keep):
             p = Plan(Action.REBUILD, 0, tuple(prompt))
         if p.action is Action.RESTORE:

@@ -103,7 +103,7 @@ class Encoded:
 class Vision:
     """The vision side of a loaded vision-language model: the mlx-vlm model and its processor."""
 
-    def __init__(self, vlm: nn.Module, processor: Any, config: Mapping[str, Any]) -> None:
+    def __init__(self, vlm: nn.Module, processor: Any) -> None:
         self.vlm = vlm
         self.processor = processor
         self.text = TextModel(vlm)
@@ -144,7 +144,7 @@ class Vision:
                 pieces.append(embed(mx.array(list(ids[at:lo]))))
             rows = encoded(span.digest).features
             assert rows is not None, "check() first"
-            pieces.append(rows[lo - span.start : span.end - span.start].astype(rows.dtype))
+            pieces.append(rows[lo - span.start : span.end - span.start])
             at = span.end
         if at < len(ids):
             pieces.append(embed(mx.array(list(ids[at:]))))
@@ -256,7 +256,7 @@ def load_vision(source: str, config: Mapping[str, Any]) -> tuple[TextModel, Any,
     eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
     eos_ids = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
     tokenizer = load_tokenizer(Path(path), eos_token_ids=sorted(eos_ids) or None)
-    vision = Vision(vlm, processor, config)
+    vision = Vision(vlm, processor)
     return vision.text, tokenizer, vision
 
 
