@@ -32,6 +32,15 @@ def test_no_adapter_is_a_chat_flag():
     assert not parser().parse_args(["chat", "--model", "smollm2"]).no_adapter
 
 
+def test_no_adapter_is_refused_where_it_means_nothing(capsys):
+    from chatkit.cli import main as cli_main
+
+    assert cli_main(["chat", "--no-adapter"]) == 2  # the demo model has no default adapter
+    assert "--no-adapter only applies with --model smollm2" in capsys.readouterr().err
+    assert cli_main(["chat", "--model", "smollm2", "--no-adapter", "--adapter", "x"]) == 2
+    assert "contradict" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def tuned():
     lm = chatkit.load("smollm2", tool_parser_type=chatkit.demo.SMOLLM2_TOOL_PARSER)

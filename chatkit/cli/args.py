@@ -248,6 +248,8 @@ def check_combination(args: argparse.Namespace) -> None:
         raise UsageError("--adapter-scale only applies with --adapter: add --adapter PATH or drop it.")
     if getattr(args, "no_adapter", False) and args.adapter is not None:
         raise UsageError("--no-adapter and --adapter contradict each other: keep one.")
+    if getattr(args, "no_adapter", False) and args.model != "smollm2":
+        raise UsageError("--no-adapter only applies with --model smollm2 (no other model gets an adapter by default): drop it.")
     if args.adapter is not None and args.distributed is not None:
         raise UsageError("--adapter cannot be combined with --distributed (adapters switch on one process's "
                          "layers): fuse the adapter into the model with mlx_lm.fuse and load that instead.")
