@@ -2,7 +2,8 @@
 
 The adaptive rule is a small cost model (as in the speculative decoding papers), fed with wall times
 measured in the session. A plain step's time is the median of the last few plain steps (queued one
-ahead, so it can be shorter than a forward pass); nothing is drafted before three are measured. A drafting round's time is measured end to end in the loop: the
+ahead, so it can be shorter than a forward pass); nothing is drafted before three are measured. A
+drafting round's time is measured end to end in the loop: the
 draft's steps, the target's pass over the ``k + 1`` tokens, the trims and the bookkeeping, until the
 next step starts. Its ratio to a plain step is fitted as ``base + per_token * k`` (decayed least
 squares over the rounds seen, with a weak prior on the base), so a round's fixed cost (a check that
@@ -41,7 +42,6 @@ class DraftPolicy:
     lookup: bool = False  # the drafter is prompt lookup (it probes at each turn's start)
     hits: float = PRIOR[0]  # decayed count of accepted draft tokens
     tries: float = PRIOR[1]  # decayed count of draft tokens the target checked
-    plain_time: float | None = None  # seconds of a plain step (the median of ``plain_times``)
     plain_times: list[float] = field(default_factory=list)  # the last PLAIN_WINDOW plain step times
     rounds: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums: w, k, k*k, r, k*r
     cost: tuple[float, float] = (PRIOR_BASE, 0.0)  # fitted (base, per_token) of a round, in plain steps
@@ -51,6 +51,11 @@ class DraftPolicy:
     since_plain: int = 0  # drafting steps since the last plain step
     confirming: bool = False  # the last probe alone said drafting pays: the next one may confirm it
     turn_probes: int = 0  # probes left at this turn's start (prompt lookup)
+
+    @property
+    def plain_time(self) -> float | None:
+        """Seconds of a plain step: the median of ``plain_times`` (``None`` before any)."""
+        return statistics.median(self.plain_times) if self.plain_times else None
 
     @property
     def acceptance(self) -> float:
@@ -115,7 +120,6 @@ def record_plain(policy: DraftPolicy, seconds: float) -> None:
     The median of the last few: a mean let one slow step (a cold start, a burst of other load) make
     drafting rounds look cheap for the REFRESH rounds until the next plain step."""
     policy.plain_times = [*policy.plain_times[1 - PLAIN_WINDOW:], seconds]
-    policy.plain_time = statistics.median(policy.plain_times)
     policy.idle += 1
     policy.since_plain = 0
 
