@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +58,8 @@ class Repl:
                       and args.distributed is None)
         if args.model in (None, "demo") or self.tuned:  # a clash with the demo's tools, refused before it loads
             join_tools(demo.tools(), self.user_tools)
+        if self.tuned and not self.user_tools:  # SmolLM2 sees no tool schemas; its adapter learned calculate without them
+            warnings.filterwarnings("ignore", message="This chat template does not render the tools")
         # A bad folder fails before the model loads; SmolLM2's default is chatkit's shipped adapter.
         self.adapter = read_adapter(str(demo.smollm2_adapter_path()) if self.tuned else args.adapter)
         parser = {"tool_parser_type": demo.SMOLLM2_TOOL_PARSER} if self.tuned else {}
