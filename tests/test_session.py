@@ -157,7 +157,7 @@ def test_an_error_inside_generation_rolls_back_and_the_session_goes_on(tiny):
     lm = tiny(arch="qwen3", tokenizer="bpe")
     session = session_for(lm, params=GenerateParams(max_tokens=10))
     session.respond("Hi")
-    history = session.history
+    history, held = session.history, session.cache_info().tokens
     calls = {"n": 0}
 
     def explode(tokens, logits):
@@ -176,6 +176,8 @@ def test_an_error_inside_generation_rolls_back_and_the_session_goes_on(tiny):
     with session.stream_respond("And now?") as stream:
         list(stream)
     assert stream.tokens == expected
+    # The cache outlived the failure: what it held of the history before the failed turn is reused.
+    assert session.last_stats.reused_tokens >= held - 2
 
 
 def test_stop_strings_cut_the_reply(tiny):

@@ -52,8 +52,8 @@ def make_stream(pieces, tokens, stop=(), max_tokens=100, fail_at=None):
         def commit(self, result):
             events.append(("commit", result))
 
-        def abort(self, exc):
-            events.append(("abort", exc))
+        def abort(self, exc, generated=()):
+            events.append(("abort", exc) if not generated else ("abort", exc, tuple(generated)))
 
     return ResponseStream(ScriptedTurn()), events
 
@@ -118,8 +118,9 @@ def test_error_in_generation_aborts_and_reraises():
     stream, events = make_stream(["", "a"], [1, 1, 1, EOS], fail_at=2)
     with pytest.raises(RuntimeError, match="boom"):
         list(stream)
-    kind, exc = events[-1]
+    kind, exc, generated = events[-1]
     assert kind == "abort" and isinstance(exc, RuntimeError)
+    assert generated == (1, 1)  # what the cache may hold besides the prompt
     assert stream.closed
 
 

@@ -297,16 +297,21 @@ class CacheState:
         self.layers, self.ledger, self.checkpoints = layers, Ledger(tuple(prompt[:n])), []
         return Plan(Action.APPEND, n, tuple(prompt[n:]))
 
-    def record(self, fed: Sequence[int]) -> None:
-        """After a turn fed ``fed`` on top of the ledger: read back from the offsets what the cache holds."""
+    def record(self, fed: Sequence[int], *, failed: bool = False) -> None:
+        """After a turn fed ``fed`` on top of the ledger: read back from the offsets what the cache holds.
+        ``failed``: the turn raised inside a step, after mlx-lm fed a token it never yielded; that token
+        is trimmed off (or the cache dropped)."""
         if self.layers is None:
             return
         # Materialize the cache on this thread: the next turn may run on another one.
         eval_layers(self.layers + (self.draft_layers or []))
         sequence = self.ledger.tokens + tuple(fed)
         offset = layer_offset(self.layers)
-        if offset is None and not any(hasattr(c, "offset") for c in self.layers):
+        if offset is None and not failed and not any(hasattr(c, "offset") for c in self.layers):
             offset = len(self.ledger) + len(fed)  # no layer counts tokens: trust what was fed
+        end = self.ledger.opaque + len(sequence)
+        if failed and offset is not None and offset > end and can_trim(self.layers) and self._trim_to(len(sequence)):
+            offset = end
         ledger = None if offset is None else Ledger.from_offset(sequence, offset, self.ledger.opaque, self._images)
         if ledger is None:
             self.reset()  # the cache no longer matches anything we can name: rebuild next turn

@@ -45,7 +45,7 @@ class Conversation:
         """A turn that fed ``fed`` failed or was closed before a reply: the messages stay, the cache
         keeps what it provably holds."""
         if fed:
-            self.cache.record(fed)
+            self.cache.record(fed, failed=True)
 
     def rewind(self, messages: Sequence[ChatMessage], ids_of: IdsOf) -> None:
         """The conversation is now the shorter ``messages``: the windows of compactions made after it are

@@ -39,8 +39,9 @@ class TurnSteps(Protocol):
 
     def commit(self, result: TurnResult) -> None: ...
 
-    def abort(self, exc: BaseException | None) -> None:
-        """Settle without a reply: ``exc`` is what failed (``None``: closed before the first chunk)."""
+    def abort(self, exc: BaseException | None, generated: Sequence[int] = ()) -> None:
+        """Settle without a reply: ``exc`` is what failed (``None``: closed before the first chunk);
+        ``generated``: the tokens it had produced (the cache may hold them)."""
         ...
 
 
@@ -319,7 +320,7 @@ class ResponseStream(ReplyStream):
         try:
             self._close_source()
         finally:
-            self._turn.abort(exc)
+            self._turn.abort(exc, self._generated)
 
 
 class ValueReader(Protocol):

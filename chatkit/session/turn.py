@@ -188,10 +188,11 @@ class Turn:
         finally:
             self.settle(result)
 
-    def abort(self, exc: BaseException | None = None) -> None:
-        """Nothing changes but the cache, which keeps what it provably holds (or is dropped)."""
+    def abort(self, exc: BaseException | None = None, generated: Sequence[int] = ()) -> None:
+        """Nothing changes but the cache, which keeps what it provably holds of the prompt and of the
+        ``generated`` tokens (the next turn trims those back), or is dropped."""
         try:
-            self.conversation.keep_cache(self.fed)
+            self.conversation.keep_cache([*self.fed, *generated])
         finally:
             self.settle(None)
 
