@@ -6,6 +6,7 @@ import base64
 import io
 
 from chatkit import ChatSession, GenerateParams
+from chatkit.images import as_image
 from chatkit.server import ServerConfig, start
 
 import httpx
@@ -64,6 +65,10 @@ def test_responses_input_image_and_anthropic_image_blocks(served, vlm):
         timeout=120)
     assert r.status_code == 200, r.text
     assert r.json()["output"][-1]["content"][0]["text"] == expected(vlm, 2)
+    items = httpx.get(f"{served.url}/responses/{r.json()['id']}/input_items", timeout=30).json()["data"]
+    image, text = items[0]["content"]  # listed as OpenAI lists them: the image's pixels, then the text
+    assert image["type"] == "input_image" and text == {"type": "input_text", "text": "What is this?"}
+    assert as_image(image["image_url"]).digest == as_image(png(2)).digest
     source = {"type": "base64", "media_type": "image/png", "data": base64.b64encode(png(3)).decode()}
     m = httpx.post(f"{served.url}/messages", json={"model": "vlm", "max_tokens": 6, "messages": [{"role": "user",
         "content": [{"type": "image", "source": source}, {"type": "text", "text": "What is this?"}]}]}, timeout=120)

@@ -16,6 +16,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from ..images import Image, image_part
 from ..messages import ChatMessage, Role
 from .errors import BadRequestError
 from .response_store import ResponseStore
@@ -81,7 +82,7 @@ def message_items(rid: str, messages: tuple[ChatMessage, ...]) -> list[dict[str,
                         "status": "completed"})
         elif m.role is not Role.ASSISTANT:
             add("msg", {"type": "message", "role": m.role.value, "status": "completed",
-                        "content": [{"type": "input_text", "text": m.content}]})
+                        "content": [*map(_input_image, m.images), {"type": "input_text", "text": m.content}]})
         else:
             if m.reasoning:
                 add("rs", {"type": "reasoning", "summary": [], "status": "completed",
@@ -93,6 +94,12 @@ def message_items(rid: str, messages: tuple[ChatMessage, ...]) -> list[dict[str,
                 add("fc", {"type": "function_call", "call_id": call.id, "name": call.name,
                            "arguments": arguments_text(call), "status": "completed"})
     return out
+
+
+def _input_image(image: Image) -> dict[str, Any]:
+    """An image the response was given, as OpenAI lists it: a PNG data URL of the pixels the store kept."""
+    return {"type": "input_image", "detail": "auto", "file_id": None,
+            "image_url": image_part(image, pixels=True).get("image")}
 
 
 def _limit(raw: str | None) -> int:
