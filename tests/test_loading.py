@@ -69,3 +69,22 @@ def test_importing_mlx_first_warns_once_that_openblas_is_skipped():
     assert results["chatkit-first"] == [OPENBLAS, []]
 
 
+
+
+def _hub_cache(tmp_path, repo, folder):
+    """An offline Hugging Face cache holding ``folder`` as ``repo``'s main revision."""
+    root = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(folder, root / "snapshots" / ("0" * 40))
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text("0" * 40)
+    return {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_hub_repo_id_of_a_vision_model_loads_through_mlx_vlm(tmp_path):
+    pytest.importorskip("mlx_vlm")
+    from chatkit.testing.vision import tiny_vision_model_path
+
+    env = _hub_cache(tmp_path, "someone/tiny-vlm", tiny_vision_model_path("qwen2_vl"))
+    code = "import chatkit; lm = chatkit.load('someone/tiny-vlm'); print(lm.vision is not None, lm.source)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["True", "someone/tiny-vlm"], out.stderr[-2000:]

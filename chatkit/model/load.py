@@ -50,16 +50,17 @@ def load(
             group = dist.Group(mx_group, used, rank, size, float(distributed_timeout))
             return LoadedModel(model=model, tokenizer=tok, config=config, source=source, distributed=group)
         group = dist.Group(mx_group, distributed, rank, size, float(distributed_timeout))
-    vision = _vision_config(source)
+    folder = _folder(source)  # a Hub repo downloaded (or found in the cache) as mlx-lm downloads it
+    vision = _vision_config(folder)
     if vision is not None:
         if group is not None and group.sharded:
             raise ModelLoadError(f"{source!r} is a vision-language model: chatkit cannot shard those.")
         from .vision import load_vision
 
-        text_model, tok, parts = load_vision(source, vision)
+        text_model, tok, parts = load_vision(folder, vision)
         _tokenizer.silence_length_warning(tok)
         return LoadedModel(model=text_model, tokenizer=tok, config=dict(vision), source=source, vision=parts)
-    model, tok, config = _mlx_load(source, tokenizer_config)
+    model, tok, config = _mlx_load(folder, tokenizer_config)
     _tokenizer.silence_length_warning(tok)
     return LoadedModel(model=model, tokenizer=tok, config=dict(config), source=source, distributed=group)
 
@@ -77,6 +78,20 @@ def _source_text(path_or_repo: str | os.PathLike[str]) -> str:
     if not source.strip():
         raise ModelLoadError("load() needs a Hugging Face repo id or a local model folder, got ''.")
     return source
+
+
+def _folder(source: str) -> str:
+    """``source``'s local folder: itself, or the Hub repo's snapshot, fetched with mlx-lm's own file
+    patterns (what ``mlx_lm.load`` fetches), so that a vision-language repo is recognised by its config."""
+    if os.path.isdir(source):
+        return source
+    from mlx_lm.utils import _download  # mlx_lm.load's own download step
+
+    try:
+        return str(_download(source))
+    except Exception as exc:  # hub errors of every kind
+        raise ModelLoadError(f"Could not load model {source!r}: {exc} (check the repo id, or pass a local "
+                             "folder (offline? set HF_HUB_OFFLINE=1 and use a path)).") from exc
 
 
 def _mlx_load(source: str, tokenizer_config: dict[str, Any]) -> tuple[Any, Any, Any]:
