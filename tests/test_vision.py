@@ -89,6 +89,37 @@ def test_turn_two_reuses_the_image_kv_and_encodes_once(vlm, arch):
     assert second == reply_tokens(fresh, "Tell me more.")  # the cache is only a saving
 
 
+class Calls:
+    """Counts the calls of what it wraps."""
+
+    def __init__(self, wrapped):
+        self.wrapped, self.count = wrapped, 0
+
+    def __call__(self, *args, **kwargs):
+        self.count += 1
+        return self.wrapped(*args, **kwargs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_turn_two_does_no_image_work(vlm, arch, monkeypatch):
+    """Turn 2 neither runs the processor, the vision tower nor the rope index (M-RoPE), and answers as a
+    fresh session."""
+    lm = vlm(arch)
+    s, span = image_turn(lm, 5)
+    language = lm.vision.text.language_model
+    counted = [(lm.vision, "processor"), (lm.vision.vlm, "get_input_embeddings")]
+    counted += [(language, "get_rope_index")] if lm.vision.mrope else []
+    calls = []
+    for owner, name in counted:
+        calls.append(Calls(getattr(owner, name)))
+        monkeypatch.setattr(owner, name, calls[-1])
+    second = reply_tokens(s, "Tell me more.")
+    assert [c.count for c in calls] == [0] * len(calls)
+    assert s.last_stats.reused_tokens > span.end  # the image's KV reused
+    assert second == reply_tokens(session(lm, s.history[:-2]), "Tell me more.")
+    assert all(c.count > 0 for c in calls)  # the wrappers do count (the fresh session's turn)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_different_image_at_the_same_place_is_never_reused(vlm, arch):
     lm = vlm(arch)
@@ -232,3 +263,29 @@ def test_mrope_positions_continue_after_the_prompt():
     assert positions.at(1, 2).tolist() == [[[1, 2]]] * 3
     assert positions.at(5, 1).tolist() == [[[4]]] * 3
     assert positions.at(4, 3).tolist() == [[[3, 4, 5]]] * 3
+    later = Positions(ids + 10, delta=-1, start=10)  # the same 5 tokens at indexes 10..14
+    assert later.at(13, 3).tolist() == [[[12, 13, 14]]] * 3
+    assert Positions(None, delta=-1, start=5).at(7, 2).tolist() == [[[6, 7]]] * 3  # text only from 5 on
+
+
+def test_mrope_positions_from_any_start_equal_the_whole_prompts(vlm):
+    """A turn computes positions only after the last image before its new tokens: from any start, with the
+    delta remembered or not, the same ids as the model's rope index over the whole prompt."""
+    from chatkit.model.vision import ImageTable, Positions
+    from chatkit.text.images import locate
+
+    lm = vlm("qwen2_vl")
+    prompting = session(lm)._prompting()
+    messages = [ChatMessage.user("Compare.", images=[picture(20), picture(21, (30, 90, 3))]),
+                ChatMessage.assistant("Two of them."), ChatMessage.user("And this?", images=[picture(22, (90, 40, 3))])]
+    table = prompting.vision
+    prompt = prompting.ids(messages, GREEDY)
+    spans = locate(prompt, prompting.images(messages), table.placeholder, table.ids, table.layout)
+    assert len({s.layout for s in spans}) == 3  # three grids
+    whole = Positions(*lm.vision.rope_index(prompt, spans))
+    warm = ImageTable(lm.vision)
+    warm.positions(prompt, spans, 0)  # remembers the delta after the last image
+    for start in range(len(prompt)):
+        expected = whole.at(start, len(prompt) + 3 - start).tolist()
+        for t in (ImageTable(lm.vision), warm):
+            assert t.positions(prompt, spans, start).at(start, len(prompt) + 3 - start).tolist() == expected, start

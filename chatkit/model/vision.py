@@ -70,18 +70,23 @@ class Bound(nn.Module):
 
 @dataclass(frozen=True)
 class Positions:
-    """M-RoPE position ids of a whole prompt (3 x 1 x N) and the offset of the tokens after it."""
+    """M-RoPE position ids (3 x 1 x N) of a prompt's tokens from ``start`` on (``ids``; ``None`` when they are
+    all text), and ``delta``: a text token's position minus its index after them."""
 
-    ids: mx.array
+    ids: mx.array | None
     delta: int
+    start: int = 0
 
     def at(self, offset: int, length: int) -> mx.array:
-        n = self.ids.shape[-1]
-        if offset + length <= n:
-            return self.ids[:, :, offset : offset + length]
-        tail = mx.arange(max(offset, n) + self.delta, offset + length + self.delta, dtype=self.ids.dtype)
+        """The position ids of the ``length`` tokens from index ``offset`` (``>= start``)."""
+        assert offset >= self.start, "positions before start are not known"
+        lo, n = offset - self.start, 0 if self.ids is None else self.ids.shape[-1]
+        if self.ids is not None and lo + length <= n:
+            return self.ids[:, :, lo : lo + length]
+        dtype = mx.int32 if self.ids is None else self.ids.dtype
+        tail = mx.arange(self.start + max(lo, n) + self.delta, offset + length + self.delta, dtype=dtype)
         tail = mx.broadcast_to(tail[None, None], (3, 1, tail.shape[0]))
-        return tail if offset >= n else mx.concatenate([self.ids[:, :, offset:n], tail], axis=-1)
+        return tail if self.ids is None or lo >= n else mx.concatenate([self.ids[:, :, lo:n], tail], axis=-1)
 
 
 @dataclass(frozen=True)
@@ -150,14 +155,13 @@ class Vision:
             pieces.append(embed(mx.array(list(ids[at:]))))
         return mx.concatenate(pieces, axis=0)
 
-    def positions(self, ids: Sequence[int], spans: Sequence[ImageSpan]) -> Positions | None:
-        """M-RoPE positions of the whole prompt ``ids`` (``None`` for a model with plain positions)."""
-        if not self.mrope:
-            return None
+    def rope_index(self, ids: Sequence[int], spans: Sequence[ImageSpan]) -> tuple[mx.array, int]:
+        """The model's M-RoPE positions of ``ids`` (3 x 1 x N, from 0), which hold the images ``spans``, and the
+        delta of a text token after them (its position minus its index)."""
         layouts = [list(s.layout) for s in spans if s.layout]
         grid = mx.array(layouts).reshape(-1, 3) if layouts else None
         pos, delta = self.text.language_model.get_rope_index(mx.array([list(ids)]), grid)
-        return Positions(pos, _ints(delta)[0])
+        return pos, _ints(delta)[0]
 
 
 class ImageTable:
@@ -167,6 +171,7 @@ class ImageTable:
         self.vision = vision
         self.placeholder = vision.image_token_id
         self._encoded: dict[str, Encoded] = {}
+        self._deltas: dict[tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], int] = {}  # see positions()
         self.encodings = 0  # how many times the vision tower ran (tests, stats)
 
     def ids(self, image: Image) -> tuple[int, ...]:
@@ -201,7 +206,42 @@ class ImageTable:
         the model bound to the prompt's positions."""
         self.check(spans, keep)
         embeddings = self.vision.embeddings(prompt, spans, keep, self.encoded)
-        return embeddings, Bound(self.vision.text, self.vision.positions(prompt, spans))
+        return embeddings, Bound(self.vision.text, self.positions(prompt, spans, keep))
+
+    def positions(self, prompt: Sequence[int], spans: Sequence[ImageSpan], start: int) -> Positions | None:
+        """The M-RoPE positions of ``prompt`` from ``start`` on (``None``: the model's positions are plain).
+
+        After an image, positions go on as after text, shifted by a delta that only the ids and images before
+        it set: that delta is kept per prefix (ids up to an image's end, and the images' grids), so a turn
+        computes positions only from the end of the last image before ``start``: nothing, when the new tokens
+        show no image."""
+        if not self.vision.mrope:
+            return None
+        at = max((s.end for s in spans if s.end <= start), default=0)
+        delta = self._delta(prompt, [s for s in spans if s.end <= at], at)
+        later = [s for s in spans if s.end > at]
+        if not later:
+            return Positions(None, delta, at)
+        pos, more = self.vision.rope_index(prompt[at:], later)
+        end = later[-1].end
+        self._remember((tuple(prompt[:end]), tuple(s.layout for s in spans if s.end <= end)), delta + more)
+        return Positions(pos + (at + delta), delta + more, at)
+
+    def _delta(self, prompt: Sequence[int], spans: Sequence[ImageSpan], end: int) -> int:
+        """The delta after ``prompt[:end]``, which ends with the last of its images ``spans`` (computed once)."""
+        if not spans:
+            return 0
+        key = (tuple(prompt[:end]), tuple(s.layout for s in spans))
+        found = self._deltas.get(key)
+        if found is None:
+            found = self.vision.rope_index(prompt[:end], spans)[1]
+            self._remember(key, found)
+        return found
+
+    def _remember(self, key: tuple[tuple[int, ...], tuple[tuple[int, ...], ...]], delta: int) -> None:
+        self._deltas[key] = delta
+        while len(self._deltas) > 8:  # a few prefixes: the conversation's, and those of turns undone
+            del self._deltas[next(iter(self._deltas))]
 
     def restore(self, tokens: Sequence[int], spans: Sequence[ImageSpan]) -> None:
         """Learn the images of a restored cache (``tokens``: its ledger's): their ids and layout, not
@@ -214,6 +254,7 @@ class ImageTable:
     def copy(self) -> ImageTable:
         other = ImageTable(self.vision)
         other._encoded = dict(self._encoded)
+        other._deltas = dict(self._deltas)
         return other
 
 
