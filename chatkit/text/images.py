@@ -14,13 +14,16 @@ def expand(ids: Sequence[int], images: Sequence[Image], placeholder: int,
     """``ids`` with the k-th ``placeholder`` replaced by the k-th image's tokens; ``TemplateError`` when the
     template did not place one placeholder per image."""
     out: list[int] = []
-    k = 0
-    for token in ids:
-        if token == placeholder and k < len(images):
-            out.extend(tokens_of(images[k]))
-            k += 1
-        else:
-            out.append(token)
+    k = at = 0
+    for image in images:  # list.index: no Python loop over every id of a long conversation
+        try:
+            found = ids.index(placeholder, at)
+        except ValueError:
+            break
+        out.extend(ids[at:found])
+        out.extend(tokens_of(image))
+        k, at = k + 1, found + 1
+    out.extend(ids[at:])
     if k != len(images):
         raise TemplateError(f"The chat template placed {k} of {len(images)} images: does it render image parts?")
     return out
@@ -35,8 +38,10 @@ def locate(ids: Sequence[int], images: Sequence[Image], placeholder: int,
     for image in images:
         tokens = tuple(tokens_of(image))
         first = tokens.index(placeholder) if placeholder in tokens else 0
-        while at < len(ids) and ids[at] != placeholder:
-            at += 1
+        try:
+            at = ids.index(placeholder, at)
+        except ValueError:
+            at = len(ids)
         start = at - first
         if at >= len(ids) or tuple(ids[start : start + len(tokens)]) != tokens:
             raise TemplateError("An image's tokens are not where the template placed it.")
