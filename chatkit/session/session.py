@@ -319,6 +319,7 @@ class ChatSession(SessionCore):
             ))
             other._conversation = self._conversation.copy()
             other._images = self._images.copy() if self._images is not None else None  # encoded images too
+            other._template.continue_from(self._template)  # the prompt tokenized so far, too
             other._last_stats = self._last_stats
             other._guided = self._guided
             return other

@@ -151,6 +151,10 @@ class PromptEncoder:
         self._last_text, self._last_ids = text, ids
         return list(ids)
 
+    def continue_from(self, other: PromptEncoder) -> None:
+        """Remember ``other``'s last encoding (same tokenizer and settings): a fork encodes only what is new."""
+        self._last_text, self._last_ids, self._bounds = other._last_text, other._last_ids, other._bounds
+
     def encode_fresh(self, text: str) -> list[int]:
         """As :meth:`encode`, without reusing anything (for checks)."""
         return self._encode_from(text, 0)[0]

@@ -55,6 +55,11 @@ class ChatTemplate:
         self._encoder = PromptEncoder(tokenizer, allow_special_in_content=allow_special_in_content)
         self._warned: set[str] = set()
 
+    def continue_from(self, other: ChatTemplate) -> None:
+        """Encode only what is new after ``other``'s last prompt (a fork's template, same tokenizer)."""
+        if other.tokenizer is self.tokenizer and other.allow_special_in_content == self.allow_special_in_content:
+            self._encoder.continue_from(other._encoder)
+
     def render(
         self,
         messages: Sequence[ChatMessage],
