@@ -255,6 +255,21 @@ def test_several_images_over_turns_answer_as_a_fresh_session(vlm, arch):
     assert third == reply_tokens(session(lm, s.history[:-2]), "And this one?", images=[picture(16)])
 
 
+def test_bigger_text_towers_for_benchmarks(vlm):
+    """chatkit.testing builds the same Qwen2-VL with a wider language model (M-RoPE sections scaled to its
+    heads) that answers turn 2 as a fresh session; sizes that cannot make a model are refused."""
+    from chatkit.testing.vision import tiny_vision_model_path
+
+    lm = vlm("qwen2_vl", hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    assert lm.config["hidden_size"] == 128 and lm.config["rope_scaling"]["mrope_section"] == [4, 6, 6]
+    s, _ = image_turn(lm, 6)
+    second = reply_tokens(s, "Tell me more.")
+    assert second == reply_tokens(session(lm, s.history[:-2]), "Tell me more.")
+    for bad in ({"hidden_size": 100}, {"num_key_value_heads": 3}, {"vocab_size": 10}, {"num_hidden_layers": 0}):
+        with pytest.raises(InvalidParamsError):
+            tiny_vision_model_path("qwen2_vl", **bad)
+
+
 def test_mrope_positions_continue_after_the_prompt():
     from chatkit.model.vision import Positions
 

@@ -9,6 +9,8 @@ M-RoPE positions), Qwen's byte-level BPE and the Qwen2-VL chat template, mlx-vlm
 patch, plain RoPE), a SentencePiece-style tokenizer with ``<image>``, LLaVA's ``USER: <image>\\n... ASSISTANT:``
 template, and its processor (``processor_config.json`` + a CLIP image processor at 28x28: 4 image tokens).
 Weights are float32 NumPy draws seeded by ``(seed, parameter name)``: the same files in every process.
+Keyword overrides of the language model's sizes (``TEXT_SIZES``: ``hidden_size=512, num_hidden_layers=8`` ...)
+give bigger text towers of the same architecture, e.g. for benchmarks (the vision tower stays tiny).
 Needs the ``vision`` extra (mlx-vlm, pillow) besides ``testing``.
 """
 
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
     from ..model.loaded import LoadedModel
 
 VISION_ARCHS: tuple[str, ...] = ("qwen2_vl", "llava")
+TEXT_SIZES: tuple[str, ...] = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "num_key_value_heads")
 
 # Qwen2-VL's chat template (as released), which also reads plain string content.
 QWEN2_VL_TEMPLATE = (
@@ -80,20 +84,24 @@ def _llava_tokenizer() -> TokenizerFiles:
     return _files("llava", tok, config, bos="<s>", eos=("</s>",), pad="<pad>")
 
 
-def _text(vocab: int, **extra: Any) -> dict[str, Any]:
+def _text(vocab: int, sizes: dict[str, int], **extra: Any) -> dict[str, Any]:
     return {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": vocab, "max_position_embeddings": 4096,
-            "tie_word_embeddings": False, "torch_dtype": "float32", **extra}
+            "num_key_value_heads": 2, **sizes, "rms_norm_eps": 1e-6, "vocab_size": vocab,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "float32", **extra}
 
 
-def _qwen2_vl(tok: TokenizerFiles, ids: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _qwen2_vl(tok: TokenizerFiles, ids: dict[str, int], sizes: dict[str, int]) -> tuple[dict[str, Any], ...]:
+    text = _text(tok.vocab_size, sizes)
+    half = text["hidden_size"] // text["num_attention_heads"] // 2  # M-RoPE sections split half a head: 2:3:3
     config = {
         "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
-        **_text(tok.vocab_size, rope_theta=1000000.0, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        **text, "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [half // 4, half * 3 // 8, half - half // 4 - half * 3 // 8]},
         "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
         "bos_token_id": None, "eos_token_id": list(tok.eos_token_ids), "pad_token_id": tok.pad_token_id,
-        "vision_config": {"model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+        "vision_config": {"model_type": "qwen2_vl", "depth": 2, "embed_dim": 32, "hidden_size": text["hidden_size"],
+                          "num_heads": 2,
                           "mlp_ratio": 2, "in_channels": 3, "patch_size": 14, "spatial_patch_size": 14,
                           "spatial_merge_size": 2, "temporal_patch_size": 2},
     }
@@ -104,10 +112,10 @@ def _qwen2_vl(tok: TokenizerFiles, ids: dict[str, int]) -> tuple[dict[str, Any],
     return config, image, {"processor_class": "Qwen2VLProcessor"}
 
 
-def _llava(tok: TokenizerFiles, ids: dict[str, int]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+def _llava(tok: TokenizerFiles, ids: dict[str, int], sizes: dict[str, int]) -> tuple[dict[str, Any], ...]:
     config = {
         "model_type": "llava", "architectures": ["LlavaForConditionalGeneration"],
-        "text_config": {"model_type": "llama", **_text(tok.vocab_size, rope_theta=10000.0)},
+        "text_config": {"model_type": "llama", **_text(tok.vocab_size, sizes, rope_theta=10000.0)},
         "vision_config": {"model_type": "clip_vision_model", "num_hidden_layers": 2, "hidden_size": 32,
                           "intermediate_size": 64, "num_attention_heads": 2, "image_size": 28, "patch_size": 14,
                           "projection_dim": 32, "num_channels": 3, "layer_norm_eps": 1e-5},
@@ -124,7 +132,7 @@ def _llava(tok: TokenizerFiles, ids: dict[str, int]) -> tuple[dict[str, Any], di
     return config, image, processor
 
 
-def _build(folder: Path, arch: str, seed: int) -> None:
+def _build(folder: Path, arch: str, seed: int, sizes: dict[str, int]) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, update_module_configs
@@ -132,7 +140,7 @@ def _build(folder: Path, arch: str, seed: int) -> None:
     tok = _qwen_vl_tokenizer() if arch == "qwen2_vl" else _llava_tokenizer()
     ids = json.loads(tok.tokenizer_json)["added_tokens"]
     ids = {t["content"]: t["id"] for t in ids}
-    config, image, processor = (_qwen2_vl if arch == "qwen2_vl" else _llava)(tok, ids)
+    config, image, processor = (_qwen2_vl if arch == "qwen2_vl" else _llava)(tok, ids, sizes)
     module, _ = get_model_and_args(config)
     copy = json.loads(json.dumps(config))
     model_config = update_module_configs(module.ModelConfig.from_dict(copy), module, copy, ["text", "vision"])
@@ -153,37 +161,52 @@ def _build(folder: Path, arch: str, seed: int) -> None:
 
 
 @functools.cache
-def _path(arch: str, seed: int) -> Path:
+def _path(arch: str, seed: int, sizes: tuple[tuple[str, int], ...]) -> Path:
     with _lock:
-        folder = _root_dir() / f"vision-{arch}-seed{seed}"
+        name = "".join(f"-{k}{v}" for k, v in sizes)
+        folder = _root_dir() / f"vision-{arch}-seed{seed}{name}"
         with _keep_mlx_random_state():
-            _build(folder, arch, seed)
+            _build(folder, arch, seed, dict(sizes))
         return folder
 
 
-def tiny_vision_model_path(arch: str = "qwen2_vl", seed: int = 0) -> Path:
-    """The folder of a tiny random ``arch`` vision-language model (one of VISION_ARCHS), built once per
-    process into a temporary directory; ``mlx_vlm.load`` and ``chatkit.load`` read it."""
+def _check(arch: str, seed: int, sizes: dict[str, Any]) -> tuple[tuple[str, int], ...]:
     if arch not in VISION_ARCHS:
         raise InvalidParamsError(f"Unknown test vision arch {arch!r}; choose one of {', '.join(VISION_ARCHS)}.")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise InvalidParamsError(f"seed must be a non-negative int, got {seed!r}.")
-    return _path(arch, seed)
+    for key, value in sizes.items():
+        if key not in TEXT_SIZES:
+            raise InvalidParamsError(f"Unknown text size {key!r}; choose among {', '.join(TEXT_SIZES)}.")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidParamsError(f"{key} must be a positive int, got {value!r}.")
+    text = _text(0, sizes)
+    heads, kv = text["num_attention_heads"], text["num_key_value_heads"]
+    if text["hidden_size"] % (heads * 16) or heads % kv:
+        raise InvalidParamsError("hidden_size must be a multiple of 16 x num_attention_heads, and "
+                                 "num_attention_heads a multiple of num_key_value_heads.")
+    return tuple(sorted(sizes.items()))
+
+
+def tiny_vision_model_path(arch: str = "qwen2_vl", seed: int = 0, **text_sizes: int) -> Path:
+    """The folder of a tiny random ``arch`` vision-language model (one of VISION_ARCHS), built once per
+    process into a temporary directory; ``mlx_vlm.load`` and ``chatkit.load`` read it. ``text_sizes``
+    (see ``TEXT_SIZES``) make its language model bigger, e.g. ``hidden_size=512, num_hidden_layers=8``."""
+    return _path(arch, seed, _check(arch, seed, text_sizes))
 
 
 @functools.cache
-def _loaded(arch: str, seed: int) -> LoadedModel:
+def _loaded(arch: str, seed: int, sizes: tuple[tuple[str, int], ...]) -> LoadedModel:
     from ..model.load import load
 
-    path = tiny_vision_model_path(arch, seed)
+    path = tiny_vision_model_path(arch, seed, **dict(sizes))
     with _lock, _keep_mlx_random_state():
         return load(path)
 
 
-def tiny_vision_model(arch: str = "qwen2_vl", seed: int = 0) -> LoadedModel:
+def tiny_vision_model(arch: str = "qwen2_vl", seed: int = 0, **text_sizes: int) -> LoadedModel:
     """The ``chatkit.load`` result of :func:`tiny_vision_model_path`, loaded once per process (shared)."""
-    tiny_vision_model_path(arch, seed)
-    return _loaded(arch, seed)
+    return _loaded(arch, seed, _check(arch, seed, text_sizes))
 
 
-__all__ = ["LLAVA_TEMPLATE", "QWEN2_VL_TEMPLATE", "VISION_ARCHS", "tiny_vision_model", "tiny_vision_model_path"]
+__all__ = ["LLAVA_TEMPLATE", "QWEN2_VL_TEMPLATE", "TEXT_SIZES", "VISION_ARCHS", "tiny_vision_model", "tiny_vision_model_path"]
