@@ -9,6 +9,7 @@ embeddings of their tokens (:class:`ImageEncoder`, one per session, encodes each
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +117,19 @@ class Vision:
         self.image_token_id = int(_token_id(processor, self.image_token))
         self.mrope = hasattr(self.text.language_model, "get_rope_index")
         self.max_images = MAX_IMAGES
+        # Gemma 3's scheme: the template writes a marker (<start_of_image>) per image, and the processor puts
+        # a text in its place (newlines and boundary tokens around the image tokens) before tokenizing.
+        sequence = getattr(processor, "full_image_sequence", None)
+        marker = getattr(processor, "boi_token", None)
+        self.expansion = (marker, sequence) if isinstance(sequence, str) and isinstance(marker, str) else None
+        if hasattr(self.text.language_model, "make_cache"):  # e.g. Gemma 3's sliding-window layers
+            self.text.make_cache = lambda: _lm_caches(vlm, self.text.language_model.make_cache())
+        self._masked = "mask" in inspect.signature(vlm.get_input_embeddings).parameters
+
+    def rewrite(self, text: str) -> str:
+        """A rendered prompt as the processor would tokenize it: each image's marker replaced by its text
+        (Gemma 3); unchanged for a model whose image placeholder is a single token to expand."""
+        return text if self.expansion is None else text.replace(*self.expansion)
 
     def encode(self, image: Image) -> Encoded:
         """Run the processor and the vision tower on ``image``: its placeholder ids and their embeddings."""
@@ -123,16 +137,21 @@ class Vision:
             raise CacheError(f"Image {image.short} is known by its hash only (a cache file saved without pixels) and "
                              "this turn needs it again: send the image again, or save with save_cache(path, images=True).")
         try:
-            out = self.processor(text=[self.image_token], images=[image.pixels])
+            out = self.processor(text=[self.expansion[0] if self.expansion else self.image_token], images=[image.pixels])
         except Exception as exc:  # the processor's own checks (sizes, modes...)
             raise InvalidMessageError(f"The model's processor could not take image {image.short}: {exc}.") from None
         ids = [int(t) for t in _ints(out["input_ids"])]
         extra = {k: mx.array(v) for k, v in out.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
-        first = ids.index(self.image_token_id)
-        ids = ids[first:]  # the tokenizer's BOS, if it adds one, is not the image's
+        first = end = ids.index(self.image_token_id)
+        while end < len(ids) and ids[end] == self.image_token_id:
+            end += 1
+        ids = ids[first:end]  # the image's tokens (not a BOS, nor the boundary tokens around them: text)
+        if self._masked:  # Gemma 3's wants the prompt's mask
+            extra["mask"] = mx.ones((1, len(ids)), dtype=mx.int32)
         features = self.vlm.get_input_embeddings(
             mx.array([ids]), mx.array(out["pixel_values"]), **extra
-        ).inputs_embeds[0]  # one row per id: the image's features where its tokens are
+        ).inputs_embeds[0]  # one row per id: the image's features
+        extra.pop("mask", None)
         mx.eval(features)
         return Encoded(tuple(ids), features, extra)
 
@@ -256,6 +275,23 @@ class ImageTable:
         other._encoded = dict(self._encoded)
         other._deltas = dict(self._deltas)
         return other
+
+
+def _lm_caches(vlm: nn.Module, caches: Sequence[Any]) -> list[Any]:
+    """mlx-lm's cache layers for the layers an mlx-vlm model's ``make_cache`` gives (mlx-vlm has classes of
+    its own, alike): plain and sliding-window (rotating) layers."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    out: list[Any] = []
+    for c in caches:
+        name = type(c).__name__
+        if name == "KVCache":
+            out.append(KVCache())
+        elif name == "RotatingKVCache":
+            out.append(RotatingKVCache(max_size=c.max_size, keep=c.keep))
+        else:
+            raise ModelLoadError(f"{type(vlm).__module__}: its {name} cache layers are not supported by chatkit yet.")
+    return out
 
 
 def _ints(values: Any) -> list[int]:

@@ -50,12 +50,13 @@ class Prompting:
         """The prompt ids of ``messages`` after the instructions (each image's placeholder expanded to its
         tokens)."""
         images = self.images(messages)
+        vision = self.vision.vision if self.vision is not None else None
         ids = self.template.encode(
             self._with_system(messages), tools=self.tools, add_generation_prompt=add_generation_prompt,
-            template_kwargs=params.chat_template_kwargs(),
+            template_kwargs=params.chat_template_kwargs(), rewrite=vision.rewrite if vision is not None else None,
         )
-        if not images or self.vision is None:
-            return ids
+        if not images or self.vision is None or self.vision.vision.expansion is not None:
+            return ids  # (an expansion wrote the image tokens already)
         return expand(ids, images, self.vision.placeholder, self.vision.ids)
 
     def images(self, messages: Sequence[ChatMessage]) -> list[Image]:

@@ -78,9 +78,12 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         add_generation_prompt: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
+        rewrite: Callable[[str], str] | None = None,
     ) -> list[int]:
-        """The prompt's token ids; the template writes its own special tokens (BOS included)."""
-        return self._encoder.encode(self._render(messages, tools, add_generation_prompt, template_kwargs))
+        """The prompt's token ids; the template writes its own special tokens (BOS included). ``rewrite``
+        changes what the template wrote before it is tokenized (a vision model's image markers)."""
+        text = self._render(messages, tools, add_generation_prompt, template_kwargs)
+        return self._encoder.encode(text if rewrite is None else rewrite(text))
 
     def capabilities(self) -> Capabilities:
         """What this template renders (probed once per template text; see ``chatkit.text.capabilities``)."""
