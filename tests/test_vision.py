@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("mlx_vlm")
 
 GREEDY = GenerateParams(max_tokens=8, temperature=0.0)
-ARCHS = ["qwen2_vl", "llava"]
+ARCHS = ["qwen2_vl", "llava", "gemma3"]
 
 
 def picture(seed, shape=(60, 70, 3)):
@@ -56,11 +56,11 @@ def test_one_turn_matches_mlx_vlm_generate(vlm, arch):
     ours = reply_tokens(s, "What is in this picture?", images=[image])
     processor = lm.vision.processor
     inputs = processor(text=[text], images=[as_image(image).pixels])
-    ids = mx.array(inputs["input_ids"])
+    ids, mask = mx.array(inputs["input_ids"]), mx.array(inputs["attention_mask"])
     if ids[0, 0].item() == lm.tokenizer.bos_token_id and text.startswith(lm.tokenizer.bos_token or "\0"):
-        ids = ids[:, 1:]  # the template wrote the BOS already
+        ids, mask = ids[:, 1:], mask[:, 1:]  # the template wrote the BOS already
     extra = {k: mx.array(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "pixel_values")}
-    steps = generate_step(ids, lm.vision.vlm, mx.array(inputs["pixel_values"]), None, max_tokens=len(ours),
+    steps = generate_step(ids, lm.vision.vlm, mx.array(inputs["pixel_values"]), mask, max_tokens=len(ours),
                           temperature=0.0, **extra)
     theirs = [int(t) for t, _ in steps]
     assert ours == theirs
@@ -180,8 +180,9 @@ def test_bad_images_are_refused_before_anything_changes(vlm, tiny, monkeypatch):
     assert s.history == [] and s._conversation.cache.empty and s._images.encodings == 0
 
 
-def test_save_and_restore_continue_without_re_encoding(vlm, tmp_path):
-    lm = vlm("qwen2_vl")
+@pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3"])  # gemma3: sliding-window (rotating) cache layers too
+def test_save_and_restore_continue_without_re_encoding(vlm, tmp_path, arch):
+    lm = vlm(arch)
     s = session(lm)
     reply_tokens(s, "Describe it.", images=[picture(11)])
     s.save_cache(tmp_path / "chat.safetensors")

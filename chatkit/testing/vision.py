@@ -5,6 +5,10 @@
 ``"qwen2_vl"``: Qwen2-VL (a ViT over 14x14 patches merged 2x2; ``<|vision_start|><|image_pad|>*N<|vision_end|>``;
 M-RoPE positions), Qwen's byte-level BPE and the Qwen2-VL chat template, mlx-vlm's Qwen2-VL processor
 (``preprocessor_config.json``: images are resized to 56x56 .. 112x112 pixels, 4 .. 16 image tokens).
+``"gemma3"``: Gemma 3 (a SigLIP ViT pooled to ``mm_tokens_per_image`` soft tokens; the template writes one
+``<start_of_image>`` per image, which the processor replaces by the text ``\n\n<start_of_image>`` + 4 x
+``<image_soft_token>`` + ``<end_of_image>\n\n`` before tokenizing; plain RoPE, sliding-window layers), a
+Gemma-style tokenizer and Gemma 3's chat template, mlx-vlm's Gemma 3 processor (28x28 images).
 ``"llava"``: LLaVA-1.5 (CLIP ViT + MLP projector over a Llama; one ``<image>`` expanded to one token per
 patch, plain RoPE), a SentencePiece-style tokenizer with ``<image>``, LLaVA's ``USER: <image>\\n... ASSISTANT:``
 template, and its processor (``processor_config.json`` + a CLIP image processor at 28x28: 4 image tokens).
@@ -29,7 +33,7 @@ from .tokenizers import TokenizerFiles, _files, _qwen_bpe, _sentencepiece_like
 if TYPE_CHECKING:
     from ..model.loaded import LoadedModel
 
-VISION_ARCHS: tuple[str, ...] = ("qwen2_vl", "llava")
+VISION_ARCHS: tuple[str, ...] = ("qwen2_vl", "llava", "gemma3")
 TEXT_SIZES: tuple[str, ...] = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                "num_key_value_heads")
 
@@ -60,6 +64,26 @@ LLAVA_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
 )
 
+# Gemma 3's chat template (as released): images as <start_of_image>, the system text before the first user's.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- if messages[0]['content'] is string -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- else -%}"
+    "{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}{%- else -%}{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}{%- elif item['type'] == 'text' -%}"
+    "{{ item['text'] | trim }}{%- endif -%}{%- endfor -%}{%- else -%}{{ raise_exception(\"Invalid content type\") }}"
+    "{%- endif -%}{{ '<end_of_turn>\n' }}{%- endfor -%}{%- if add_generation_prompt -%}{{'<start_of_turn>model\n'}}"
+    "{%- endif -%}"
+)
+
 _QWEN_VL_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
                      "<|image_pad|>", "<|video_pad|>")
 _MEAN, _STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
@@ -82,6 +106,17 @@ def _llava_tokenizer() -> TokenizerFiles:
               "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
               "chat_template": LLAVA_TEMPLATE}
     return _files("llava", tok, config, bos="<s>", eos=("</s>",), pad="<pad>")
+
+
+def _gemma3_tokenizer() -> TokenizerFiles:
+    specials = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>",
+                "<end_of_image>", "<image_soft_token>")
+    tok = _sentencepiece_like(specials, bos="<bos>", unk="<unk>", dummy_prefix=False)
+    config = {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>", "pad_token": "<pad>",
+              "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+              "chat_template": GEMMA3_TEMPLATE, "extra_special_tokens": {
+                  "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}}
+    return _files("gemma3", tok, config, bos="<bos>", eos=("<eos>", "<end_of_turn>"), pad="<pad>")
 
 
 def _text(vocab: int, sizes: dict[str, int], **extra: Any) -> dict[str, Any]:
@@ -132,15 +167,42 @@ def _llava(tok: TokenizerFiles, ids: dict[str, int], sizes: dict[str, int]) -> t
     return config, image, processor
 
 
+def _gemma3(tok: TokenizerFiles, ids: dict[str, int], sizes: dict[str, int]) -> tuple[dict[str, Any], ...]:
+    text = _text(tok.vocab_size, sizes)
+    config = {
+        "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": {"model_type": "gemma3_text", **text, "head_dim": text["hidden_size"] // text["num_attention_heads"],
+                        "query_pre_attn_scalar": text["hidden_size"] // text["num_attention_heads"],
+                        "sliding_window": 512, "sliding_window_pattern": 2, "mm_tokens_per_image": 4},
+        "vision_config": {"model_type": "siglip_vision_model", "num_hidden_layers": 2, "hidden_size": 32,
+                          "intermediate_size": 64, "num_attention_heads": 2, "image_size": 28, "patch_size": 7,
+                          "layer_norm_eps": 1e-6},
+        "image_token_index": ids["<image_soft_token>"], "boi_token_index": ids["<start_of_image>"],
+        "eoi_token_index": ids["<end_of_image>"], "mm_tokens_per_image": 4, "hidden_size": text["hidden_size"],
+        "vocab_size": tok.vocab_size, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
+        "eos_token_id": list(tok.eos_token_ids),
+    }
+    image = {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+             "do_resize": True, "size": {"height": 28, "width": 28}, "do_rescale": True, "rescale_factor": 1 / 255,
+             "do_normalize": True, "do_convert_rgb": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+             "resample": 2, "do_pan_and_scan": False}
+    return config, image, {"processor_class": "Gemma3Processor", "image_seq_length": 4}
+
+
+_ARCHS = {"qwen2_vl": (_qwen_vl_tokenizer, _qwen2_vl), "llava": (_llava_tokenizer, _llava),
+          "gemma3": (_gemma3_tokenizer, _gemma3)}
+
+
 def _build(folder: Path, arch: str, seed: int, sizes: dict[str, int]) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
-    tok = _qwen_vl_tokenizer() if arch == "qwen2_vl" else _llava_tokenizer()
+    tokenizer, configs = _ARCHS[arch]
+    tok = tokenizer()
     ids = json.loads(tok.tokenizer_json)["added_tokens"]
     ids = {t["content"]: t["id"] for t in ids}
-    config, image, processor = (_qwen2_vl if arch == "qwen2_vl" else _llava)(tok, ids, sizes)
+    config, image, processor = configs(tok, ids, sizes)
     module, _ = get_model_and_args(config)
     copy = json.loads(json.dumps(config))
     model_config = update_module_configs(module.ModelConfig.from_dict(copy), module, copy, ["text", "vision"])
@@ -209,4 +271,4 @@ def tiny_vision_model(arch: str = "qwen2_vl", seed: int = 0, **text_sizes: int) 
     return _loaded(arch, seed, _check(arch, seed, text_sizes))
 
 
-__all__ = ["LLAVA_TEMPLATE", "QWEN2_VL_TEMPLATE", "TEXT_SIZES", "VISION_ARCHS", "tiny_vision_model", "tiny_vision_model_path"]
+__all__ = ["GEMMA3_TEMPLATE", "LLAVA_TEMPLATE", "QWEN2_VL_TEMPLATE", "TEXT_SIZES", "VISION_ARCHS", "tiny_vision_model", "tiny_vision_model_path"]
