@@ -271,6 +271,22 @@ def test_bigger_text_towers_for_benchmarks(vlm):
             tiny_vision_model_path("qwen2_vl", **bad)
 
 
+def test_gemma3_keeps_its_sliding_window_layers_as_mlx_lm_caches(vlm):
+    """Gemma 3's language model makes mlx-vlm cache layers: the session keeps mlx-lm's of the same shape; a
+    kind of layer chatkit cannot keep is refused (at load)."""
+    from chatkit.errors import ModelLoadError
+    from chatkit.model.vision import _lm_caches
+
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    lm = vlm("gemma3")
+    s, _ = image_turn(lm, 7)
+    assert [type(c) for c in s._conversation.cache.layers] == [RotatingKVCache, KVCache]
+    ArraysCache = type("ArraysCache", (), {})
+    with pytest.raises(ModelLoadError, match="mlx-vlm directly"):
+        _lm_caches([ArraysCache()])
+
+
 def test_mrope_positions_continue_after_the_prompt():
     from chatkit.model.vision import Positions
 

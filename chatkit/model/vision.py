@@ -122,8 +122,10 @@ class Vision:
         sequence = getattr(processor, "full_image_sequence", None)
         marker = getattr(processor, "boi_token", None)
         self.expansion = (marker, sequence) if isinstance(sequence, str) and isinstance(marker, str) else None
-        if hasattr(self.text.language_model, "make_cache"):  # e.g. Gemma 3's sliding-window layers
-            self.text.make_cache = lambda: _lm_caches(vlm, self.text.language_model.make_cache())
+        language = self.text.language_model
+        if hasattr(language, "make_cache"):  # e.g. Gemma 3's sliding-window layers
+            _lm_caches(language.make_cache())  # ModelLoadError now, for layers chatkit cannot keep
+            self.text.make_cache = lambda: _lm_caches(language.make_cache())
         self._masked = "mask" in inspect.signature(vlm.get_input_embeddings).parameters
 
     def rewrite(self, text: str) -> str:
@@ -277,7 +279,7 @@ class ImageTable:
         return other
 
 
-def _lm_caches(vlm: nn.Module, caches: Sequence[Any]) -> list[Any]:
+def _lm_caches(caches: Sequence[Any]) -> list[Any]:
     """mlx-lm's cache layers for the layers an mlx-vlm model's ``make_cache`` gives (mlx-vlm has classes of
     its own, alike): plain and sliding-window (rotating) layers."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -290,7 +292,8 @@ def _lm_caches(vlm: nn.Module, caches: Sequence[Any]) -> list[Any]:
         elif name == "RotatingKVCache":
             out.append(RotatingKVCache(max_size=c.max_size, keep=c.keep))
         else:
-            raise ModelLoadError(f"{type(vlm).__module__}: its {name} cache layers are not supported by chatkit yet.")
+            raise ModelLoadError(f"This vision-language model's language model keeps {name} cache layers, which "
+                                 "chatkit cannot reuse across turns yet: run it with mlx-vlm directly.")
     return out
 
 
