@@ -132,3 +132,35 @@ def test_a_stored_response_is_on_disk_before_the_client_hears_it_completed(tiny,
             else:
                 pytest.fail("no response.completed event")
         assert httpx.get(f"{running.url}/responses/{rid}", timeout=60).json()["id"] == rid
+
+
+def test_serve_freezes_what_is_loaded_before_it_serves(tiny, monkeypatch):
+    import gc
+
+    import chatkit.server.run as run
+
+    frozen = []
+    monkeypatch.setattr(run.uvicorn, "run", lambda app, **kwargs: frozen.append(gc.get_freeze_count()))
+    try:
+        run.serve(tiny("qwen3", "bpe", 0), ServerConfig(defaults=PARAMS))
+    finally:
+        gc.unfreeze()
+    assert frozen and frozen[0] > 10_000  # the model, its tokenizer and the libraries: out of the collector's reach
+
+
+def test_a_messages_key_json_is_remembered_only_where_it_is_safe():
+    from chatkit.messages import ChatMessage, ToolCall
+    from chatkit.server.keys import message_json, prefix_keys
+
+    def plain(m):
+        return json.dumps(m.to_dict(), ensure_ascii=False, sort_keys=True)
+
+    text = "Question: the castle and the river?"
+    first, again = ChatMessage.user(text), ChatMessage.user(text)  # a client re-sends the same message
+    assert message_json(first) == plain(first) and message_json(again) is message_json(first)  # made once
+    assert message_json(ChatMessage.user(text + "!")) != message_json(first)
+    call = ChatMessage.assistant("", tool_calls=(ToolCall("c1", "add", {"a": 1, "b": [2]}),))  # unhashable arguments
+    assert message_json(call) == plain(call)
+    history = (first, call)
+    assert prefix_keys("sys", history) == prefix_keys("sys", (again, call))
+    assert prefix_keys("sys", history)[-1] != prefix_keys("sys", (ChatMessage.user(text + "!"), call))[-1]

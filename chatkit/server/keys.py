@@ -3,6 +3,7 @@ messages), one per prefix, so the server finds the pooled session that holds it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -37,7 +38,23 @@ def prefix_keys(instructions: str | None, history: Sequence[ChatMessage], tools:
 
 
 def message_json(message: ChatMessage) -> str:
+    """``message`` as canonical JSON (what its keys hash). A client re-sends the whole conversation
+    each turn, so the JSON of the last ``JSON_MEMO`` messages without images is remembered (by the
+    message's value, a hash away): a request then pays for its new messages only."""
+    if message.images:  # not kept alive for this
+        return _to_json(message)
+    try:
+        return _remembered_json(message)
+    except TypeError:  # a message holding an unhashable value (a tool call's arguments): not remembered
+        return _to_json(message)
+
+
+def _to_json(message: ChatMessage) -> str:
     return json.dumps(message.to_dict(), ensure_ascii=False, sort_keys=True)
+
+
+JSON_MEMO = 2048
+_remembered_json = functools.lru_cache(maxsize=JSON_MEMO)(_to_json)
 
 
 def conversation_key(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None) -> str:
