@@ -39,8 +39,9 @@ played with the header ``X-Chatkit-Trace: 1``, on which the server stamps each s
 its turns after the first (a continued conversation, the case that matters), beside the in-process
 session's render, prefill and total.
 
-``--quick``: 6 turns, 1 round, no re-prefill, no mlx_lm.server, no waiting for a quiet machine (to
-check that the script runs; its figures are not worth reporting).
+``--quick``: 6 turns, 1 round (unless ``--turns`` / ``--rounds`` say otherwise), no re-prefill, no
+mlx_lm.server, no waiting for a quiet machine (to check that the script runs, or to compare two
+versions of chatkit serve on a busy machine; its figures are not worth reporting).
 
 **How it is timed, fairly.** TTFT is from the start of a turn to the first chunk with text: in-process,
 from the ``stream_respond`` call; over HTTP, from the request's first byte sent (its JSON made before
@@ -48,15 +49,16 @@ the clock starts, as the message is, in-process) to the first event with text re
 client on ``http.client`` (one kept-alive connection; it parses the real server-sent events, and
 does little else, so the client's own work is not counted as the server's). The contenders are
 **paired**: a round plays the conversation turn by turn, every contender's turn t (same prompt)
-before anyone's turn t + 1, in an order that rotates from turn to turn and round to round (each
-contender goes before and after the in-process session equally often), ``--settle`` seconds between
-two turns; each HTTP turn's ratio is to the in-process turn of the same round, played seconds before
+before anyone's turn t + 1, in an order that changes from turn to turn (``order``: over two turns
+each contender goes once before and once after the in-process session), ``--settle`` seconds between
+two turns (a server's worker threads stay warm, as they do for a client that keeps talking); each HTTP turn's ratio is to the in-process turn of the same round, played seconds before
 or after it (load that drifts over a minute cancels out), and the table shows per turn the median
 TTFT and the median of those ratios over the rounds, the summary also the ratios' 90th percentile and
 maximum over every turn of every round (the spread). Each round uses its own system prompt (no server
 can reuse another round's conversation). After the warm-up (a 2-turn conversation each) the bench
 process calls ``gc.freeze()``, as ``chatkit serve`` does once its model is loaded, so that no full
 garbage collection over the model's objects lands in a timed turn on either side.
+
 Checks: all four produce the same replies, token for token (greedy), and the servers report how many
 prompt tokens they took from their cache (``usage.prompt_tokens_details.cached_tokens``).
 """
@@ -304,20 +306,22 @@ def stage_table(traced: dict[str, list[dict[str, float]]], local: list[dict[str,
 
 
 def order(names: list[str], k: int) -> list[str]:
-    """The order of the ``k``-th turn played (round plus turn): rotated by one each time; the two chatkit
-    servers side by side, their order swapped every other time (each of the pair follows the same
-    contenders equally often)."""
-    names = names[k % len(names):] + names[:k % len(names)]
+    """The order of the ``k``-th turn played (round plus turn): rotated by one every other time, and
+    mirrored every other time, so that over two turns each contender goes once before and once after
+    each other one (the in-process session included); the two chatkit servers side by side."""
+    j = (k // 2) % len(names)
+    names = names[j:] + names[:j]
+    if k % 2:
+        names.reverse()
     if STORED in names:
         names.remove(STORED)
-        at = names.index("chatkit serve")
-        names.insert(at + (k % 2 == 0), STORED)
+        names.insert(names.index("chatkit serve") + (k // 2 % 2 == 0), STORED)
     return names
 
 
 def play(players: dict, messages: list[str], r: int, settle: float, think: float = 0.0) -> dict[str, list[Turn]]:
     """Round ``r``: the conversation turn by turn, every contender's turn t before any contender's turn
-    t + 1, in an order that rotates from turn to turn (``order``), ``settle`` seconds between two
+    t + 1, in an order that changes from turn to turn (``order``), ``settle`` seconds between two
     contenders' turns (``think`` more after an HTTP client's: a user reading the reply)."""
     out: dict[str, list[Turn]] = {n: [] for n in players}
     for t, m in enumerate(messages):
@@ -366,8 +370,8 @@ def pick_model(name: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--turns", type=int, default=20)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--turns", type=int, help="user messages per conversation (default 20; --quick: 6)")
+    ap.add_argument("--rounds", type=int, help="conversations per contender (default 3; --quick: 1)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--store", action="store_true", help="also run chatkit serve --store (a temporary folder)")
     ap.add_argument("--settle", type=float, default=0.25, help="seconds between two contenders' turns")
@@ -382,7 +386,9 @@ def main() -> None:
     if not apis or any(x not in APIS for x in apis):
         ap.error(f"--api: a comma-separated list of {', '.join(APIS)}")
     if a.quick:
-        a.turns, a.rounds, a.settle, a.trace_turns = 6, 1, 0.05, 4
+        a.settle, a.trace_turns = 0.05, 4
+    a.turns = a.turns or (6 if a.quick else 20)
+    a.rounds = a.rounds or (1 if a.quick else 3)
 
     lm = pick_model(a.model)
     folder = str(lm.source)
