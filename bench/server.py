@@ -51,7 +51,9 @@ does little else, so the client's own work is not counted as the server's). The 
 **paired**: a round plays the conversation turn by turn, every contender's turn t (same prompt)
 before anyone's turn t + 1, in an order that changes from turn to turn (``order``: over two turns
 each contender goes once before and once after the in-process session), ``--settle`` seconds between
-two turns (a server's worker threads stay warm, as they do for a client that keeps talking); each HTTP turn's ratio is to the in-process turn of the same round, played seconds before
+two turns (longer than OpenBLAS's threads spin after their last work, so that one contender's idle
+threads do not take the cores from the next one's; a server's worker threads stay warm, as they do for
+a client that keeps talking); each HTTP turn's ratio is to the in-process turn of the same round, played seconds before
 or after it (load that drifts over a minute cancels out), and the table shows per turn the median
 TTFT and the median of those ratios over the rounds, the summary also the ratios' 90th percentile and
 maximum over every turn of every round (the spread). Each round uses its own system prompt (no server
