@@ -381,14 +381,17 @@ def main() -> None:
     ap.add_argument("--api", default="chat,responses,messages",
                     help="the APIs chatkit serve is played over: chat, responses, messages (comma-separated)")
     ap.add_argument("--model", choices=("bench", "demo", "tiny"), default="bench")
-    ap.add_argument("--trace-turns", type=int, default=8, help="turns of the traced conversation (stage table)")
+    ap.add_argument("--trace-turns", type=int, help="turns of the traced conversation (stage table; default 8, --quick: 4)")
+    ap.add_argument("--max-wait", type=float, default=300.0,
+                    help="seconds to wait for a quiet machine before the rounds (default 300; --quick: 0)")
     ap.add_argument("--quick", action="store_true", help="a short run that checks the script works")
     a = ap.parse_args()
     apis = [x.strip() for x in a.api.split(",") if x.strip()]
     if not apis or any(x not in APIS for x in apis):
         ap.error(f"--api: a comma-separated list of {', '.join(APIS)}")
     if a.quick:
-        a.settle, a.trace_turns = 0.05, 4
+        a.settle = 0.05
+    a.trace_turns = a.trace_turns or (4 if a.quick else 8)
     a.turns = a.turns or (6 if a.quick else 20)
     a.rounds = a.rounds or (1 if a.quick else 3)
 
@@ -427,7 +430,7 @@ def main() -> None:
         play(players("warm-up", names), messages[:2], 0, 0.0)  # one short conversation each
         gc.collect()
         gc.freeze()  # as chatkit serve does once its model is loaded: no full collection over the model's objects
-        print(wait_until_quiet(max_wait=0 if a.quick else 300))
+        print(wait_until_quiet(max_wait=0 if a.quick else a.max_wait))
         load = OtherLoad()
         rounds = []
         for r in range(a.rounds):
