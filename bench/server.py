@@ -376,7 +376,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, help="conversations per contender (default 3; --quick: 1)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--store", action="store_true", help="also run chatkit serve --store (a temporary folder)")
-    ap.add_argument("--settle", type=float, default=0.25, help="seconds between two contenders' turns")
+    ap.add_argument("--settle", type=float, help="seconds between two contenders' turns (default 0.25; --quick: 0.05)")
     ap.add_argument("--think", type=float, default=0.0, help="seconds more after an HTTP client's turn")
     ap.add_argument("--api", default="chat,responses,messages",
                     help="the APIs chatkit serve is played over: chat, responses, messages (comma-separated)")
@@ -389,8 +389,7 @@ def main() -> None:
     apis = [x.strip() for x in a.api.split(",") if x.strip()]
     if not apis or any(x not in APIS for x in apis):
         ap.error(f"--api: a comma-separated list of {', '.join(APIS)}")
-    if a.quick:
-        a.settle = 0.05
+    a.settle = a.settle if a.settle is not None else (0.05 if a.quick else 0.25)
     a.trace_turns = a.trace_turns or (4 if a.quick else 8)
     a.turns = a.turns or (6 if a.quick else 20)
     a.rounds = a.rounds or (1 if a.quick else 3)
