@@ -275,3 +275,26 @@ def test_library_advice_for_python_callers_is_cut_from_http_replies(library):
 def test_server_worded_errors_are_sent_as_they_are():
     assert http_message(BadRequestError("after: 'f()' is not an input item.")) == "after: 'f()' is not an input item."
     assert http_message(TemplateError("The template failed: no loop.")) == "The template failed: no loop."
+
+
+# -- a client gone before the first byte ----------------------------------------------------------
+@pytest.mark.parametrize("path,body", [
+    ("/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ("/responses", {"input": "Hi"}),
+    ("/messages", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6}),
+])
+def test_a_stream_whose_client_left_before_its_first_byte_frees_its_slot(lm, path, body):
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    with start(lm, ServerConfig(model_id=MODEL, defaults=PARAMS, parallel=1, queue=0)) as running:
+        url = urlsplit(running.url)
+        raw = json.dumps({"model": MODEL, "stream": True, **body}).encode()
+        for _ in range(3):  # each sends a whole request and hangs up at once
+            with socket.create_connection((url.hostname, url.port)) as s:
+                s.sendall(f"POST {url.path}{path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+        for _ in range(2):  # one slot, no queue: a slot kept by a gone client would make these 503s
+            r = httpx.post(running.url + path, json={"model": MODEL, **body}, timeout=60)
+            assert r.status_code == 200, r.text
