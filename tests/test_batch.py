@@ -182,7 +182,7 @@ def test_a_cancelled_and_a_failing_session_leave_the_others_intact(lm, engine):
     assert bad.respond("Now it works.") == session_for(lm, params=params.copy()).respond("Now it works.")
 
 
-def test_during_a_batched_turn_only_the_batch_holds_the_cache_and_a_failed_turn_starts_the_next_afresh(lm, engine):
+def test_during_a_batched_turn_only_the_batch_holds_the_cache_and_a_failed_turn_keeps_its_prompt(lm, engine):
     params = params_for(lm, 6, no_eos=True)
     session = session_for(lm, params=params.copy(), engine=engine)
     session.respond("Hello there!")
@@ -195,22 +195,34 @@ def test_during_a_batched_turn_only_the_batch_holds_the_cache_and_a_failed_turn_
 
     session.generate_params = params.copy(logits_processors=[watch])
     session.respond("And then?")
-    assert alive and max(alive) == 0  # from the first step on the session's own layers are freed: not held twice
+    # The first token is sampled on the session's own cache; then it joins the batch and lets go of it.
+    assert len(alive) >= 6 and alive[0] == len(held) and max(alive[1:]) == 0
     assert_ledger_matches_cache(session)
 
     class Boom(Exception):
         pass
 
-    def boom(tokens, logits):
-        raise Boom("processor failed")
+    calls = []
 
+    def boom(tokens, logits):
+        calls.append(1)
+        if len(calls) > 2:
+            raise Boom("processor failed")
+        return logits
+
+    before = len(cache_state(session).ledger)
     session.generate_params = params.copy(logits_processors=[boom])
     with pytest.raises(Boom):
         session.respond("This one fails.")
-    assert len(session.history) == 4 and cache_state(session).empty  # the messages stay; the cache went with the batch
+    assert len(session.history) == 4  # the failed turn changed no message
+    # The batch handed the cache back, cut to the failed turn's prompt: the next turn reuses it.
+    state = cache_state(session)
+    assert len(state.ledger) > before and not state.empty
+    assert_ledger_matches_cache(session)
     session.generate_params = params.copy()
     expected = fresh_reply(session, "Go on.")
     assert turn_tokens(session, "Go on.") == expected
+    assert session.last_stats.reused_tokens >= before
     assert_ledger_matches_cache(session)
 
 
@@ -394,3 +406,49 @@ def test_pool_evictions_restore_onto_the_engine(lm, engine, tmp_path):
             assert turn_tokens(session, f"Turn {turn} for {key}.") == expected
             assert_ledger_matches_cache(session)
     assert pool.evicted("a")
+
+
+def test_a_batched_turn_prefills_in_the_sessions_own_chunks(lm):
+    """The session's ``prefill_step_size`` holds in the batch (at most the engine's per step)."""
+    params = params_for(lm, 4, no_eos=True)
+    seen = []
+    with BatchEngine(lm, max_batch=2, prefill_step_size=512) as engine:
+        session = session_for(lm, params=params.copy(), engine=engine, prefill_step_size=8,
+                              prefill_progress=lambda done, total: seen.append((done, total)))
+        tokens = turn_tokens(session, prompt_of(40))
+        total = seen[-1][1]
+        assert total > 40 and seen[0] == (0, total) and seen[-1] == (total, total)
+        dones = [d for d, _ in seen[1:-1]]
+        assert dones == list(range(8, total - 1, 8)) + ([total - 1] if (total - 1) % 8 else [])
+        assert tokens == alone(lm, prompt_of(40), params)
+    with BatchEngine(lm, max_batch=2, prefill_step_size=16) as engine:  # the engine's step is the bound
+        seen.clear()
+        session = session_for(lm, params=params.copy(), engine=engine, prefill_step_size=64,
+                              prefill_progress=lambda done, total: seen.append((done, total)))
+        turn_tokens(session, prompt_of(40))
+        assert [d for d, _ in seen[1:3]] == [16, 32]
+
+
+def test_closing_the_engine_mid_turn_leaves_the_session_its_cache(lm):
+    params = params_for(lm, 60, no_eos=True)
+    engine = BatchEngine(lm, max_batch=2)
+    session = session_for(lm, params=params_for(lm, 5, no_eos=True), engine=engine)
+    session.respond("Hello there!")
+    held = len(cache_state(session).ledger)
+    session.generate_params = params.copy()
+    stream = session.stream_respond("Tell me a long story.")
+    next(stream)
+    engine.close()
+    with pytest.raises(InvalidParamsError, match="closed"):
+        for _ in stream:
+            pass
+    assert len(session.history) == 2 and not session.busy
+    state = cache_state(session)
+    assert len(state.ledger) > held  # the cache came back with the failed turn's prompt
+    assert_ledger_matches_cache(session)
+    # The same conversation, on a session without an engine, reuses that cache and answers as a fresh one.
+    plain = session_for(lm, params=params_for(lm, 5, no_eos=True), history=session.history)
+    plain._conversation.cache = state
+    expected = fresh_reply(plain, "Go on.")
+    assert turn_tokens(plain, "Go on.") == expected
+    assert plain.last_stats.reused_tokens >= held

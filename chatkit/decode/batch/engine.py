@@ -1,0 +1,363 @@
+"""``BatchEngine``: the scheduler thread that owns the model and steps every batched turn together."""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from ...cache.prefix import PrefixCache
+from ...errors import InvalidParamsError
+from ...model.loaded import LoadedModel
+from .. import TokenSource
+from ..local import LocalSource
+from ..speculative import NgramIndex
+from ..speculative.policy import choose, record_draft, record_miss, record_plain
+from .job import Job
+from .rows import Delivery, Row, Rows, Seen
+from .source import BatchSource
+
+HANDBACK_WAIT = 60.0  # seconds a closing turn waits for the scheduler to hand its cache back
+DEFAULT_PREFIX_BYTES = 512 * 1024 * 1024
+CLEAR_EVERY = 512  # steps between releases of MLX's buffer cache (as mlx-lm's BatchGenerator)
+clock = time.perf_counter
+
+
+class BatchEngine:
+    """Decodes the concurrent turns of the sessions built with it together (continuous batching).
+
+    ``engine = chatkit.BatchEngine(lm, max_batch=16)``; then ``ChatSession.builder(lm).engine(engine)``
+    or ``SessionPool(lm, ..., engine=engine)``. At most ``max_batch`` turns decode at once (more wait
+    for a free place); a new turn's prompt is prefilled between the others' decode steps, at most
+    ``prefill_step_size`` tokens per step (and in chunks of at most the session's own
+    ``prefill_step_size``). ``prefix_cache_bytes`` bounds the shared prefix cache (0
+    turns it off): a session starting from an empty cache reuses the KV of the longest prompt prefix
+    another session of this engine already prefilled. Close it (or use it as a context manager) when done.
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        max_batch: int = 16,
+        *,
+        prefill_step_size: int = 512,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_BYTES,
+    ) -> None:
+        if not isinstance(lm, LoadedModel):
+            raise InvalidParamsError(f"BatchEngine needs a chatkit.load(...) result, got {type(lm).__name__}.")
+        for name, value, low in (("max_batch", max_batch, 1), ("prefill_step_size", prefill_step_size, 1),
+                                 ("prefix_cache_bytes", prefix_cache_bytes, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise InvalidParamsError(f"{name}={value!r}: must be an int >= {low}.")
+        if lm.distributed is not None and lm.distributed.sharded:
+            raise InvalidParamsError(
+                "BatchEngine cannot drive a model sharded over several ranks: build the sessions without .engine(...)."
+            )
+        self.lm = lm
+        self.max_batch = max_batch
+        self.prefill_step_size = prefill_step_size
+        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes else None
+        # A turn ends at the tokenizer's end tokens, as its stream does: the engine stops there too,
+        # rather than decoding on until the reader closes.
+        self._eos = frozenset(lm.tokenizer.eos_token_ids)
+        self._cond = threading.Condition()
+        self._inbox: list[Job] = []
+        self._cancels: list[Job] = []
+        self._waiting: deque[Job] = deque()
+        self._prefilling: list[Job] = []
+        self._rows = Rows(lm.model)
+        self._closed = False
+        self._steps = 0
+        self._peak = 0
+        self._turns = 0
+        self._thread = threading.Thread(target=self._run, name="chatkit-batch-engine", daemon=True)
+        self._thread.start()
+        # An engine left open is closed at exit, so that its thread destroys its MLX streams (MLX may
+        # abort the process otherwise).
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- public -------------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (turns then fail with ``InvalidParamsError``)."""
+        return self._closed
+
+    @property
+    def active(self) -> int:
+        """How many turns the engine holds now (prefilling, decoding or waiting for a place)."""
+        with self._cond:
+            return len(self._inbox) + len(self._waiting) + len(self._prefilling) + len(self._rows)
+
+    @property
+    def steps(self) -> int:
+        """Decode steps run so far (one forward pass of the batch each)."""
+        return self._steps
+
+    @property
+    def turns(self) -> int:
+        """Turns handed to the engine so far (those that ran alone not counted)."""
+        return self._turns
+
+    @property
+    def peak_batch(self) -> int:
+        """The most turns decoded in one step so far."""
+        return self._peak
+
+    def source(self, speculative: Any = None) -> TokenSource:
+        """The token source of one session: batched (prompt lookup included), or alone (a draft model,
+        other cache kinds)."""
+        self.check_open()
+        return BatchSource(self, LocalSource(self.lm.model, speculative), speculative)
+
+    def check_open(self) -> None:
+        """``InvalidParamsError`` if the engine was closed."""
+        if self._closed:
+            raise InvalidParamsError("This BatchEngine was closed: create a new one and build the sessions with it.")
+
+    def close(self) -> None:
+        """Stop the scheduler; turns still running fail (their sessions keep their caches)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=HANDBACK_WAIT)
+
+    def __enter__(self) -> BatchEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- the turn's side ----------------------------------------------------------------------
+    def _submit(self, job: Job) -> None:
+        with self._cond:
+            self.check_open()
+            self._inbox.append(job)
+            self._turns += 1
+            self._cond.notify_all()
+
+    def _release(self, job: Job) -> list[Any] | None:
+        """The turn stops reading: take it out of the batch and get its cache back (``None``: the
+        batch never took the session's own layers)."""
+        with self._cond:
+            if not job.finished.is_set():
+                self._cancels.append(job)
+                self._cond.notify_all()
+        if threading.current_thread() is self._thread:  # closed by the garbage collector here: cannot wait
+            return None
+        if not job.finished.wait(HANDBACK_WAIT):
+            return None
+        back, job.handback = job.handback, None  # the session's from now on: the job may outlive the turn
+        return back
+
+    # -- the scheduler ------------------------------------------------------------------------
+    def _run(self) -> None:
+        failure: BaseException = InvalidParamsError(
+            "This BatchEngine was closed during the turn: create a new one and build the sessions with it."
+        )
+        rows = self._rows
+        try:
+            while True:
+                with self._cond:
+                    while not (self._closed or self._inbox or self._cancels or self._waiting
+                               or self._prefilling or rows):
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                    self._waiting.extend(self._inbox)
+                    self._inbox = []
+                    cancels, self._cancels = self._cancels, []
+                with mx.stream(generation_stream):
+                    self._cancel(rows, cancels)
+                    self._admit(rows)
+                    if rows:
+                        self._step(rows)
+        except BaseException as exc:  # a bug of the scheduler itself: fail the turns, never hang them
+            failure = exc
+        finally:
+            with self._cond:
+                self._closed = True
+                jobs = [*self._inbox, *self._waiting, *self._prefilling]
+                self._inbox, self._prefilling = [], []
+                self._waiting.clear()
+            for job in jobs:  # the session's own layers, never taken: the session keeps them
+                job.finish(None, failure)
+            self._fail_rows(rows, failure)
+            mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
+
+    def _cancel(self, rows: Rows, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.finished.is_set():
+                continue
+            idx = [i for i, r in enumerate(rows.rows) if r.job is job]
+            with self._cond:
+                if job in self._waiting:
+                    self._waiting.remove(job)
+                if job in self._prefilling:
+                    self._prefilling.remove(job)
+            job.finish(rows.leave(idx)[0] if idx else None)  # not in the batch: its own layers, kept
+
+    def _admit(self, rows: Rows) -> None:
+        """Start prefilling waiting turns while there is room; feed prompt chunks up to the step's
+        budget; turns whose prompt is in join the batch."""
+        with self._cond:
+            while self._waiting and len(rows) + len(self._prefilling) < self.max_batch:
+                self._prefilling.append(self._waiting.popleft())
+        budget, ready = self.prefill_step_size, []
+        for job in list(self._prefilling):
+            if budget <= 0:
+                break
+            try:
+                budget -= job.prefill(self.lm.model, budget)
+                if job.prefill_done:
+                    ready.append((job, *self._first(job)))
+            except Exception as exc:
+                job.finish(None, exc)
+            if job.finished.is_set() or job.prefill_done:
+                with self._cond:
+                    self._prefilling.remove(job)
+        if ready:
+            self._join(rows, ready)
+
+    def _first(self, job: Job) -> tuple[Row, mx.array, mx.array]:
+        """The prompt's last token fed on the turn's own cache: its row and first token (lazy)."""
+        model, last = self.lm.model, mx.array(job.suffix[-1:], dtype=mx.uint32)
+        seen = Seen([*job.context, *job.suffix[:-1]]) if job.processors else None
+        logits = model(last[None], cache=job.layers)[:, -1, :]
+        if seen is not None:
+            shown = seen.push(last)
+            for processor in job.processors:
+                logits = processor(shown, logits)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        first = job.sampler(logprobs)
+        mx.eval(first, logprobs, [c.state for c in job.layers])
+        index = None
+        if job.lookup is not None:
+            index = NgramIndex([*job.context, *job.suffix], job.lookup.ngram_min, job.lookup.ngram_max)
+        return Row(job, seen, index=index), first, logprobs[0]
+
+    def _join(self, rows: Rows, ready: list[tuple[Job, Row, mx.array, mx.array]]) -> None:
+        """Turns whose first token is sampled join the batch: their caches are moved into its rows,
+        from now on the only copy."""
+        jobs = [r[0] for r in ready]
+        try:
+            rows.join([r[1] for r in ready], [job.layers for job in jobs], [r[2] for r in ready],
+                      [r[3] for r in ready])
+        except Exception as exc:  # the batch's layers may be half-extended: every turn in it fails
+            self._fail_rows(rows, exc)
+            for job in jobs:
+                job.finish(None, exc)
+            return
+        for job in jobs:
+            job.out.put(("progress", (len(job.suffix), len(job.suffix))))
+
+    def _step(self, rows: Rows) -> None:
+        """One forward pass of the batch: plain, or verifying drafts when a row drafted."""
+        t0 = clock()
+        try:
+            drafts, wants = self._drafts(rows)
+            if drafts is None:
+                deliveries, accepted = rows.plain(), None
+            else:
+                deliveries, accepted = rows.verify(drafts)
+        except Exception as exc:  # the shared forward pass failed: every turn in it fails
+            self._fail_rows(rows, exc)
+            return
+        self._steps += 1
+        self._peak = max(self._peak, len(rows))
+        self._record(rows, drafts, wants, accepted, clock() - t0)
+        self._deliver(rows, deliveries)
+        if self._steps % CLEAR_EVERY == 0:
+            mx.clear_cache()
+
+    def _drafts(self, rows: Rows) -> tuple[list[list[int]] | None, list[tuple[int, bool]]]:
+        """Each row's drafts for the next step (``None``: no row drafts, a plain step), and what each
+        row's policy asked for: (draft length, probe)."""
+        wants = []
+        for row in rows.rows:
+            k, probe = (0, False) if row.policy is None or row.index is None else choose(row.policy)
+            wants.append((max(0, min(k, row.job.max_tokens - row.job.delivered - 1)), probe))
+        if not any(k for k, _ in wants):
+            return None, wants
+        drafts = []
+        for row, y, (k, probe) in zip(rows.rows, rows.next_tokens(), wants):
+            drafts.append(row.propose(y, k) if k else [])
+            if k and not drafts[-1] and row.policy is not None:
+                record_miss(row.policy, probe)
+        return (drafts if any(drafts) else None), wants
+
+    def _record(self, rows: Rows, drafts: list[list[int]] | None, wants: list[tuple[int, bool]],
+                accepted: list[int] | None, seconds: float) -> None:
+        """The step's time and each drafting row's acceptance, to the rows' draft-length policies."""
+        for e, row in enumerate(rows.rows):
+            if row.policy is None or row.index is None:
+                continue
+            if drafts is None or accepted is None:
+                record_plain(row.policy, seconds)
+            elif drafts[e]:
+                record_draft(row.policy, len(drafts[e]), accepted[e], seconds, wants[e][1])
+                counts = row.job.drafts
+                counts.drafted, counts.accepted, counts.steps = (
+                    counts.drafted + len(drafts[e]), counts.accepted + accepted[e], counts.steps + 1)
+
+    def _deliver(self, rows: Rows, deliveries: Sequence[Delivery]) -> None:
+        """Hand the step's tokens to their readers; turns that end (EOS, ``max_tokens``, an error of
+        their own sampler or processors) leave with their caches."""
+        done: dict[Job, BaseException | None] = {}
+        for job, token, logprobs, from_draft in deliveries:
+            if job in done or job.error is not None:
+                continue
+            job.put(token, logprobs, from_draft)
+            job.delivered += 1
+            if job.delivered >= job.max_tokens or token in self._eos:
+                done[job] = None
+        for row in rows.rows:
+            if row.job.error is not None:
+                done[row.job] = row.job.error
+        if done:
+            idx = [i for i, r in enumerate(rows.rows) if r.job in done]
+            jobs = [rows.rows[i].job for i in idx]
+            for job, layers in zip(jobs, rows.leave(idx)):
+                job.finish(layers, done[job])
+
+    def _fail_rows(self, rows: Rows, error: BaseException) -> None:
+        """Every turn in the batch fails with ``error``; each gets its cache back if it can be read."""
+        jobs = [r.job for r in rows.rows]
+        try:
+            caches: list[list[Any] | None] = list(rows.leave(range(len(jobs))))
+        except Exception:
+            caches = [None] * len(jobs)
+            rows.clear()
+        for job, layers in zip(jobs, caches):
+            job.finish(layers, error)
+
+
+def check_engine(engine: Any, model: Any) -> None:
+    """``InvalidParamsError`` unless ``engine`` is ``None`` or an open ``BatchEngine`` over ``model``."""
+    if engine is None:
+        return
+    if not isinstance(engine, BatchEngine):
+        raise InvalidParamsError(f"engine() takes a chatkit.BatchEngine, got {type(engine).__name__}.")
+    if engine.lm.model is not model:
+        raise InvalidParamsError(
+            "This BatchEngine was built for another model: create one over the session's model, "
+            "chatkit.BatchEngine(lm), with the same lm as the builder or pool."
+        )
+    engine.check_open()
+
+
+
+def _close_at_exit(ref: weakref.ref[BatchEngine]) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.close()
+
+
+__all__ = ["BatchEngine", "check_engine"]

@@ -1,0 +1,106 @@
+"""One turn inside a ``BatchEngine``: its inputs, its prefill on its own cache, its output queue, and
+the cache handed back."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.sample_utils import greedy_sampler
+
+from ...cache._mlx import eval_layers
+from ...params import LogitsProcessor, Sampler
+from .. import DraftCount
+from ..speculative import DraftPolicy, SpeculativeConfig
+
+
+@dataclass(eq=False)
+class Job:
+    """One turn inside the engine. ``layers`` is the session's own cache list: the turn's prompt is
+    prefilled into it, in chunks of ``step`` tokens, before the turn joins the decode batch (which
+    then holds the only copy: the list is emptied) and until its cache is handed back."""
+
+    suffix: tuple[int, ...]
+    context: tuple[int, ...]
+    max_tokens: int
+    raw_sampler: Sampler
+    raw_processors: tuple[LogitsProcessor, ...]
+    layers: list[Any]
+    step: int
+    lookup: SpeculativeConfig | None = None  # prompt lookup inside the batch
+    policy: DraftPolicy | None = None  # the session's draft-length policy (with ``lookup``)
+    drafts: DraftCount = field(default_factory=DraftCount)
+    prefilled: int = 0  # tokens of ``suffix[:-1]`` in ``layers``
+    delivered: int = 0  # tokens handed to the reader
+    out: queue.SimpleQueue[tuple[Any, ...]] = field(default_factory=queue.SimpleQueue)
+    finished: threading.Event = field(default_factory=threading.Event)
+    handback: list[Any] | None = None
+    error: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.sampler = self._guarded_sampler()
+        self.processors = tuple(self._guard(p) for p in self.raw_processors)
+        self.greedy = self.raw_sampler is greedy_sampler
+
+    def prefill(self, model: Any, budget: int) -> int:
+        """Feed the next chunk of the prompt (but its last token) into ``layers``; tokens fed."""
+        todo = len(self.suffix) - 1 - self.prefilled
+        n = min(self.step, budget, todo)
+        if n > 0:
+            model(mx.array([self.suffix[self.prefilled : self.prefilled + n]], dtype=mx.uint32), cache=self.layers)
+            eval_layers(self.layers)
+            self.prefilled += n
+            self.out.put(("progress", (self.prefilled, len(self.suffix))))
+        return n
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled >= len(self.suffix) - 1
+
+    def put(self, token: int, logprobs: mx.array, from_draft: bool) -> None:
+        self.out.put(("token", token, logprobs, from_draft))
+
+    def finish(self, layers: list[Any] | None, error: BaseException | None = None) -> None:
+        """The job leaves the engine: its cache (evaluated here, on the thread that computed it) or
+        ``None``, then an end or an error for its reader."""
+        if self.finished.is_set():
+            return
+        if layers is not None:
+            try:
+                eval_layers(layers)
+            except Exception as exc:
+                layers, error = None, error or exc
+        self.handback = layers
+        self.out.put(("error", error) if error is not None else ("end",))
+        self.finished.set()
+
+    def _guarded_sampler(self) -> Sampler:
+        if self.raw_sampler is greedy_sampler:  # cannot fail; kept as is, greedy rows sample in one call
+            return greedy_sampler
+
+        def sample(logprobs: mx.array) -> mx.array:
+            if self.error is None:
+                try:
+                    return self.raw_sampler(logprobs)
+                except Exception as exc:
+                    self.error = exc
+            return mx.argmax(logprobs, axis=-1)
+
+        return sample
+
+    def _guard(self, processor: LogitsProcessor) -> LogitsProcessor:
+        def process(tokens: mx.array, logits: mx.array) -> mx.array:
+            if self.error is None:
+                try:
+                    return processor(tokens, logits)
+                except Exception as exc:
+                    self.error = exc
+            return logits
+
+        return process
+
+
+__all__ = ["Job"]

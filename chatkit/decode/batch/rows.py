@@ -1,0 +1,267 @@
+"""The decode batch of a ``BatchEngine``: its rows' KV in mlx-lm's ``BatchKVCache`` layers, one forward
+pass per step for every row.
+
+A plain step feeds one token per row and samples the next, queued one step ahead of the tokens it
+hands out (as mlx-lm's ``BatchGenerator`` does). A verifying step feeds each row its next token and
+the tokens drafted for it (rows drafting fewer are right-padded; a row with no draft takes a normal
+step in the same pass), samples each row's positions in order until one differs from its draft, and
+drops each row's rejected positions: the shortest rejection from every row (a trim), the rest by
+rolling each row right by its own count into its left padding (mlx-lm's ``finalize`` of right-padded
+prompts), so that every row ends at the batch's write position again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
+
+from ..speculative import DraftPolicy, NgramIndex
+from .job import Job
+
+Delivery = tuple[Job, int, mx.array, bool]
+"""One token handed out: (its turn, token id, log-probabilities, proposed by the drafter)."""
+
+
+class Seen:
+    """The tokens a row's logits processors see (context, suffix, tokens fed), grown in place."""
+
+    STEP = 256
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.size = len(tokens)
+        self.buffer = mx.array(list(tokens) + [0] * (-len(tokens) % self.STEP or self.STEP), dtype=mx.uint32)
+
+    def push(self, tokens: mx.array) -> mx.array:
+        """Append ``tokens`` (maybe lazy); all tokens seen so far."""
+        end = self.size + tokens.size
+        if end > self.buffer.size:
+            grow = -(-(end - self.buffer.size) // self.STEP) * self.STEP
+            self.buffer = mx.concatenate([self.buffer, mx.zeros(grow, dtype=mx.uint32)])
+        self.buffer[self.size : end] = tokens.astype(mx.uint32)
+        self.size = end
+        return self.buffer[:end]
+
+
+@dataclass(eq=False)
+class Row:
+    """One turn decoding in the batch: what its processors see, what it fed, its drafting state."""
+
+    job: Job
+    seen: Seen | None
+    held: list[int] = field(default_factory=list)  # tokens handed out (each was fed)
+    index: NgramIndex | None = None  # prompt lookup: the row's tokens, indexed by n-grams
+    indexed: int = 0  # tokens of ``held`` (and a ``y`` after them) in ``index``
+
+    @property
+    def policy(self) -> DraftPolicy | None:
+        return self.job.policy
+
+    def propose(self, y: int, k: int) -> list[int]:
+        """Up to ``k`` tokens to follow ``y`` (the next token fed), from the row's n-gram index."""
+        assert self.index is not None
+        self.index.extend(self.held[self.indexed :] + [y])
+        self.indexed = len(self.held) + 1  # y is handed out by the step that feeds it
+        return self.index.propose(k)
+
+
+class Rows:
+    """The decode batch (see the module docstring). Rows join with the next token to feed already
+    sampled (their first step ran on their own cache) and leave with their KV extracted."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.layers: list[Any] = []
+        self.rows: list[Row] = []
+        self.next: mx.array | None = None  # each row's next token to feed (lazy)
+        self.next_logprobs: list[mx.array] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def join(self, rows: list[Row], caches: list[list[Any]], first: list[mx.array], logprobs: list[mx.array]) -> None:
+        """``rows`` join with their caches (moved into the batch's: the lists are emptied) and their
+        first tokens. Layer by layer, each evaluated before the next, so that a joining cache and
+        the batch's old layer are freed as soon as they are copied (never every layer twice at once)."""
+        moved = [list(c) for c in caches]
+        for c in caches:
+            c.clear()
+        for i in range(len(moved[0])):
+            layer = _combined(self.layers[i] if len(self.layers) > i else None, [m[i] for m in moved])
+            for m in moved:
+                m[i] = None
+            if len(self.layers) > i:
+                self.layers[i] = layer
+            else:
+                self.layers.append(layer)
+            mx.eval(layer.state)
+            del layer
+        self.next = mx.concatenate(([self.next] if self.next is not None else []) + first)
+        self.next_logprobs.extend(logprobs)
+        self.rows.extend(rows)
+
+    def clear(self) -> None:
+        self.layers, self.rows, self.next, self.next_logprobs = [], [], None, []
+
+    def leave(self, idx: Sequence[int]) -> list[list[Any]]:
+        """Rows ``idx`` leave; their caches (plain ``KVCache`` layers), in the order of ``idx``. The
+        batch's layers shrink one at a time (see :meth:`join`)."""
+        keep = [i for i in range(len(self.rows)) if i not in set(idx)]
+        caches: list[list[Any]] = [[] for _ in idx]
+        for n, c in enumerate(self.layers):
+            for cache, i in zip(caches, idx):
+                cache.append(c.extract(i))
+            if keep:
+                c.filter(keep)
+            else:
+                self.layers[n] = None
+            mx.eval([cache[-1].state for cache in caches], c.state if keep else [])
+            del c
+        if not keep:
+            self.clear()
+            return caches
+        assert self.next is not None
+        self.next = self.next[mx.array(keep)]
+        self.next_logprobs = [self.next_logprobs[i] for i in keep]
+        self.rows = [self.rows[i] for i in keep]
+        return caches
+
+    def next_tokens(self) -> list[int]:
+        """The tokens the next step feeds (evaluated)."""
+        assert self.next is not None
+        return [int(t) for t in self.next.tolist()]  # type: ignore[union-attr, arg-type]
+
+    def plain(self) -> list[Delivery]:
+        """A plain step: feed each row's next token; queue the one after; hand out the fed tokens."""
+        inputs = self.next
+        assert inputs is not None
+        logits = self.model(inputs[:, None], cache=self.layers)[:, -1, :]
+        if any(r.job.processors for r in self.rows):
+            rows = []
+            for e, row in enumerate(self.rows):
+                one = logits[e : e + 1]
+                if row.job.processors and row.seen is not None:
+                    seen = row.seen.push(inputs[e : e + 1])
+                    for processor in row.job.processors:
+                        one = processor(seen, one)
+                rows.append(one)
+            logits = mx.concatenate(rows, axis=0)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        sampled = _sample([r.job.sampler for r in self.rows], logprobs)
+        handed, self.next, self.next_logprobs = self.next_logprobs, sampled, list(logprobs)
+        mx.async_eval(self.next, self.next_logprobs)
+        mx.eval(inputs, handed)
+        tokens = [int(t) for t in inputs.tolist()]  # type: ignore[union-attr, arg-type]
+        for row, t in zip(self.rows, tokens):
+            row.held.append(t)
+        return [(row.job, t, lp, False) for row, t, lp in zip(self.rows, tokens, handed)]
+
+    def verify(self, drafts: list[list[int]]) -> tuple[list[Delivery], list[int]]:
+        """A verifying step over every row (``drafts[e]``: row e's, maybe none); the tokens handed out
+        and, per row, how many of its drafts were accepted."""
+        ys = self.next_tokens()
+        width = 1 + max(len(d) for d in drafts)
+        inputs = mx.array([[y, *d] + [0] * (width - 1 - len(d)) for y, d in zip(ys, drafts)], dtype=mx.uint32)
+        logits = self.model(inputs, cache=self.layers)
+        greedy = mx.argmax(logits, axis=-1)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(greedy)
+        picks: list[list[int]] = greedy.tolist()  # type: ignore[assignment]
+        out: list[Delivery] = []
+        accepted, following, following_lp = [], [], []
+        for e, (row, y, d) in enumerate(zip(self.rows, ys, drafts)):
+            taken, token, lp, lps = _check(row, logits[e], logprobs[e], picks[e], y, d)
+            out.append((row.job, y, self.next_logprobs[e], False))
+            out.extend((row.job, t, lps[j], True) for j, t in enumerate(taken[1:]))
+            row.held.extend(taken)
+            accepted.append(len(taken) - 1)
+            following.append(token)
+            following_lp.append(lp)
+        self._drop([width - 1 - a for a in accepted])
+        self.next, self.next_logprobs = mx.array(following, dtype=mx.uint32), following_lp
+        mx.async_eval(self.next_logprobs)
+        return out, accepted
+
+    def _drop(self, rejected: list[int]) -> None:
+        """Drop each row's last ``rejected[e]`` positions (see the module docstring)."""
+        common = min(rejected)
+        if common:
+            for c in self.layers:
+                c.trim(common)
+        rest = [r - common for r in rejected]
+        if any(rest):
+            for c in self.layers:  # one layer at a time, as in join
+                c.prepare(right_padding=rest)
+                c.finalize()
+                mx.eval(c.state)
+
+
+def _check(row: Row, logits: mx.array, logprobs: mx.array, picks: list[int], y: int,
+           drafts: list[int]) -> tuple[list[int], int, mx.array, list[mx.array]]:
+    """Row ``row``'s positions of a verifying step (``y`` then ``drafts``) sampled in order until one
+    differs from its draft: the tokens taken (``y``, the accepted drafts), the token after them, its
+    log-probabilities, and those of each position checked."""
+    job = row.job
+    plain = not job.processors and job.greedy
+    seen = None
+    if job.processors and row.seen is not None:
+        start = row.seen.size
+        seen = row.seen.push(mx.array([y, *drafts], dtype=mx.uint32))
+    lps: list[mx.array] = []
+    for i in range(len(drafts) + 1):
+        if plain:
+            token, lp = picks[i], logprobs[i]
+        else:
+            one = logits[i : i + 1]
+            if seen is not None:
+                for processor in job.processors:
+                    one = processor(seen[: start + 1 + i], one)
+            lp = (one - mx.logsumexp(one, axis=-1, keepdims=True))
+            token = int(job.sampler(lp).item())  # type: ignore[arg-type]
+            lp = lp.squeeze(0)
+        lps.append(lp)
+        if i == len(drafts) or token != drafts[i]:
+            break
+    if seen is not None and row.seen is not None:
+        row.seen.size = start + 1 + i  # the rejected drafts leave what the processors see
+    return [y, *drafts[:i]], token, lp, lps
+
+
+def _combined(batch: Any, news: list[Any]) -> Any:
+    """One ``BatchKVCache`` layer holding ``batch``'s rows (or none) and then the ``KVCache`` layers
+    ``news``, right-aligned, written into one new buffer (mlx-lm's ``merge`` then ``extend`` would
+    copy the batch twice), with room for the next steps (``BatchKVCache.step``)."""
+    lengths = [c.offset for c in news]
+    held = 0 if batch is None else batch.size()
+    width = max(held, *lengths)
+    ref, old = news[0], 0 if batch is None else batch.keys.shape[0]
+    B, H = old + len(news), ref.keys.shape[1]
+    room = -(-(width + 1) // BatchKVCache.step) * BatchKVCache.step
+    keys = mx.zeros((B, H, room, ref.keys.shape[3]), ref.keys.dtype)
+    values = mx.zeros((B, H, room, ref.values.shape[3]), ref.values.dtype)
+    left = [width - n for n in lengths]
+    if batch is not None:
+        shift = width - held
+        keys[:old, :, shift:width] = batch.keys[..., :held, :]
+        values[:old, :, shift:width] = batch.values[..., :held, :]
+        left = [p + shift for p in batch.left_padding.tolist()] + left
+    for j, (c, n) in enumerate(zip(news, lengths)):
+        keys[old + j, :, width - n : width] = c.keys[0, :, :n]
+        values[old + j, :, width - n : width] = c.values[0, :, :n]
+    layer = BatchKVCache(left)  # offsets: -left; each row then holds ``width - left`` tokens
+    layer.keys, layer.values, layer._idx = keys, values, width  # type: ignore[assignment]
+    layer.offset = layer.offset + width
+    return layer
+
+
+def _sample(samplers: list[Any], logprobs: mx.array) -> mx.array:
+    """One call when the rows share a sampler (greedy ones do), else one per row."""
+    if all(s is samplers[0] for s in samplers):
+        return samplers[0](logprobs)
+    return mx.concatenate([s(logprobs[e : e + 1]) for e, s in enumerate(samplers)], axis=0)
+
+
+__all__ = ["Delivery", "Row", "Rows", "Seen"]
