@@ -1,6 +1,7 @@
 """Many sessions at once: a BatchEngine against the same turns run one by one, and the shared prefix cache.
 
     .venv/bin/python bench/batch.py [--sessions 1,2,4,8,16] [--tokens 64] [--ttft-reps 7] [--max-wait 300]
+        [--lookup | --lookup-only] [--lookup-sessions 8] [--lookup-tokens 96]
 
 Part 1, throughput. For N sessions: N turns, each a distinct ~40-token prompt (ChatML, no
 instructions), greedy, ``--tokens`` tokens each (the EOS logits biased by -1e9 through the session's
@@ -23,6 +24,15 @@ session's ms/token alone over its ms/token in the batch; and, in its last column
 from batching the same N prompts in the same run (``batch_generate`` against N ``stream_generate``
 calls, no chatkit): the issue's yardstick, measured side by side.
 
+Part 3 (``--lookup``), prompt lookup inside the batch (issue 36): 8 sessions (``--lookup-sessions``), each
+asked to repeat a ~100-token passage of its own prompt, batched with ``SpeculativeConfig("prompt_lookup")``
+(the adaptive draft length) against the same 8 batched without speculation; then the same on a reply
+that does not repeat its context. The benchmark model has random weights, so each session's reply is
+forced by a logits processor (``Copy``): the passage's tokens in order (copying), or a fixed
+pseudo-random token sequence found nowhere in the context (not repeating). It is a pure function of
+how many tokens it is shown, costs the same on both sides, and lets greedy tokens be compared: they
+must be identical. Targets: >= 1.5x aggregate tok/s copying, >= 0.95x not repeating.
+
 Part 2, time to first token of a new session whose ~2,000-token instructions are already in the
 engine's prefix cache (another session answered once): ``stream_respond`` to the first chunk, median
 of ``--ttft-reps`` new sessions with different questions; against raw mlx-lm ``generate_step`` fed only
@@ -38,7 +48,7 @@ import threading
 import time
 from pathlib import Path
 
-from chatkit import BatchEngine, ChatSession, GenerateParams
+from chatkit import BatchEngine, ChatSession, GenerateParams, SpeculativeConfig
 
 import mlx.core as mx
 from _common import OtherLoad, cache_state, clone, describe, load_model, median, wait_until_quiet
@@ -202,12 +212,66 @@ def ttft(lm, reps: int):
     return rows, t_plain
 
 
+class Copy:
+    """Forces ``reply`` token by token after the prompt (a pure function of how many tokens it is shown)."""
+
+    def __init__(self, reply: list[int]) -> None:
+        self.reply, self.start = reply, None
+
+    def __call__(self, tokens, logits):
+        if self.start is None:
+            self.start = tokens.size
+        token = self.reply[(tokens.size - self.start) % len(self.reply)]
+        return mx.where(mx.arange(logits.shape[-1]) == token, 0.0, -1e9).astype(logits.dtype)[None]
+
+
+def lookup_turns(lm, n: int, tokens: int, copying: bool, lookup: bool):
+    """``n`` sessions' turns batched, forced to copy a passage of their prompt (or not to repeat it);
+    with prompt lookup inside the batch or without speculation. (aggregate tok/s, tokens, accepted)."""
+    rng = __import__("random").Random(7)
+    texts, replies = [], []
+    for i in range(n):
+        passage = " ".join(WORDS[(i * 5 + k * 3) % len(WORDS)] + str(k % 7) for k in range(40))
+        texts.append(f"Repeat this passage exactly: {passage}")
+        ids = lm.tokenizer.encode(" " + passage, add_special_tokens=False)
+        replies.append(ids if copying else [rng.randrange(300, lm.vocab_size - 300) for _ in range(len(ids))])
+    got = [None] * n
+    with BatchEngine(lm, max_batch=16, prefix_cache_bytes=0) as engine:
+        sessions = []
+        for reply in replies:
+            b = ChatSession.builder(lm).generate_params(GenerateParams(max_tokens=tokens, logits_processors=[Copy(reply)]))
+            sessions.append(b.speculative(SpeculativeConfig("prompt_lookup") if lookup else None).engine(engine).build())
+        threads = [threading.Thread(target=run_turn, args=(s, t, got, i, True)) for i, (s, t) in enumerate(zip(sessions, texts))]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    wall = max(r[1][-1] for r in got) - t0  # type: ignore[index]
+    accepted = sum(s.last_stats.draft_tokens_accepted for s in sessions)
+    return sum(len(r[2]) for r in got) / wall, [r[2] for r in got], accepted  # type: ignore[index]
+
+
+def lookup_table(lm, n: int, tokens: int, say) -> None:
+    say(f"\nPart 3: prompt lookup inside the batch, {n} sessions x {tokens} tokens, replies forced (see the docstring)")
+    say(f"{'reply':>14} | {'no speculation tok/s':>20} | {'lookup tok/s':>12} | {'ratio':>6} | target | accepted | same tokens")
+    for copying, target in ((True, 1.5), (False, 0.95)):
+        plain, plain_tokens, _ = lookup_turns(lm, n, tokens, copying, lookup=False)
+        spec, spec_tokens, accepted = lookup_turns(lm, n, tokens, copying, lookup=True)
+        say(f"{'copying' if copying else 'not repeating':>14} | {plain:>20.1f} | {spec:>12.1f} | {spec / plain:>5.2f}x | "
+            f"{target:>5.2f}x | {accepted:>8} | {plain_tokens == spec_tokens!s:>11}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sessions", default="1,2,4,8,16")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--ttft-reps", type=int, default=7)
     ap.add_argument("--max-wait", type=float, default=300.0)
+    ap.add_argument("--lookup", action="store_true", help="also part 3: prompt lookup inside the batch")
+    ap.add_argument("--lookup-only", action="store_true", help="only part 3")
+    ap.add_argument("--lookup-sessions", type=int, default=8)
+    ap.add_argument("--lookup-tokens", type=int, default=96)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.txt"))
     args = ap.parse_args()
     lm = load_model()
@@ -221,6 +285,12 @@ def main() -> None:
     def say(line: str = "") -> None:
         print(line, flush=True)
         lines.append(line)
+
+    if args.lookup_only:
+        lookup_turns(lm, 2, 8, True, True)  # warm-up of the verifying step
+        lookup_table(lm, args.lookup_sessions, args.lookup_tokens, say)
+        say(other.report())
+        return
 
     sizes = [int(x) for x in args.sessions.split(",")]
     steps = {b: forward_step(lm, b) for b in sizes}
@@ -262,6 +332,8 @@ def main() -> None:
     say(f"  chatkit + BatchEngine (prefix cache) : {1000 * ck:7.1f} ms")
     say(f"  raw mlx-lm, only the new tokens      : {1000 * raw:7.1f} ms   ratio {ck / raw:.2f}x (paired {pairs:.2f}x)")
     say(f"  chatkit alone (whole prompt, once)   : {1000 * plain:7.1f} ms")
+    if args.lookup:
+        lookup_table(lm, args.lookup_sessions, args.lookup_tokens, say)
     say(other.report())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")

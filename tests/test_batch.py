@@ -7,7 +7,7 @@ import os
 import threading
 import weakref
 
-from chatkit import BatchEngine, ChatSession, GenerateParams, SessionPool, SpeculativeConfig
+from chatkit import BatchEngine, ChatSession, GenerateParams, SessionPool
 from chatkit.cache.prefix import PrefixCache
 from chatkit.errors import InvalidParamsError
 
@@ -322,8 +322,7 @@ def test_guided_turns_batch_with_plain_ones(lm, engine):
     ("qwen3", "bpe", {"max_kv_size": 64}),  # rotating KV
     ("gemma3_text", "gemma", {}),  # sliding-window layers
     ("qwen3_5", "bpe-think", {}),  # hybrid: recurrent layers
-    ("qwen3", "bpe", {"speculative": SpeculativeConfig("prompt_lookup", 3)}),
-])
+])  # (a draft model's session runs alone too: test_batch_lookup.py; prompt lookup runs in the batch)
 def test_sessions_that_cannot_batch_run_alone_with_the_same_tokens(arch, tok, options):
     from chatkit.testing import tiny_model
 

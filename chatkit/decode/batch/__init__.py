@@ -11,9 +11,14 @@ turn fed and read (after a failure, or when the engine is closed, to its prompt:
 reply and the next one reuses the prompt), so commit, reuse, undo and save work exactly as for a
 session alone. Each session's sampler and processors are guarded: one that raises fails its own turn.
 
+Prompt lookup (``SpeculativeConfig("prompt_lookup")``) runs inside the batch: each such row's n-gram
+index proposes drafts when its draft-length policy says (the session's own, fed with the batch's step
+times), and a step where any row drafted verifies every row's drafts in one forward pass
+(``rows.py``). Greedy tokens are those of the session alone.
+
 What runs alone (through the session's local source, as without an engine), and why:
-- speculative sessions (the step loop feeds one token per row; the verifying step, ``Rows.verify``,
-  is not wired to sessions yet);
+- a draft model (``SpeculativeConfig(draft_lm)``): its own cache and forward passes per step would
+  have to be batched too; a draft-model session decodes alone, with its speculation;
 - sessions with an adapter (``builder.adapter``): one forward pass applies one set of layers to every
   row, and the engine's rows are the base model's; an adapted turn decodes alone, on its own thread,
   with its adapter (``model/switchable.py``), next to the engine's batch of base-model turns;

@@ -37,7 +37,8 @@ class BatchEngine:
     or ``SessionPool(lm, ..., engine=engine)``. At most ``max_batch`` turns decode at once (more wait
     for a free place); a new turn's prompt is prefilled between the others' decode steps, at most
     ``prefill_step_size`` tokens per step (and in chunks of at most the session's own
-    ``prefill_step_size``). ``prefix_cache_bytes`` bounds the shared prefix cache (0
+    ``prefill_step_size``). Sessions with prompt lookup (``SpeculativeConfig("prompt_lookup")``)
+    verify their drafts inside the batch. ``prefix_cache_bytes`` bounds the shared prefix cache (0
     turns it off): a session starting from an empty cache reuses the KV of the longest prompt prefix
     another session of this engine already prefilled. Close it (or use it as a context manager) when done.
     """

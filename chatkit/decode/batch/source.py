@@ -38,7 +38,7 @@ class BatchSource:
     def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
         self.engine.check_open()
         assert cache.layers is not None, "prepare the cache before generating"
-        drafting = self.speculative is not None
+        drafting = self.speculative is not None and self.speculative.draft_model is not None
         if drafting or request.adapter is not None or not batchable(cache):
             return self.fallback.generate(cache, request)
         return self._tokens(cache, request)
