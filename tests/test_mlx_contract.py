@@ -184,3 +184,33 @@ def test_multi_token_steps_equal_one_token_steps_within_speculation_room(tiny):
     layer = mlx_cache.KVCache()
     layer.update_and_fetch(mx.ones((1, 2, 7, 32)), mx.ones((1, 2, 7, 32)))
     assert _mlx.speculation_room([layer], 4, 12) == 3 and _mlx.speculation_room([layer], None, 12) > 1000
+
+
+def test_batch_layer_and_the_batch_cache_moves_the_batch_engine_makes():
+    """``batch_layer`` writes BatchKVCache's fields as ``merge`` does; a verifying step's per-row drop
+    (``prepare(right_padding=...)`` then ``finalize()``) keeps each row's tokens at the write position;
+    ``extract`` gives each row back as a plain KVCache."""
+
+    def rows_of(n, seed):
+        layer = mlx_cache.KVCache()
+        k = mx.random.normal((1, 2, n, 8), key=mx.random.key(seed))
+        layer.update_and_fetch(k, k + 1)
+        return layer, k
+
+    (a, ka), (b, kb), (c, kc) = rows_of(5, 1), rows_of(3, 2), rows_of(7, 3)
+    batch = _mlx.batch_layer(_mlx.batch_layer(None, [a, b]), [c])
+    assert isinstance(batch, mlx_cache.BatchKVCache) and batch.size() == 7
+    assert batch.offset.tolist() == [5, 3, 7] and batch.left_padding.tolist() == [2, 4, 0]
+    assert batch.keys.shape[2] % mlx_cache.BatchKVCache.step == 0 and batch.keys.shape[2] > 7  # room to grow
+    for i, (n, k) in enumerate(((5, ka), (3, kb), (7, kc))):
+        row = batch.extract(i)
+        assert row.offset == n and mx.array_equal(row.keys, k).item() and mx.array_equal(row.values, k + 1).item()
+    # A 3-position step; rows keep 3, 1 and 2 of them: trim the common 0, then roll by (0, 2, 1).
+    new = mx.random.normal((3, 2, 3, 8), key=mx.random.key(4))
+    batch.update_and_fetch(new, new)
+    batch.prepare(right_padding=[0, 2, 1])
+    batch.finalize()
+    assert batch.offset.tolist() == [8, 4, 9]
+    for i, (k, kept) in enumerate(((ka, 3), (kb, 1), (kc, 2))):
+        want = mx.concatenate([k, new[i : i + 1, :, :kept]], axis=2)
+        assert mx.array_equal(batch.extract(i).keys, want).item()

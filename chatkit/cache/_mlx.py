@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models.cache import (
     ArraysCache,
+    BatchKVCache,
     ChunkedKVCache,
     ConcatenateKVCache,
     KVCache,
@@ -30,6 +31,7 @@ ALWAYS_TRIMMABLE = (KVCache, QuantizedKVCache)
 
 __all__ = [
     "ALWAYS_TRIMMABLE",
+    "batch_layer",
     "can_trim",
     "copy_layer",
     "cut_to_offset",
@@ -293,3 +295,30 @@ _STATE_CHECKS: dict[type, Any] = {
     ChunkedKVCache: _chunked_state,
     ConcatenateKVCache: lambda c: _buffers(c.keys, c.values),
 }
+
+
+def batch_layer(batch: Any, news: list[Any]) -> Any:
+    """One ``BatchKVCache`` layer holding ``batch``'s rows (or none) and then the ``KVCache`` layers
+    ``news``, right-aligned, written into one new buffer (mlx-lm's ``merge`` then ``extend`` would
+    copy the batch twice), with room for the next steps (``BatchKVCache.step``)."""
+    lengths = [c.offset for c in news]
+    held = 0 if batch is None else batch.size()
+    width = max(held, *lengths)
+    ref, old = news[0], 0 if batch is None else batch.keys.shape[0]
+    B, H = old + len(news), ref.keys.shape[1]
+    room = -(-(width + 1) // BatchKVCache.step) * BatchKVCache.step
+    keys = mx.zeros((B, H, room, ref.keys.shape[3]), ref.keys.dtype)
+    values = mx.zeros((B, H, room, ref.values.shape[3]), ref.values.dtype)
+    left = [width - n for n in lengths]
+    if batch is not None:
+        shift = width - held
+        keys[:old, :, shift:width] = batch.keys[..., :held, :]
+        values[:old, :, shift:width] = batch.values[..., :held, :]
+        left = [p + shift for p in batch.left_padding.tolist()] + left
+    for j, (c, n) in enumerate(zip(news, lengths)):
+        keys[old + j, :, width - n : width] = c.keys[0, :, :n]
+        values[old + j, :, width - n : width] = c.values[0, :, :n]
+    layer = BatchKVCache(left)  # offsets: -left; each row then holds ``width - left`` tokens
+    layer.keys, layer.values, layer._idx = keys, values, width  # type: ignore[assignment]
+    layer.offset = layer.offset + width
+    return layer

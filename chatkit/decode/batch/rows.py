@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache
 
+from ...cache._mlx import batch_layer
 from ..speculative import DraftPolicy, NgramIndex
 from .job import Job
 
@@ -90,7 +90,7 @@ class Rows:
         for c in caches:
             c.clear()
         for i in range(len(moved[0])):
-            layer = _combined(self.layers[i] if len(self.layers) > i else None, [m[i] for m in moved])
+            layer = batch_layer(self.layers[i] if len(self.layers) > i else None, [m[i] for m in moved])
             for m in moved:
                 m[i] = None
             if len(self.layers) > i:
@@ -228,33 +228,6 @@ def _check(row: Row, logits: mx.array, logprobs: mx.array, picks: list[int], y: 
     if seen is not None and row.seen is not None:
         row.seen.size = start + 1 + i  # the rejected drafts leave what the processors see
     return [y, *drafts[:i]], token, lp, lps
-
-
-def _combined(batch: Any, news: list[Any]) -> Any:
-    """One ``BatchKVCache`` layer holding ``batch``'s rows (or none) and then the ``KVCache`` layers
-    ``news``, right-aligned, written into one new buffer (mlx-lm's ``merge`` then ``extend`` would
-    copy the batch twice), with room for the next steps (``BatchKVCache.step``)."""
-    lengths = [c.offset for c in news]
-    held = 0 if batch is None else batch.size()
-    width = max(held, *lengths)
-    ref, old = news[0], 0 if batch is None else batch.keys.shape[0]
-    B, H = old + len(news), ref.keys.shape[1]
-    room = -(-(width + 1) // BatchKVCache.step) * BatchKVCache.step
-    keys = mx.zeros((B, H, room, ref.keys.shape[3]), ref.keys.dtype)
-    values = mx.zeros((B, H, room, ref.values.shape[3]), ref.values.dtype)
-    left = [width - n for n in lengths]
-    if batch is not None:
-        shift = width - held
-        keys[:old, :, shift:width] = batch.keys[..., :held, :]
-        values[:old, :, shift:width] = batch.values[..., :held, :]
-        left = [p + shift for p in batch.left_padding.tolist()] + left
-    for j, (c, n) in enumerate(zip(news, lengths)):
-        keys[old + j, :, width - n : width] = c.keys[0, :, :n]
-        values[old + j, :, width - n : width] = c.values[0, :, :n]
-    layer = BatchKVCache(left)  # offsets: -left; each row then holds ``width - left`` tokens
-    layer.keys, layer.values, layer._idx = keys, values, width  # type: ignore[assignment]
-    layer.offset = layer.offset + width
-    return layer
 
 
 def _sample(samplers: list[Any], logprobs: mx.array) -> mx.array:
