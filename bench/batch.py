@@ -26,7 +26,7 @@ calls, no chatkit): the issue's yardstick, measured side by side.
 
 Part 3 (``--lookup``), prompt lookup inside the batch (issue 36): 8 sessions (``--lookup-sessions``), each
 asked to repeat a ~100-token passage of its own prompt, batched with ``SpeculativeConfig("prompt_lookup")``
-(the adaptive draft length) against the same 8 batched without speculation; then the same on a reply
+(the adaptive draft length, and a fixed 6) against the same 8 batched without speculation; then the same on a reply
 that does not repeat its context. The benchmark model has random weights, so each session's reply is
 forced by a logits processor (``Copy``): the passage's tokens in order (copying), or a fixed
 pseudo-random token sequence found nowhere in the context (not repeating). It is a pure function of
@@ -225,9 +225,10 @@ class Copy:
         return mx.where(mx.arange(logits.shape[-1]) == token, 0.0, -1e9).astype(logits.dtype)[None]
 
 
-def lookup_turns(lm, n: int, tokens: int, copying: bool, lookup: bool):
+def lookup_turns(lm, n: int, tokens: int, copying: bool, lookup: int | str | None):
     """``n`` sessions' turns batched, forced to copy a passage of their prompt (or not to repeat it);
-    with prompt lookup inside the batch or without speculation. (aggregate tok/s, tokens, accepted)."""
+    with prompt lookup inside the batch (``lookup``: its num_draft_tokens) or without speculation
+    (``None``). (aggregate tok/s, tokens, accepted)."""
     rng = __import__("random").Random(7)
     texts, replies = [], []
     for i in range(n):
@@ -240,7 +241,7 @@ def lookup_turns(lm, n: int, tokens: int, copying: bool, lookup: bool):
         sessions = []
         for reply in replies:
             b = ChatSession.builder(lm).generate_params(GenerateParams(max_tokens=tokens, logits_processors=[Copy(reply)]))
-            sessions.append(b.speculative(SpeculativeConfig("prompt_lookup") if lookup else None).engine(engine).build())
+            sessions.append(b.speculative(None if lookup is None else SpeculativeConfig("prompt_lookup", lookup)).engine(engine).build())
         threads = [threading.Thread(target=run_turn, args=(s, t, got, i, True)) for i, (s, t) in enumerate(zip(sessions, texts))]
         t0 = time.perf_counter()
         for t in threads:
@@ -254,12 +255,15 @@ def lookup_turns(lm, n: int, tokens: int, copying: bool, lookup: bool):
 
 def lookup_table(lm, n: int, tokens: int, say) -> None:
     say(f"\nPart 3: prompt lookup inside the batch, {n} sessions x {tokens} tokens, replies forced (see the docstring)")
-    say(f"{'reply':>14} | {'no speculation tok/s':>20} | {'lookup tok/s':>12} | {'ratio':>6} | target | accepted | same tokens")
+    say("draft: num_draft_tokens (auto: the adaptive policy, the default)")
+    say(f"{'reply':>14} | draft | {'no speculation tok/s':>20} | {'lookup tok/s':>12} | {'ratio':>6} | target | "
+        "accepted | same tokens")
     for copying, target in ((True, 1.5), (False, 0.95)):
-        plain, plain_tokens, _ = lookup_turns(lm, n, tokens, copying, lookup=False)
-        spec, spec_tokens, accepted = lookup_turns(lm, n, tokens, copying, lookup=True)
-        say(f"{'copying' if copying else 'not repeating':>14} | {plain:>20.1f} | {spec:>12.1f} | {spec / plain:>5.2f}x | "
-            f"{target:>5.2f}x | {accepted:>8} | {plain_tokens == spec_tokens!s:>11}")
+        plain, plain_tokens, _ = lookup_turns(lm, n, tokens, copying, lookup=None)
+        for draft in ("auto", 6):
+            spec, spec_tokens, accepted = lookup_turns(lm, n, tokens, copying, lookup=draft)
+            say(f"{'copying' if copying else 'not repeating':>14} | {draft!s:>5} | {plain:>20.1f} | {spec:>12.1f} | "
+                f"{spec / plain:>5.2f}x | {target:>5.2f}x | {accepted:>8} | {plain_tokens == spec_tokens!s:>11}")
 
 
 def main() -> None:
@@ -287,7 +291,7 @@ def main() -> None:
         lines.append(line)
 
     if args.lookup_only:
-        lookup_turns(lm, 2, 8, True, True)  # warm-up of the verifying step
+        lookup_turns(lm, 2, 8, True, 4)  # warm-up of the verifying step
         lookup_table(lm, args.lookup_sessions, args.lookup_tokens, say)
         say(other.report())
         return
