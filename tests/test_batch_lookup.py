@@ -106,23 +106,72 @@ def test_a_draft_model_session_still_runs_alone_next_to_batched_lookup(lm):
 
 def test_rows_drafting_different_lengths_in_one_step(lm):
     """Three rows copying at once (each its earlier reply): drafts of 2, 5 and 4 tokens checked in the
-    same forward passes, one stopping at max_tokens inside a run, one at EOS."""
+    same forward passes, one stopping at max_tokens inside a run, one at EOS; next to them a lookup row
+    and a plain row without processors (greedy: one argmax for all their positions)."""
     cases = [
         (copying(lm, 30), {"speculative": SpeculativeConfig("prompt_lookup", 2)}),
         (copying(lm, 13), {"speculative": SpeculativeConfig("prompt_lookup", 5)}),
         (copying(lm, 40, no_eos=False), {"speculative": SpeculativeConfig("prompt_lookup", 4)}),
+        # no logits processor: greedy rows sampled in one argmax over every position of the step
+        (GenerateParams(max_tokens=20, temperature=0.0), {"speculative": SpeculativeConfig("prompt_lookup", 3, ngram_min=1)}),
+        (GenerateParams(max_tokens=15, temperature=0.0), {}),
     ]
     expected = [alone(lm, "And again.", params, history=HISTORY, **options) for params, options in cases]
-    with BatchEngine(lm, max_batch=4) as engine:
-        sessions = [session_for(lm, params=params.copy(logits_processors=[copier, gate(engine, {1: 3})]),
-                                engine=engine, history=HISTORY, **options) for params, options in cases]
+    with BatchEngine(lm, max_batch=5) as engine:
+        held = [[*params.logits_processors, gate(engine, {1: 5})] for params, _ in cases[:3]] + [[], []]
+        sessions = [session_for(lm, params=params.copy(logits_processors=hold), engine=engine, history=HISTORY,
+                                **options) for (params, options), hold in zip(cases, held)]
         runners = [Runner(s, "And again.") for s in sessions]
         run_all(runners)
-        assert [r.error for r in runners] == [None] * 3
+        assert [r.error for r in runners] == [None] * 5
         assert [r.tokens for r in runners] == expected
         for s in sessions:
             assert_ledger_matches_cache(s)
-        assert engine.peak_batch == 3
+        assert engine.peak_batch >= 4
     stats = [s.last_stats for s in sessions]
-    assert all(s.draft_tokens_accepted > 0 for s in stats)
-    assert [s.finish_reason for s in stats] == ["length", "length", "stop"]
+    assert all(s.draft_tokens_accepted > 0 for s in stats[:3])
+    assert [s.finish_reason for s in stats[:3]] == ["length", "length", "stop"]
+
+
+def test_the_verifying_step_accepts_per_row_and_drops_each_rows_rejections(lm):
+    """``Rows.verify`` directly, greedy rows without processors (one argmax over every position): a row
+    whose 4 drafts are right, one whose second draft is wrong, one without drafts; then a plain step.
+    Tokens are each row's greedy continuation alone, and each row's cache is what decoding alone holds."""
+    from chatkit.decode.batch.job import Job
+    from chatkit.decode.batch.rows import Row, Rows
+
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import greedy_sampler
+
+    def greedy_alone(prompt, n):
+        cache = make_prompt_cache(lm.model)
+        logits, out = lm.model(mx.array([prompt]), cache=cache), []
+        for _ in range(n):
+            out.append(int(mx.argmax(logits[0, -1]).item()))
+            logits = lm.model(mx.array([[out[-1]]]), cache=cache)
+        return out, cache
+
+    prompts = [list(range(10, 30)), list(range(40, 52)), list(range(60, 75))]
+    truth = [greedy_alone(p, 8) for p in prompts]
+    rows, jobs = Rows(lm.model), []
+    for p, (tokens, _) in zip(prompts, truth):
+        layers = make_prompt_cache(lm.model)
+        lm.model(mx.array([p]), cache=layers)
+        jobs.append(Job(tuple(p), (), 8, greedy_sampler, (), layers, 512))
+        rows.join([Row(jobs[-1], None)], [layers], [mx.array([tokens[0]], dtype=mx.uint32)], [mx.zeros(4)])
+    (t0, _), (t1, _), (t2, _) = truth
+    wrong = (t1[2] + 1) % lm.vocab_size
+    out, accepted = rows.verify([t0[1:5], [t1[1], wrong], []])
+    assert accepted == [4, 1, 0]
+    got = {id(j): [t for job, t, _, _ in out if job is j] for j in jobs}
+    assert [got[id(j)] for j in jobs] == [t0[:5], t1[:2], t2[:1]]
+    assert [d for job, _, _, d in out if job is jobs[0]] == [False, True, True, True, True]
+    plain = rows.plain()
+    assert [t for _, t, _, _ in plain] == [t0[5], t1[2], t2[1]]
+    caches = rows.leave([0, 1, 2])
+    for (p, (_, alone_cache)), cache, fed in zip(zip(prompts, truth), caches, (6, 3, 2)):
+        assert [c.offset for c in cache] == [len(p) + fed] * len(cache)
+        for mine, theirs in zip(cache, alone_cache):
+            n = len(p) + fed
+            assert mx.allclose(mine.keys[..., :n, :], theirs.keys[..., :n, :], atol=1e-4).item()
+    assert len(rows) == 0
