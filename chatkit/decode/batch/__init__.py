@@ -16,6 +16,11 @@ index proposes drafts when its draft-length policy says (the session's own, fed 
 times), and a step where any row drafted verifies every row's drafts in one forward pass
 (``rows.py``). Greedy tokens are those of the session alone.
 
+Why chatkit's own step loop over mlx-lm's ``BatchKVCache`` and not mlx-lm's ``BatchGenerator``: it
+feeds one token per row and step (verifying drafts needs several positions per row in one pass and a
+per-row trim), it copies the whole batch's cache as rows join and leave (two copies of every cache at
+the peak), and it takes one ``prefill_step_size`` for every request.
+
 What runs alone (through the session's local source, as without an engine), and why:
 - a draft model (``SpeculativeConfig(draft_lm)``): its own cache and forward passes per step would
   have to be batched too; a draft-model session decodes alone, with its speculation;
