@@ -137,6 +137,7 @@ def test_the_verifying_step_accepts_per_row_and_drops_each_rows_rejections(lm):
     """``Rows.verify`` directly, greedy rows without processors (one argmax over every position): a row
     whose 4 drafts are right, one whose second draft is wrong, one without drafts; then a plain step.
     Tokens are each row's greedy continuation alone, and each row's cache is what decoding alone holds."""
+    from chatkit.cache._mlx import batch_layer
     from chatkit.decode.batch.job import Job
     from chatkit.decode.batch.rows import Row, Rows
 
@@ -154,11 +155,12 @@ def test_the_verifying_step_accepts_per_row_and_drops_each_rows_rejections(lm):
     prompts = [list(range(10, 30)), list(range(40, 52)), list(range(60, 75))]
     truth = [greedy_alone(p, 8) for p in prompts]
     rows, jobs = Rows(lm.model), []
-    for p, (tokens, _) in zip(prompts, truth):
+    for p in prompts:  # each joins with its prompt but the last token in its cache
         layers = make_prompt_cache(lm.model)
-        lm.model(mx.array([p]), cache=layers)
+        lm.model(mx.array([p[:-1]]), cache=layers)
         jobs.append(Job(tuple(p), (), 8, greedy_sampler, (), layers, 512))
-        rows.join([Row(jobs[-1], None)], [layers], [mx.array([tokens[0]], dtype=mx.uint32)], [mx.zeros(4)])
+        rows.join([Row(jobs[-1], None)], [batch_layer(None, [c]) for c in layers], [p[-1]])
+    assert rows.plain() == []  # the prompts' last tokens fed: nothing handed out yet
     (t0, _), (t1, _), (t2, _) = truth
     wrong = (t1[2] + 1) % lm.vocab_size
     out, accepted = rows.verify([t0[1:5], [t1[1], wrong], []])

@@ -298,26 +298,29 @@ _STATE_CHECKS: dict[type, Any] = {
 
 
 def batch_layer(batch: Any, news: list[Any]) -> Any:
-    """One ``BatchKVCache`` layer holding ``batch``'s rows (or none) and then the ``KVCache`` layers
-    ``news``, right-aligned, written into one new buffer (mlx-lm's ``merge`` then ``extend`` would
-    copy the batch twice), with room for the next steps (``BatchKVCache.step``)."""
-    lengths = [c.offset for c in news]
-    held = 0 if batch is None else batch.size()
-    width = max(held, *lengths)
-    ref, old = news[0], 0 if batch is None else batch.keys.shape[0]
-    B, H = old + len(news), ref.keys.shape[1]
+    """One ``BatchKVCache`` layer holding ``batch``'s rows (or none) and then those of ``news`` (plain
+    ``KVCache`` layers, one row each, maybe empty, or ``BatchKVCache`` layers), right-aligned, written
+    into one new buffer (mlx-lm's ``merge`` then ``extend`` would copy the batch twice), with room for
+    the next steps (``BatchKVCache.step``)."""
+    parts = ([] if batch is None else [batch]) + list(news)
+    held = [c.size() if isinstance(c, BatchKVCache) else c.offset for c in parts]
+    pads: list[list[int]] = [c.left_padding.tolist() if isinstance(c, BatchKVCache) else [0]  # type: ignore[misc]
+                             for c in parts]
+    width = max(held)
+    left = [p + width - n for n, part in zip(held, pads) for p in part]
+    ref = next((c for c in parts if c.keys is not None), None)
+    if ref is None or width == 0:  # nothing cached in any row yet: the first step allocates
+        return BatchKVCache([0] * len(left))
+    H = ref.keys.shape[1]
     room = -(-(width + 1) // BatchKVCache.step) * BatchKVCache.step
-    keys = mx.zeros((B, H, room, ref.keys.shape[3]), ref.keys.dtype)
-    values = mx.zeros((B, H, room, ref.values.shape[3]), ref.values.dtype)
-    left = [width - n for n in lengths]
-    if batch is not None:
-        shift = width - held
-        keys[:old, :, shift:width] = batch.keys[..., :held, :]
-        values[:old, :, shift:width] = batch.values[..., :held, :]
-        left = [p + shift for p in batch.left_padding.tolist()] + left
-    for j, (c, n) in enumerate(zip(news, lengths)):
-        keys[old + j, :, width - n : width] = c.keys[0, :, :n]
-        values[old + j, :, width - n : width] = c.values[0, :, :n]
+    keys = mx.zeros((len(left), H, room, ref.keys.shape[3]), ref.keys.dtype)
+    values = mx.zeros((len(left), H, room, ref.values.shape[3]), ref.values.dtype)
+    row = 0
+    for c, n, part in zip(parts, held, pads):
+        if n:
+            keys[row : row + len(part), :, width - n : width] = c.keys[..., :n, :]
+            values[row : row + len(part), :, width - n : width] = c.values[..., :n, :]
+        row += len(part)
     layer = BatchKVCache(left)  # offsets: -left; each row then holds ``width - left`` tokens
     layer.keys, layer.values, layer._idx = keys, values, width  # type: ignore[assignment]
     layer.offset = layer.offset + width

@@ -21,11 +21,13 @@ from ..local import LocalSource
 from ..speculative import NgramIndex
 from ..speculative.policy import choose, record_draft, record_miss, record_plain
 from .job import Job
+from .prefill import Prefill
 from .rows import Delivery, Row, Rows, Seen
 from .source import BatchSource
 
 HANDBACK_WAIT = 60.0  # seconds a closing turn waits for the scheduler to hand its cache back
 DEFAULT_PREFIX_BYTES = 512 * 1024 * 1024
+PREFILL_BATCH = 8  # turns prefilled together at most (as mlx-lm's BatchGenerator)
 CLEAR_EVERY = 512  # steps between releases of MLX's buffer cache (as mlx-lm's BatchGenerator)
 clock = time.perf_counter
 
@@ -72,7 +74,7 @@ class BatchEngine:
         self._inbox: list[Job] = []
         self._cancels: list[Job] = []
         self._waiting: deque[Job] = deque()
-        self._prefilling: list[Job] = []
+        self._prefilling = Prefill(lm.model)
         self._rows = Rows(lm.model)
         self._closed = False
         self._steps = 0
@@ -185,72 +187,63 @@ class BatchEngine:
         finally:
             with self._cond:
                 self._closed = True
-                jobs = [*self._inbox, *self._waiting, *self._prefilling]
-                self._inbox, self._prefilling = [], []
+                jobs = [*self._inbox, *self._waiting]
+                self._inbox = []
                 self._waiting.clear()
             for job in jobs:  # the session's own layers, never taken: the session keeps them
                 job.finish(None, failure)
+            self._fail_group(failure)
             self._fail_rows(rows, failure)
             mx.clear_streams()  # MLX wants a thread's streams destroyed before the thread ends
 
     def _cancel(self, rows: Rows, jobs: list[Job]) -> None:
+        group = self._prefilling
         for job in jobs:
             if job.finished.is_set():
                 continue
-            idx = [i for i, r in enumerate(rows.rows) if r.job is job]
             with self._cond:
-                if job in self._waiting:
+                if job in self._waiting:  # not started: the session's own layers, kept
                     self._waiting.remove(job)
-                if job in self._prefilling:
-                    self._prefilling.remove(job)
-            job.finish(rows.leave(idx)[0] if idx else None)  # not in the batch: its own layers, kept
+                    job.finish(None)
+                    continue
+            idx = [i for i, j in enumerate(group.jobs) if j is job]
+            if idx:
+                job.finish(group.leave(idx)[0])
+                continue
+            idx = [i for i, r in enumerate(rows.rows) if r.job is job]
+            job.finish(rows.leave(idx)[0] if idx else None)
 
     def _admit(self, rows: Rows) -> None:
-        """Start prefilling waiting turns while there is room; feed prompt chunks up to the step's
-        budget; turns whose prompt is in join the batch."""
-        with self._cond:
-            while self._waiting and len(rows) + len(self._prefilling) < self.max_batch:
-                self._prefilling.append(self._waiting.popleft())
-        budget, ready = self.prefill_step_size, []
-        for job in list(self._prefilling):
-            if budget <= 0:
-                break
+        """Start a prefill group of waiting turns when none runs and there is room; feed it a chunk
+        (at most ``prefill_step_size`` tokens); a group whose prompts are in joins the batch."""
+        group = self._prefilling
+        if not group:
+            with self._cond:
+                room = min(PREFILL_BATCH, self.max_batch - len(rows), len(self._waiting))
+                jobs = [self._waiting.popleft() for _ in range(max(0, room))]
+            if not jobs:
+                return
             try:
-                budget -= job.prefill(self.lm.model, budget)
-                if job.prefill_done:
-                    ready.append((job, *self._first(job)))
-            except Exception as exc:
-                job.finish(None, exc)
-            if job.finished.is_set() or job.prefill_done:
-                with self._cond:
-                    self._prefilling.remove(job)
-        if ready:
-            self._join(rows, ready)
-
-    def _first(self, job: Job) -> tuple[Row, mx.array, mx.array]:
-        """The prompt's last token fed on the turn's own cache: its row and first token (lazy)."""
-        model, last = self.lm.model, mx.array(job.suffix[-1:], dtype=mx.uint32)
-        seen = Seen([*job.context, *job.suffix[:-1]]) if job.processors else None
-        logits = model(last[None], cache=job.layers)[:, -1, :]
-        if seen is not None:
-            shown = seen.push(last)
-            for processor in job.processors:
-                logits = processor(shown, logits)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        first = job.sampler(logprobs)
-        mx.eval(first, logprobs, [c.state for c in job.layers])
-        index = None
-        if job.lookup is not None:
-            index = NgramIndex([*job.context, *job.suffix], job.lookup.ngram_min, job.lookup.ngram_max)
-        return Row(job, seen, index=index), first, logprobs[0]
-
-    def _join(self, rows: Rows, ready: list[tuple[Job, Row, mx.array, mx.array]]) -> None:
-        """Turns whose first token is sampled join the batch: their caches are moved into its rows,
-        from now on the only copy."""
-        jobs = [r[0] for r in ready]
+                group.start(jobs)
+            except Exception as exc:  # caches half moved: the sessions rebuild theirs
+                group.take()
+                for job in jobs:
+                    job.finish(None, exc)
+                return
         try:
-            rows.join([r[1] for r in ready], [job.layers for job in jobs], [r[2] for r in ready],
-                      [r[3] for r in ready])
+            group.feed(self.prefill_step_size)
+        except Exception as exc:  # the shared forward pass failed: every turn in the group fails
+            self._fail_group(exc)
+            return
+        if group.done:
+            self._join(rows)
+
+    def _join(self, rows: Rows) -> None:
+        """The group's turns join the batch: their caches are moved into its rows (from now on the
+        only copy); the next step feeds their prompts' last tokens."""
+        jobs, layers = self._prefilling.take()
+        try:
+            rows.join([_row(job) for job in jobs], layers, [job.suffix[-1] for job in jobs])
         except Exception as exc:  # the batch's layers may be half-extended: every turn in it fails
             self._fail_rows(rows, exc)
             for job in jobs:
@@ -283,7 +276,7 @@ class BatchEngine:
         row's policy asked for: (draft length, probe)."""
         wants = []
         for row in rows.rows:
-            k, probe = (0, False) if row.policy is None or row.index is None else choose(row.policy)
+            k, probe = (0, False) if row.policy is None or row.index is None or row.fresh else choose(row.policy)
             wants.append((max(0, min(k, row.job.max_tokens - row.job.delivered - 1)), probe))
         if not any(k for k, _ in wants):
             return None, wants
@@ -328,6 +321,18 @@ class BatchEngine:
             for job, layers in zip(jobs, rows.leave(idx)):
                 job.finish(layers, done[job])
 
+    def _fail_group(self, error: BaseException) -> None:
+        """Every turn of the prefill group fails with ``error``; each gets its cache back if it can."""
+        group = self._prefilling
+        jobs = list(group.jobs)
+        try:
+            caches: list[list[Any] | None] = list(group.leave(range(len(jobs))))
+        except Exception:
+            caches = [None] * len(jobs)
+            group.take()
+        for job, layers in zip(jobs, caches):
+            job.finish(layers, error)
+
     def _fail_rows(self, rows: Rows, error: BaseException) -> None:
         """Every turn in the batch fails with ``error``; each gets its cache back if it can be read."""
         jobs = [r.job for r in rows.rows]
@@ -353,6 +358,16 @@ def check_engine(engine: Any, model: Any) -> None:
         )
     engine.check_open()
 
+
+
+def _row(job: Job) -> Row:
+    """A joining turn's row: what its processors see (all but the prompt's last token, fed next) and
+    its prompt lookup index (the whole prompt)."""
+    seen = Seen([*job.context, *job.suffix[:-1]]) if job.processors else None
+    index = None
+    if job.lookup is not None:
+        index = NgramIndex([*job.context, *job.suffix], job.lookup.ngram_min, job.lookup.ngram_max)
+    return Row(job, seen, index=index)
 
 
 def _close_at_exit(ref: weakref.ref[BatchEngine]) -> None:

@@ -19,9 +19,9 @@ from ..speculative import DraftPolicy, SpeculativeConfig
 
 @dataclass(eq=False)
 class Job:
-    """One turn inside the engine. ``layers`` is the session's own cache list: the turn's prompt is
-    prefilled into it, in chunks of ``step`` tokens, before the turn joins the decode batch (which
-    then holds the only copy: the list is emptied) and until its cache is handed back."""
+    """One turn inside the engine. ``layers`` is the session's own cache list, emptied while the engine
+    holds the cache (the prefill group, then the decode batch: the only copy) until it is handed back;
+    the prompt is prefilled in chunks of at most ``step`` tokens."""
 
     suffix: tuple[int, ...]
     context: tuple[int, ...]
@@ -33,7 +33,7 @@ class Job:
     lookup: SpeculativeConfig | None = None  # prompt lookup inside the batch
     policy: DraftPolicy | None = None  # the session's draft-length policy (with ``lookup``)
     drafts: DraftCount = field(default_factory=DraftCount)
-    prefilled: int = 0  # tokens of ``suffix[:-1]`` in ``layers``
+    prefilled: int = 0  # tokens of ``suffix[:-1]`` fed
     delivered: int = 0  # tokens handed to the reader
     out: queue.SimpleQueue[tuple[Any, ...]] = field(default_factory=queue.SimpleQueue)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -44,17 +44,6 @@ class Job:
         self.sampler = self._guarded_sampler()
         self.processors = tuple(self._guard(p) for p in self.raw_processors)
         self.greedy = self.raw_sampler is greedy_sampler
-
-    def prefill(self, model: Any, budget: int) -> int:
-        """Feed the next chunk of the prompt (but its last token) into ``layers``; tokens fed."""
-        todo = len(self.suffix) - 1 - self.prefilled
-        n = min(self.step, budget, todo)
-        if n > 0:
-            model(mx.array([self.suffix[self.prefilled : self.prefilled + n]], dtype=mx.uint32), cache=self.layers)
-            eval_layers(self.layers)
-            self.prefilled += n
-            self.out.put(("progress", (self.prefilled, len(self.suffix))))
-        return n
 
     @property
     def prefill_done(self) -> bool:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from ...cache._mlx import batch_layer
 from ..speculative import DraftPolicy, NgramIndex
@@ -55,6 +56,7 @@ class Row:
     held: list[int] = field(default_factory=list)  # tokens handed out (each was fed)
     index: NgramIndex | None = None  # prompt lookup: the row's tokens, indexed by n-grams
     indexed: int = 0  # tokens of ``held`` (and a ``y`` after them) in ``index``
+    fresh: bool = True  # the next step feeds the prompt's last token (not handed out)
 
     @property
     def policy(self) -> DraftPolicy | None:
@@ -77,30 +79,30 @@ class Rows:
         self.layers: list[Any] = []
         self.rows: list[Row] = []
         self.next: mx.array | None = None  # each row's next token to feed (lazy)
-        self.next_logprobs: list[mx.array] = []
+        self.next_logprobs: list[mx.array | None] = []  # None: a fresh row's (nothing to hand out)
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def join(self, rows: list[Row], caches: list[list[Any]], first: list[mx.array], logprobs: list[mx.array]) -> None:
-        """``rows`` join with their caches (moved into the batch's: the lists are emptied) and their
-        first tokens. Layer by layer, each evaluated before the next, so that a joining cache and
-        the batch's old layer are freed as soon as they are copied (never every layer twice at once)."""
-        moved = [list(c) for c in caches]
-        for c in caches:
-            c.clear()
-        for i in range(len(moved[0])):
-            layer = batch_layer(self.layers[i] if len(self.layers) > i else None, [m[i] for m in moved])
-            for m in moved:
-                m[i] = None
+    def join(self, rows: list[Row], layers: list[Any], first: list[int]) -> None:
+        """``rows`` join with their batched caches (``layers``, moved into the batch's: the list is
+        emptied) and the next token each feeds (its prompt's last). Layer by layer, each evaluated
+        before the next, so that the joining layer and the batch's old one are freed as soon as they
+        are copied (never every layer twice at once)."""
+        moved = list(layers)
+        layers.clear()
+        for i in range(len(moved)):
+            layer = batch_layer(self.layers[i] if len(self.layers) > i else None, [moved[i]])
+            moved[i] = None
             if len(self.layers) > i:
                 self.layers[i] = layer
             else:
                 self.layers.append(layer)
             mx.eval(layer.state)
             del layer
-        self.next = mx.concatenate(([self.next] if self.next is not None else []) + first)
-        self.next_logprobs.extend(logprobs)
+        new = mx.array(first, dtype=mx.uint32)
+        self.next = new if self.next is None else mx.concatenate([self.next, new])
+        self.next_logprobs.extend([None] * len(rows))
         self.rows.extend(rows)
 
     def clear(self) -> None:
@@ -113,12 +115,12 @@ class Rows:
         caches: list[list[Any]] = [[] for _ in idx]
         for n, c in enumerate(self.layers):
             for cache, i in zip(caches, idx):
-                cache.append(c.extract(i))
+                cache.append(KVCache() if c.keys is None else c.extract(i))
             if keep:
                 c.filter(keep)
             else:
                 self.layers[n] = None
-            mx.eval([cache[-1].state for cache in caches], c.state if keep else [])
+            mx.eval([cache[-1].state for cache in caches if cache[-1].keys is not None], c.state if keep else [])
             del c
         if not keep:
             self.clear()
@@ -153,11 +155,17 @@ class Rows:
         sampled = _sample([r.job.sampler for r in self.rows], logprobs)
         handed, self.next, self.next_logprobs = self.next_logprobs, sampled, list(logprobs)
         mx.async_eval(self.next, self.next_logprobs)
-        mx.eval(inputs, handed)
+        mx.eval(inputs, [lp for lp in handed if lp is not None])
         tokens = [int(t) for t in inputs.tolist()]  # type: ignore[union-attr, arg-type]
-        for row, t in zip(self.rows, tokens):
-            row.held.append(t)
-        return [(row.job, t, lp, False) for row, t, lp in zip(self.rows, tokens, handed)]
+        out: list[Delivery] = []
+        for row, t, lp in zip(self.rows, tokens, handed):
+            if row.fresh:
+                row.fresh = False
+            else:
+                assert lp is not None
+                row.held.append(t)
+                out.append((row.job, t, lp, False))
+        return out
 
     def verify(self, drafts: list[list[int]]) -> tuple[list[Delivery], list[int]]:
         """A verifying step over every row (``drafts[e]``: row e's, maybe none); the tokens handed out
@@ -171,12 +179,19 @@ class Rows:
         mx.eval(greedy)
         picks: list[list[int]] = greedy.tolist()  # type: ignore[assignment]
         out: list[Delivery] = []
-        accepted, following, following_lp = [], [], []
+        accepted: list[int] = []
+        following: list[int] = []
+        following_lp: list[mx.array | None] = []
         for e, (row, y, d) in enumerate(zip(self.rows, ys, drafts)):
             taken, token, lp, lps = _check(row, logits[e], logprobs[e], picks[e], y, d)
-            out.append((row.job, y, self.next_logprobs[e], False))
-            out.extend((row.job, t, lps[j], True) for j, t in enumerate(taken[1:]))
-            row.held.extend(taken)
+            handed = self.next_logprobs[e]
+            if row.fresh:  # y is the prompt's last token: fed, not handed out (the row drafted nothing)
+                row.fresh = False
+            else:
+                assert handed is not None
+                out.append((row.job, y, handed, False))
+                out.extend((row.job, t, lps[j], True) for j, t in enumerate(taken[1:]))
+                row.held.extend(taken)
             accepted.append(len(taken) - 1)
             following.append(token)
             following_lp.append(lp)
