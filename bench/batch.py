@@ -222,7 +222,11 @@ class Copy:
         if self.start is None:
             self.start = tokens.size
         token = self.reply[(tokens.size - self.start) % len(self.reply)]
-        return mx.where(mx.arange(logits.shape[-1]) == token, 0.0, -1e9).astype(logits.dtype)[None]
+        # ``0 * logits``: the forced logits depend on the model's, so that its forward pass runs as with
+        # any real processor (MLX computes lazily: without it, plain steps never ran the model, and
+        # only verifying steps, which read the model's own argmax, paid for it).
+        forced = mx.where(mx.arange(logits.shape[-1]) == token, 0.0, -1e9).astype(logits.dtype)[None]
+        return forced + 0 * logits
 
 
 def lookup_turns(lm, n: int, tokens: int, copying: bool, lookup: int | str | None):

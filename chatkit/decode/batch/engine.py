@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import statistics
 import threading
 import time
 import weakref
@@ -19,7 +20,7 @@ from ...model.loaded import LoadedModel
 from .. import TokenSource
 from ..local import LocalSource
 from ..speculative import NgramIndex
-from ..speculative.policy import choose, record_draft, record_miss, record_plain
+from ..speculative.policy import PLAIN_WINDOW, choose, record_draft, record_miss, record_plain
 from .job import Job
 from .prefill import Prefill
 from .rows import Delivery, Row, Rows, Seen
@@ -78,6 +79,7 @@ class BatchEngine:
         self._rows = Rows(lm.model)
         self._closed = False
         self._steps = 0
+        self._plain_times: list[float] = []  # the last plain steps' times (seconds)
         self._peak = 0
         self._turns = 0
         self._thread = threading.Thread(target=self._run, name="chatkit-batch-engine", daemon=True)
@@ -273,33 +275,45 @@ class BatchEngine:
 
     def _drafts(self, rows: Rows) -> tuple[list[list[int]] | None, list[tuple[int, bool]]]:
         """Each row's drafts for the next step (``None``: no row drafts, a plain step), and what each
-        row's policy asked for: (draft length, probe)."""
-        wants = []
+        row's policy asked for: (draft length, probe). The step is as wide as the longest draft asked
+        for, and every row it fits in drafts up to that width: its positions are computed anyway."""
+        wants, room = [], []
         for row in rows.rows:
             k, probe = (0, False) if row.policy is None or row.index is None or row.fresh else choose(row.policy)
-            wants.append((max(0, min(k, row.job.max_tokens - row.job.delivered - 1)), probe))
-        if not any(k for k, _ in wants):
+            left = 0 if row.index is None or row.fresh else max(0, row.job.max_tokens - row.job.delivered - 1)
+            wants.append((min(k, left), probe))
+            room.append(left)
+        width = max(k for k, _ in wants)
+        if not width:
             return None, wants
         drafts = []
-        for row, y, (k, probe) in zip(rows.rows, rows.next_tokens(), wants):
-            drafts.append(row.propose(y, k) if k else [])
+        for row, y, (k, probe), left in zip(rows.rows, rows.next_tokens(), wants, room):
+            drafts.append(row.propose(y, min(width, left)) if left else [])
             if k and not drafts[-1] and row.policy is not None:
                 record_miss(row.policy, probe)
         return (drafts if any(drafts) else None), wants
 
     def _record(self, rows: Rows, drafts: list[list[int]] | None, wants: list[tuple[int, bool]],
                 accepted: list[int] | None, seconds: float) -> None:
-        """The step's time and each drafting row's acceptance, to the rows' draft-length policies."""
+        """The step's time and each drafting row's acceptance, to the rows' draft-length policies. A
+        row that drafted nothing in a verifying step took a plain step within it: it counts one at
+        the batch's plain step time (so that its policy measures, probes and drafts as a session
+        alone does while the other rows draft)."""
+        if drafts is None or accepted is None:
+            self._plain_times = [*self._plain_times[1 - PLAIN_WINDOW:], seconds]
+        plain = statistics.median(self._plain_times) if self._plain_times else None
         for e, row in enumerate(rows.rows):
             if row.policy is None or row.index is None:
                 continue
             if drafts is None or accepted is None:
                 record_plain(row.policy, seconds)
             elif drafts[e]:
-                record_draft(row.policy, len(drafts[e]), accepted[e], seconds, wants[e][1])
+                record_draft(row.policy, len(drafts[e]), accepted[e], seconds, wants[e][1] and wants[e][0] > 0)
                 counts = row.job.drafts
                 counts.drafted, counts.accepted, counts.steps = (
                     counts.drafted + len(drafts[e]), counts.accepted + accepted[e], counts.steps + 1)
+            elif plain is not None:
+                record_plain(row.policy, plain)
 
     def _deliver(self, rows: Rows, deliveries: Sequence[Delivery]) -> None:
         """Hand the step's tokens to their readers; turns that end (EOS, ``max_tokens``, an error of

@@ -174,16 +174,21 @@ class Rows:
         width = 1 + max(len(d) for d in drafts)
         inputs = mx.array([[y, *d] + [0] * (width - 1 - len(d)) for y, d in zip(ys, drafts)], dtype=mx.uint32)
         logits = self.model(inputs, cache=self.layers)
-        greedy = mx.argmax(logits, axis=-1)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        mx.eval(greedy)
-        picks: list[list[int]] = greedy.tolist()  # type: ignore[assignment]
+        greedy = mx.argmax(logits, axis=-1)
+        # Greedy rows: every position's token computed at once (lazily), one evaluation for the batch.
+        ahead = [_positions(row, logits[e], logprobs[e], greedy[e], y, d) if row.job.greedy else None
+                 for e, (row, y, d) in enumerate(zip(self.rows, ys, drafts))]
+        mx.eval([a[0] for a in ahead if a is not None])
         out: list[Delivery] = []
         accepted: list[int] = []
         following: list[int] = []
         following_lp: list[mx.array | None] = []
         for e, (row, y, d) in enumerate(zip(self.rows, ys, drafts)):
-            taken, token, lp, lps = _check(row, logits[e], logprobs[e], picks[e], y, d)
+            if ahead[e] is None:
+                taken, token, lp, lps = _check(row, logits[e], y, d)
+            else:
+                taken, token, lp, lps = _accept(row, ahead[e], y, d)  # type: ignore[arg-type]
             handed = self.next_logprobs[e]
             if row.fresh:  # y is the prompt's last token: fed, not handed out (the row drafted nothing)
                 row.fresh = False
@@ -214,35 +219,63 @@ class Rows:
                 mx.eval(c.state)
 
 
-def _check(row: Row, logits: mx.array, logprobs: mx.array, picks: list[int], y: int,
-           drafts: list[int]) -> tuple[list[int], int, mx.array, list[mx.array]]:
-    """Row ``row``'s positions of a verifying step (``y`` then ``drafts``) sampled in order until one
-    differs from its draft: the tokens taken (``y``, the accepted drafts), the token after them, its
-    log-probabilities, and those of each position checked."""
+def _positions(row: Row, logits: mx.array, logprobs: mx.array, greedy: mx.array, y: int,
+               drafts: list[int]) -> tuple[mx.array, mx.array, int]:
+    """A greedy row's positions of a verifying step (``y`` then ``drafts``), lazily: each position's
+    token (its processors shown the tokens before it, as if every earlier draft were accepted), the
+    log-probabilities, and how many tokens the processors saw before the step."""
+    n = len(drafts) + 1
+    if not row.job.processors or row.seen is None:
+        return greedy[:n], logprobs, 0
+    start = row.seen.size
+    seen = row.seen.push(mx.array([y, *drafts], dtype=mx.uint32))
+    ones = []
+    for i in range(n):
+        one = logits[i : i + 1]
+        for processor in row.job.processors:
+            one = processor(seen[: start + 1 + i], one)
+        ones.append(one)
+    stacked = mx.concatenate(ones, axis=0)
+    lps = stacked - mx.logsumexp(stacked, axis=-1, keepdims=True)
+    return mx.argmax(lps, axis=-1), lps, start
+
+
+def _accept(row: Row, ahead: tuple[mx.array, mx.array, int], y: int,
+            drafts: list[int]) -> tuple[list[int], int, mx.array, list[mx.array]]:
+    """A greedy row's drafts accepted up to the first that differs from its position's token: the
+    tokens taken (``y``, the accepted drafts), the token after them, its log-probabilities, and those
+    of each position checked."""
+    picks, lps, start = ahead
+    tokens: list[int] = picks.tolist()  # type: ignore[assignment]
+    i = next((j for j, d in enumerate(drafts) if tokens[j] != d), len(drafts))
+    if row.job.processors and row.seen is not None:
+        row.seen.size = start + 1 + i  # the rejected drafts leave what the processors see
+    return [y, *drafts[:i]], tokens[i], lps[i], [lps[j] for j in range(i + 1)]
+
+
+def _check(row: Row, logits: mx.array, y: int, drafts: list[int]) -> tuple[list[int], int, mx.array, list[mx.array]]:
+    """A sampling row's positions of a verifying step (``y`` then ``drafts``) sampled in order until one
+    differs from its draft (the sampler draws only for the positions checked, as decoding alone does):
+    as :func:`_accept`."""
     job = row.job
-    plain = not job.processors and job.greedy
     seen = None
     if job.processors and row.seen is not None:
         start = row.seen.size
         seen = row.seen.push(mx.array([y, *drafts], dtype=mx.uint32))
     lps: list[mx.array] = []
     for i in range(len(drafts) + 1):
-        if plain:
-            token, lp = picks[i], logprobs[i]
-        else:
-            one = logits[i : i + 1]
-            if seen is not None:
-                for processor in job.processors:
-                    one = processor(seen[: start + 1 + i], one)
-            lp = (one - mx.logsumexp(one, axis=-1, keepdims=True))
-            token = int(job.sampler(lp).item())  # type: ignore[arg-type]
-            lp = lp.squeeze(0)
-        lps.append(lp)
+        one = logits[i : i + 1]
+        if seen is not None:
+            for processor in job.processors:
+                one = processor(seen[: start + 1 + i], one)
+        lp = one - mx.logsumexp(one, axis=-1, keepdims=True)
+        token = int(job.sampler(lp).item())  # type: ignore[arg-type]
+        lps.append(lp.squeeze(0))
         if i == len(drafts) or token != drafts[i]:
             break
     if seen is not None and row.seen is not None:
-        row.seen.size = start + 1 + i  # the rejected drafts leave what the processors see
-    return [y, *drafts[:i]], token, lp, lps
+        row.seen.size = start + 1 + i
+    return [y, *drafts[:i]], token, lps[-1], lps
 
 
 def _sample(samplers: list[Any], logprobs: mx.array) -> mx.array:
