@@ -452,3 +452,39 @@ def test_closing_the_engine_mid_turn_leaves_the_session_its_cache(lm):
     expected = fresh_reply(plain, "Go on.")
     assert turn_tokens(plain, "Go on.") == expected
     assert plain.last_stats.reused_tokens >= held
+
+
+def test_a_turn_failing_during_the_shared_prefill_leaves_its_cache_usable_and_the_others_intact(lm):
+    """Turns prefilled together: one fails after its first chunk (its progress callback raises, on its
+    own thread); it gets its cache back from the group's batched layers, holding what was prefilled,
+    and its next turn answers as a fresh session; the other turns decode their tokens alone."""
+    params = params_for(lm, 6, no_eos=True)
+    prompts = [prompt_of(30 + 3 * i, i) for i in range(3)]
+    expected = [alone(lm, p, params) for p in prompts]
+
+    class Boom(Exception):
+        pass
+
+    armed = []
+
+    def progress(done, total):
+        if armed and done > 0:
+            raise Boom("stop here")
+
+    with BatchEngine(lm, max_batch=4, prefill_step_size=24) as engine:
+        bad = session_for(lm, params=params.copy(), engine=engine, prefill_progress=progress)
+        bad.respond("Hello there!")
+        before = len(cache_state(bad).ledger)
+        armed.append(True)
+        sessions = [session_for(lm, params=params.copy(), engine=engine) for _ in prompts]
+        runners = [Runner(s, p) for s, p in zip(sessions, prompts)] + [Runner(bad, prompt_of(40, 7))]
+        run_all(runners)
+        assert isinstance(runners[-1].error, Boom)
+        assert [r.tokens for r in runners[:-1]] == expected
+        assert len(bad.history) == 2 and not bad.busy
+        assert len(cache_state(bad).ledger) >= before  # its history's cache came back (and maybe some prompt)
+        assert_ledger_matches_cache(bad)
+        armed.clear()
+        expect_next = fresh_reply(bad, "Go on.")
+        assert turn_tokens(bad, "Go on.") == expect_next
+        assert engine.active == 0

@@ -1,11 +1,12 @@
 """``BatchEngine``: many sessions' turns decoded together, one forward pass per step over all of them.
 
 One scheduler thread owns the model (``engine.py``). Continuous batching: turns join and leave
-between steps. A new turn's prompt is prefilled into the session's own cache, in chunks of the
-session's ``prefill_step_size`` (at most the engine's per step, between the others' decode steps);
-its last token is fed on that cache too, and the cache then joins the batch's rows (``rows.py``,
-mlx-lm's ``BatchKVCache``): it is copied there once and the session lets go of it, so that while the
-turn runs the batch holds the only copy. Tokens come back through a queue on the turn's own thread
+between steps. New turns' prompts are prefilled together (``prefill.py``: up to 8 turns, one
+right-padded forward pass per chunk of at most the sessions' ``prefill_step_size`` and the engine's
+per step, between the others' decode steps); their caches are copied once into the prefill's batched
+layers (the sessions let go of them), then into the batch's rows (``rows.py``, mlx-lm's
+``BatchKVCache``), whose next step feeds the prompts' last tokens with the other rows' tokens: while
+a turn runs, the engine holds the only copy of its cache. Tokens come back through a queue on the turn's own thread
 (``source.py``). When the turn ends, its row's cache goes back to the session, trimmed to what the
 turn fed and read (after a failure, or when the engine is closed, to its prompt: the turn commits no
 reply and the next one reuses the prompt), so commit, reuse, undo and save work exactly as for a
@@ -14,12 +15,13 @@ session alone. Each session's sampler and processors are guarded: one that raise
 Prompt lookup (``SpeculativeConfig("prompt_lookup")``) runs inside the batch: each such row's n-gram
 index proposes drafts when its draft-length policy says (the session's own, fed with the batch's step
 times), and a step where any row drafted verifies every row's drafts in one forward pass
-(``rows.py``). Greedy tokens are those of the session alone.
+(``rows.py``), as wide as the longest draft asked for; every lookup row drafts up to that width. Greedy tokens are those of the session alone.
 
 Why chatkit's own step loop over mlx-lm's ``BatchKVCache`` and not mlx-lm's ``BatchGenerator``: it
 feeds one token per row and step (verifying drafts needs several positions per row in one pass and a
 per-row trim), it copies the whole batch's cache as rows join and leave (two copies of every cache at
-the peak), and it takes one ``prefill_step_size`` for every request.
+the peak), and it takes one ``prefill_step_size`` for every request. Its batched prefill of joining
+turns is kept (``prefill.py``).
 
 What runs alone (through the session's local source, as without an engine), and why:
 - a draft model (``SpeculativeConfig(draft_lm)``): its own cache and forward passes per step would

@@ -339,6 +339,8 @@ class BatchEngine:
         """Every turn of the prefill group fails with ``error``; each gets its cache back if it can."""
         group = self._prefilling
         jobs = list(group.jobs)
+        if not jobs:
+            return
         try:
             caches: list[list[Any] | None] = list(group.leave(range(len(jobs))))
         except Exception:

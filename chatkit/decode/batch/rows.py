@@ -4,10 +4,12 @@ pass per step for every row.
 A plain step feeds one token per row and samples the next, queued one step ahead of the tokens it
 hands out (as mlx-lm's ``BatchGenerator`` does). A verifying step feeds each row its next token and
 the tokens drafted for it (rows drafting fewer are right-padded; a row with no draft takes a normal
-step in the same pass), samples each row's positions in order until one differs from its draft, and
-drops each row's rejected positions: the shortest rejection from every row (a trim), the rest by
+step in the same pass), samples each row's positions (a greedy row's all at once, lazily: one
+evaluation for the batch) and keeps them in order until one differs from its draft, and drops each
+row's rejected positions: the shortest rejection from every row (a trim), the rest by
 rolling each row right by its own count into its left padding (mlx-lm's ``finalize`` of right-padded
-prompts), so that every row ends at the batch's write position again.
+prompts), so that every row ends at the batch's write position again. A row joins with its prompt's
+last token still to feed (``fresh``): its first step hands nothing out.
 """
 
 from __future__ import annotations
@@ -71,8 +73,8 @@ class Row:
 
 
 class Rows:
-    """The decode batch (see the module docstring). Rows join with the next token to feed already
-    sampled (their first step ran on their own cache) and leave with their KV extracted."""
+    """The decode batch (see the module docstring). Rows join with their prompt's last token to feed
+    next and leave with their KV extracted."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
