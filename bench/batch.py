@@ -1,7 +1,7 @@
 """Many sessions at once: a BatchEngine against the same turns run one by one, and the shared prefix cache.
 
     .venv/bin/python bench/batch.py [--sessions 1,2,4,8,16] [--tokens 64] [--ttft-reps 7] [--max-wait 300]
-        [--lookup | --lookup-only] [--lookup-sessions 8] [--lookup-tokens 96]
+        [--lookup | --lookup-only] [--lookup-sessions 8] [--lookup-tokens 96] [--lookup-reps 3]
 
 Part 1, throughput. For N sessions: N turns, each a distinct ~40-token prompt (ChatML, no
 instructions), greedy, ``--tokens`` tokens each (the EOS logits biased by -1e9 through the session's
@@ -16,7 +16,9 @@ differs). Aggregate tok/s = all tokens generated / wall time from the first star
 Before part 1, the model's own decode step at each batch size (a forward pass and an argmax, no
 chatkit, no BatchGenerator) and its own prefill of the prompts, one and N in one batch: what batching
 can gain at best on the machine as it is during the run; and mlx-lm's ``BatchGenerator`` alone over the
-same prompts (what the engine drives: its step is the engine's floor). Decoding gains (one step at batch N costs
+same prompts; then the engine's own decode step (chatkit's rows, prefilled together as the engine does)
+against ``BatchGenerator``'s over the same rows and processors, in alternating rounds: the per-step path
+side by side. Decoding gains (one step at batch N costs
 far less than N steps at batch 1); prefill hardly does (it is compute-bound already), so the
 end-to-end ceiling, prefill included, is lower than the decode step's. Besides the end-to-end speedup,
 the table gives the decode speedup: aggregate decode tok/s while the sessions decode, N x each
@@ -31,7 +33,10 @@ that does not repeat its context. The benchmark model has random weights, so eac
 forced by a logits processor (``Copy``): the passage's tokens in order (copying), or a fixed
 pseudo-random token sequence found nowhere in the context (not repeating). It is a pure function of
 how many tokens it is shown, costs the same on both sides, and lets greedy tokens be compared: they
-must be identical. Targets: >= 1.5x aggregate tok/s copying, >= 0.95x not repeating.
+must be identical (its logits depend on the model's, so that the forward passes run as with any real
+processor). Targets: >= 1.5x aggregate tok/s copying, >= 0.95x not repeating. Before the table, the
+verifying step's cost at k = 1..8 drafted tokens per row (all accepted) against a plain step, at the same
+number of rows: the ceiling of what drafting can gain on the machine.
 
 Part 2, time to first token of a new session whose ~2,000-token instructions are already in the
 engine's prefix cache (another session answered once): ``stream_respond`` to the first chunk, median
@@ -52,7 +57,7 @@ from chatkit import BatchEngine, ChatSession, GenerateParams, SpeculativeConfig
 
 import mlx.core as mx
 from _common import OtherLoad, cache_state, clone, describe, load_model, median, wait_until_quiet
-from mlx_lm.generate import BatchGenerator, batch_generate, generate_step, stream_generate
+from mlx_lm.generate import BatchGenerator, batch_generate, generate_step, generation_stream, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
 
@@ -156,6 +161,77 @@ def generator_step(lm, n: int, tokens: int) -> float:
     return median([b - a for a, b in zip(half, half[1:])])
 
 
+def joined_rows(lm, ids: list[list[int]], processors: list[list]):
+    """chatkit's decode batch (``Rows``) over ``ids``, prefilled together as the engine does, each row
+    with its processors (greedy), after one step (every row has fed its prompt)."""
+    from chatkit.decode.batch.engine import _row
+    from chatkit.decode.batch.job import Job
+    from chatkit.decode.batch.prefill import Prefill
+    from chatkit.decode.batch.rows import Rows
+
+    from mlx_lm.sample_utils import greedy_sampler
+
+    jobs = [Job(tuple(p), (), 10**6, greedy_sampler, tuple(ps), make_prompt_cache(lm.model), 512)
+            for p, ps in zip(ids, processors)]
+    group = Prefill(lm.model)
+    group.start(jobs)
+    while not group.done:
+        group.feed(4096)
+    jobs, layers = group.take()
+    rows = Rows(lm.model)
+    rows.join([_row(j) for j in jobs], layers, [j.suffix[-1] for j in jobs])
+    rows.plain()
+    return rows
+
+
+def step_paths(lm, n: int, steps: int = 10, rounds: int = 6) -> tuple[float, float]:
+    """The engine's decode step (``Rows.plain``) against mlx-lm's ``BatchGenerator`` step over the same N
+    prompts and per-row ``logit_bias`` processors, once every row decodes, in alternating rounds (so that
+    other load hits both alike): median seconds per step of each."""
+    eos = {t: -1e9 for t in lm.tokenizer.eos_token_ids}
+    ids = [lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt(i)}], add_generation_prompt=True)
+           for i in range(n)]
+    with mx.stream(generation_stream):
+        rows = joined_rows(lm, ids, [make_logits_processors(logit_bias=eos) for _ in ids])
+        gen = BatchGenerator(lm.model, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512)
+        gen.insert(ids, max_tokens=[10**6] * n, logits_processors=[make_logits_processors(logit_bias=eos)] * n)
+        while len(gen._generation_batch) < n:
+            gen.next()
+        times: list[list[float]] = [[], []]
+        for r in range(rounds):
+            for which in (0, 1) if r % 2 == 0 else (1, 0):
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    rows.plain() if which == 0 else gen._generation_batch.next()
+                times[which].append((time.perf_counter() - t0) / steps)
+        gen.close()
+    return median(times[0]), median(times[1])
+
+
+def verify_costs(lm, n: int, reps: int = 4) -> tuple[float, dict[int, float]]:
+    """The batch's verifying step against its plain step, every row drafting ``k`` tokens that are all
+    accepted (each row's reply forced by ``Copy``), k = 1..8, in alternating order: the plain step's
+    seconds and each k's step time as a multiple of it. A step yields k + 1 tokens per row, so
+    ``(k + 1) / cost`` is the most drafting can gain at that k."""
+    rng = __import__("random").Random(3)
+    replies = [rng.sample(range(300, lm.vocab_size - 300), 50) for _ in range(n)]
+    ids = [lm.tokenizer.apply_chat_template([{"role": "user", "content": prompt(i)}], add_generation_prompt=True)
+           for i in range(n)]
+    times: dict[int, list[float]] = {k: [] for k in range(9)}
+    with mx.stream(generation_stream):
+        rows = joined_rows(lm, ids, [[Copy(r)] for r in replies])
+        for rep in range(reps):
+            for k in range(9) if rep % 2 == 0 else range(8, -1, -1):
+                ys = rows.next_tokens()
+                drafts = [[r[(r.index(y) + 1 + j) % len(r)] for j in range(k)] for r, y in zip(replies, ys)]
+                t0 = time.perf_counter()
+                rows.plain() if k == 0 else rows.verify(drafts)
+                mx.eval(rows.next, [lp for lp in rows.next_logprobs if lp is not None])
+                times[k].append(time.perf_counter() - t0)
+    plain = median(times[0])
+    return plain, {k: median(times[k]) / plain for k in range(1, 9)}
+
+
 def mlx_lm_alone(lm, n: int, tokens: int) -> float:
     """Raw mlx-lm end to end, no chatkit: ``batch_generate`` of the N prompts against N ``stream_generate``
     calls one after another (the same prompts, per-row ``logit_bias``): the speedup mlx-lm itself gets
@@ -257,17 +333,31 @@ def lookup_turns(lm, n: int, tokens: int, copying: bool, lookup: int | str | Non
     return sum(len(r[2]) for r in got) / wall, [r[2] for r in got], accepted  # type: ignore[index]
 
 
-def lookup_table(lm, n: int, tokens: int, say) -> None:
+def lookup_table(lm, n: int, tokens: int, say, reps: int = 3) -> None:
     say(f"\nPart 3: prompt lookup inside the batch, {n} sessions x {tokens} tokens, replies forced (see the docstring)")
-    say("draft: num_draft_tokens (auto: the adaptive policy, the default)")
+    plain, costs = verify_costs(lm, n)
+    say(f"The verifying step at {n} rows, every draft accepted, against a plain step ({1000 * plain:.1f} ms): "
+        + ", ".join(f"k={k} {c:.2f}x" for k, c in costs.items()))
+    say("  so at most, in tokens per row and plain step's time: " + ", ".join(
+        f"k={k} {(k + 1) / c:.2f}x" for k, c in costs.items()))
+    say(f"draft: num_draft_tokens (auto: the adaptive policy, the default); medians of {reps} rounds, the three "
+        "runs of a round in rotating order; ratio: the median of each round's lookup / no speculation")
     say(f"{'reply':>14} | draft | {'no speculation tok/s':>20} | {'lookup tok/s':>12} | {'ratio':>6} | target | "
         "accepted | same tokens")
     for copying, target in ((True, 1.5), (False, 0.95)):
-        plain, plain_tokens, _ = lookup_turns(lm, n, tokens, copying, lookup=None)
+        modes: list[int | str | None] = [None, "auto", 6]
+        runs: dict[int | str | None, list] = {m: [] for m in modes}
+        for r in range(reps):
+            for m in modes[r % 3:] + modes[: r % 3]:
+                runs[m].append(lookup_turns(lm, n, tokens, copying, lookup=m))
+        base = median([tps for tps, _, _ in runs[None]])
         for draft in ("auto", 6):
-            spec, spec_tokens, accepted = lookup_turns(lm, n, tokens, copying, lookup=draft)
-            say(f"{'copying' if copying else 'not repeating':>14} | {draft!s:>5} | {plain:>20.1f} | {spec:>12.1f} | "
-                f"{spec / plain:>5.2f}x | {target:>5.2f}x | {accepted:>8} | {plain_tokens == spec_tokens!s:>11}")
+            ratio = median([spec[0] / none[0] for spec, none in zip(runs[draft], runs[None])])
+            same = all(spec[1] == runs[None][0][1] for spec in runs[draft])
+            accepted = median([a for _, _, a in runs[draft]])
+            say(f"{'copying' if copying else 'not repeating':>14} | {draft!s:>5} | {base:>20.1f} | "
+                f"{median([tps for tps, _, _ in runs[draft]]):>12.1f} | {ratio:>5.2f}x | {target:>5.2f}x | "
+                f"{accepted:>8.0f} | {same!s:>11}")
 
 
 def main() -> None:
@@ -280,6 +370,7 @@ def main() -> None:
     ap.add_argument("--lookup-only", action="store_true", help="only part 3")
     ap.add_argument("--lookup-sessions", type=int, default=8)
     ap.add_argument("--lookup-tokens", type=int, default=96)
+    ap.add_argument("--lookup-reps", type=int, default=3, help="rounds of part 3 (medians)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.txt"))
     args = ap.parse_args()
     lm = load_model()
@@ -296,7 +387,7 @@ def main() -> None:
 
     if args.lookup_only:
         lookup_turns(lm, 2, 8, True, 4)  # warm-up of the verifying step
-        lookup_table(lm, args.lookup_sessions, args.lookup_tokens, say)
+        lookup_table(lm, args.lookup_sessions, args.lookup_tokens, say, args.lookup_reps)
         say(other.report())
         return
 
@@ -316,6 +407,9 @@ def main() -> None:
         f"{b} sessions {c:.2f}x" for b, c in ceiling.items()))
     say("mlx-lm's BatchGenerator alone (same prompts and processors, no chatkit), per step: " + ", ".join(
         f"batch {b}: {1000 * generator_step(lm, b, args.tokens):.1f} ms" for b in sizes))
+    pairs = {b: step_paths(lm, b) for b in sizes if b > 1}
+    say("The engine's decode step against BatchGenerator's, same rows and processors, alternating rounds: " + ", ".join(
+        f"batch {b}: {1000 * a:.1f} ms vs {1000 * g:.1f} ms ({a / g:.2f}x)" for b, (a, g) in pairs.items()))
     say(f"\nPart 1: {args.tokens} tokens per session, greedy, EOS biased -1e9 (a logits processor per session)")
     say("speedup: aggregate tok/s, prefill included (wall time from the first start to the last token);")
     say("decode speedup: aggregate decode tok/s once the sessions decode (N x ms/token alone / ms/token batched)")
@@ -341,7 +435,7 @@ def main() -> None:
     say(f"  raw mlx-lm, only the new tokens      : {1000 * raw:7.1f} ms   ratio {ck / raw:.2f}x (paired {pairs:.2f}x)")
     say(f"  chatkit alone (whole prompt, once)   : {1000 * plain:7.1f} ms")
     if args.lookup:
-        lookup_table(lm, args.lookup_sessions, args.lookup_tokens, say)
+        lookup_table(lm, args.lookup_sessions, args.lookup_tokens, say, args.lookup_reps)
     say(other.report())
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")

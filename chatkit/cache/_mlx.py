@@ -297,11 +297,12 @@ _STATE_CHECKS: dict[type, Any] = {
 }
 
 
-def batch_layer(batch: Any, news: list[Any]) -> Any:
+def batch_layer(batch: Any, news: list[Any], ahead: int = 1) -> Any:
     """One ``BatchKVCache`` layer holding ``batch``'s rows (or none) and then those of ``news`` (plain
     ``KVCache`` layers, one row each, maybe empty, or ``BatchKVCache`` layers), right-aligned, written
     into one new buffer (mlx-lm's ``merge`` then ``extend`` would copy the batch twice), with room for
-    the next steps (``BatchKVCache.step``)."""
+    at least ``ahead`` more positions (in ``BatchKVCache.step`` steps): a forward pass that outgrows
+    the buffer copies every layer's at once."""
     parts = ([] if batch is None else [batch]) + list(news)
     held = [c.size() if isinstance(c, BatchKVCache) else c.offset for c in parts]
     pads: list[list[int]] = [c.left_padding.tolist() if isinstance(c, BatchKVCache) else [0]  # type: ignore[misc]
@@ -312,7 +313,7 @@ def batch_layer(batch: Any, news: list[Any]) -> Any:
     if ref is None or width == 0:  # nothing cached in any row yet: the first step allocates
         return BatchKVCache([0] * len(left))
     H = ref.keys.shape[1]
-    room = -(-(width + 1) // BatchKVCache.step) * BatchKVCache.step
+    room = -(-(width + max(1, ahead)) // BatchKVCache.step) * BatchKVCache.step
     keys = mx.zeros((len(left), H, room, ref.keys.shape[3]), ref.keys.dtype)
     values = mx.zeros((len(left), H, room, ref.values.shape[3]), ref.values.dtype)
     row = 0

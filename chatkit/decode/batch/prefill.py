@@ -2,7 +2,8 @@
 pass per chunk (as mlx-lm's ``BatchGenerator`` does), before they join the decode batch.
 
 The turns' caches are moved into ``BatchKVCache`` layers when the group starts (the sessions let go of
-them: one copy). Each chunk feeds every turn the next tokens of its prompt but the last, right-padded to
+them: one copy), with room for the whole prompts (growing a buffer mid-pass would copy every layer's
+at once). Each chunk feeds every turn the next tokens of its prompt but the last, right-padded to
 the longest; ``finalize`` then rolls each row's padding to its left, so that every row ends at the
 write position. The prompts' last tokens are fed by the decode batch's next step, with the others'.
 """
@@ -37,8 +38,9 @@ class Prefill:
         moved = [list(job.layers) for job in jobs]
         for job in jobs:
             job.layers.clear()
+        ahead = max(len(job.suffix) for job in jobs) + 1  # the prompts, and the batch's first step
         for i in range(len(moved[0])):
-            layer = batch_layer(None, [m[i] for m in moved])
+            layer = batch_layer(None, [m[i] for m in moved], ahead)
             for m in moved:
                 m[i] = None
             mx.eval(layer.state)
@@ -61,9 +63,10 @@ class Prefill:
         for c in self.layers:
             c.prepare(right_padding=pads)
         self.model(inputs, cache=self.layers)
-        for c in self.layers:
-            c.finalize()
         mx.eval([c.state for c in self.layers])
+        for c in self.layers:  # one layer at a time: a roll copies the layer's buffer
+            c.finalize()
+            mx.eval(c.state)
         for job, chunk in zip(self.jobs, chunks):
             job.prefilled += len(chunk)
             if chunk:
