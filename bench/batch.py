@@ -389,6 +389,7 @@ def main() -> None:
         lookup_turns(lm, 2, 8, True, 4)  # warm-up of the verifying step
         lookup_table(lm, args.lookup_sessions, args.lookup_tokens, say, args.lookup_reps)
         say(other.report())
+        write(args.out, lines)
         return
 
     sizes = [int(x) for x in args.sessions.split(",")]
@@ -437,9 +438,13 @@ def main() -> None:
     if args.lookup:
         lookup_table(lm, args.lookup_sessions, args.lookup_tokens, say, args.lookup_reps)
     say(other.report())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}", file=sys.stderr)
+    write(args.out, lines)
+
+
+def write(out: str, lines: list[str]) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

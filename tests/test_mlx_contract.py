@@ -214,3 +214,25 @@ def test_batch_layer_and_the_batch_cache_moves_the_batch_engine_makes():
     for i, (k, kept) in enumerate(((ka, 3), (kb, 1), (kc, 2))):
         want = mx.concatenate([k, new[i : i + 1, :, :kept]], axis=2)
         assert mx.array_equal(batch.extract(i).keys, want).item()
+
+
+def test_batch_layer_joins_batched_and_empty_rows():
+    """A prefill group's batched layer (an empty row in it) joins the batch's rows in one new buffer:
+    every row right-aligned, the empty one all padding; ``ahead`` leaves room for the prompts to come."""
+
+    def row(n, seed):
+        layer = mlx_cache.KVCache()
+        k = mx.random.normal((1, 2, n, 8), key=mx.random.key(seed))
+        layer.update_and_fetch(k, k + 1)
+        return layer, k
+
+    (a, ka), (b, kb), (c, kc) = row(4, 1), row(6, 2), row(2, 3)
+    group = _mlx.batch_layer(None, [mlx_cache.KVCache(), c], ahead=300)
+    assert group.keys.shape[2] >= 2 + 300 and group.left_padding.tolist() == [2, 0]
+    assert _mlx.batch_layer(None, [mlx_cache.KVCache()]).keys is None  # nothing cached: allocated by the first step
+    joined = _mlx.batch_layer(_mlx.batch_layer(None, [a, b]), [group])
+    assert joined.size() == 6 and joined.offset.tolist() == [4, 6, 0, 2]
+    assert joined.left_padding.tolist() == [2, 0, 6, 4]
+    for i, k in ((0, ka), (1, kb), (3, kc)):
+        assert mx.array_equal(joined.extract(i).keys, k).item()
+    assert joined.extract(2).offset == 0
