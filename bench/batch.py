@@ -208,7 +208,7 @@ def step_paths(lm, n: int, steps: int = 10, rounds: int = 6) -> tuple[float, flo
     return median(times[0]), median(times[1])
 
 
-def verify_costs(lm, n: int, reps: int = 4) -> tuple[float, dict[int, float]]:
+def verify_costs(lm, n: int, reps: int = 8) -> tuple[float, dict[int, float]]:
     """The batch's verifying step against its plain step, every row drafting ``k`` tokens that are all
     accepted (each row's reply forced by ``Copy``), k = 1..8, in alternating order: the plain step's
     seconds and each k's step time as a multiple of it. A step yields k + 1 tokens per row, so
