@@ -87,12 +87,15 @@ class Rows:
         return len(self.rows)
 
     def join(self, rows: list[Row], layers: list[Any], first: list[int]) -> None:
-        """``rows`` join with their batched caches (``layers``, moved into the batch's: the list is
-        emptied) and the next token each feeds (its prompt's last). Layer by layer, each evaluated
-        before the next, so that the joining layer and the batch's old one are freed as soon as they
-        are copied (never every layer twice at once)."""
+        """``rows`` join with their batched caches (``layers``, moved into the batch's, or taken as they
+        are by an empty batch: the list is emptied) and the next token each feeds (its prompt's last).
+        Layer by layer, each evaluated before the next, so that the joining layer and the batch's old
+        one are freed as soon as they are copied (never every layer twice at once)."""
         moved = list(layers)
         layers.clear()
+        if not self.rows:  # an empty batch takes the layers as they are: no copy
+            self.layers = moved
+            moved = []
         for i in range(len(moved)):
             layer = batch_layer(self.layers[i] if len(self.layers) > i else None, [moved[i]])
             moved[i] = None
