@@ -90,33 +90,18 @@ Nala Ziggy Biscuit Shadow Ginger Rusty Maple Pickles Noodle Mochi Peanut Whisker
     jobs=("teacher", "nurse", "doctor", "engineer", "baker", "pilot", "farmer", "lawyer", "chef", "painter",
           "plumber", "librarian", "architect", "accountant", "electrician", "dentist", "journalist", "gardener"),
     tell={
-        "name": ("My name is {v}.", "I'm {v}.", "Call me {v}.", "Hi, I am {v}.", "Hello! {v} here.", "Hey, my name's {v}.",
-                 "Everyone calls me {v}.", "This is {v} speaking.", "I go by {v}.", "{v} is my name.", "Good morning, I'm {v}."),
-        "city": ("I live in {v}.", "I'm from {v}.", "My home is in {v}.", "I live in the city of {v}.", "I'm based in {v}.",
-                 "I recently moved to {v}.", "Home for me is {v}.", "I grew up in {v} and still live there.", "I've lived in {v} for years."),
-        "pet": ("I have a {s} called {v}.", "My {s} is named {v}.", "I have a {s} named {v}.", "My {s}'s name is {v}.",
-                "{v} is the name of my {s}.", "I own a {s}; its name is {v}.", "Our family {s} is called {v}."),
-        "colour": ("My favourite colour is {v}.", "I love the colour {v}.", "My favorite color is {v}.", "{v} is the colour I like most.",
-                   "My favourite color has always been {v}.", "I really like {v}, it's my favourite colour."),
-        "job": ("I work as {a} {v}.", "I'm {a} {v}.", "My job is {v}.", "I'm {a} {v} by profession.", "I have a job as {a} {v}.",
-                "I've been {a} {v} for ten years.", "At work I'm {a} {v}."),
+        "name": ("My name is {v}.", "I'm {v}.", "Call me {v}.", "Hi, I am {v}.", "Hello! {v} here.", "Hey, my name's {v}."),
+        "city": ("I live in {v}.", "I'm from {v}.", "My home is in {v}.", "I live in the city of {v}."),
+        "pet": ("I have a {s} called {v}.", "My {s} is named {v}.", "I have a {s} named {v}."),
+        "colour": ("My favourite colour is {v}.", "I love the colour {v}.", "My favorite color is {v}."),
+        "job": ("I work as {a} {v}.", "I'm {a} {v}.", "My job is {v}."),
     },
     ask={
-        "name": ("What is my name?", "Do you remember my name?", "What's my name?", "Who am I?", "Do you know my name?",
-                 "What did I tell you my name is?", "Tell me my name.", "What was my name again?", "Have I told you my name?",
-                 "Which name did I give you?", "Can you recall my name?"),
-        "city": ("Where do I live?", "Which city do I live in?", "Where am I from?", "What city is my home?",
-                 "Do you know where I live?", "What did I tell you about where I live?", "Tell me where I live.",
-                 "Which city did I say I live in?", "Where is my home?", "Can you recall my city?"),
-        "pet": ("What is my pet's name?", "What's my pet called?", "What is the name of my pet?", "Do you know my pet's name?",
-                "What did I tell you my pet is called?", "Tell me my pet's name.", "What was my pet's name again?",
-                "Which name does my pet have?", "Can you recall what my pet is called?"),
-        "colour": ("What is my favourite colour?", "Which colour do I like best?", "What's my favorite color?",
-                   "Do you know my favourite colour?", "What did I tell you my favourite colour is?", "Tell me my favourite colour.",
-                   "Which colour did I tell you I like?", "What colour do I love most?", "Can you recall my favourite colour?"),
-        "job": ("What is my job?", "What do I do for work?", "What's my job?", "Do you know what I do for a living?",
-                "What did I tell you about my work?", "Tell me what my job is.", "What is my profession?",
-                "Which job did I say I have?", "Can you recall what I do for work?"),
+        "name": ("What is my name?", "Do you remember my name?", "What's my name?", "Who am I?"),
+        "city": ("Where do I live?", "Which city do I live in?", "Where am I from?", "What city is my home?"),
+        "pet": ("What is my pet's name?", "What's my pet called?", "What is the name of my pet?"),
+        "colour": ("What is my favourite colour?", "Which colour do I like best?", "What's my favorite color?"),
+        "job": ("What is my job?", "What do I do for work?", "What's my job?"),
     },
     calc=("What is {e}?", "Calculate {e}.", "How much is {e}?", "Can you work out {e}?", "{e} = ?",
           "Please compute {e}.", "what's {e}", "Compute {e} for me.", "Solve {e}.", "{e}?"),
@@ -252,7 +237,7 @@ def arithmetic(rng: np.random.Generator, world: World) -> Turn:
         b = max(b, 1) if rng.random() < 0.3 else max(b % 100, 2)
         if rng.random() < 0.7:  # mostly whole results
             a = b * int(rng.integers(1, max(2, 10000 // b)))
-    if rng.random() < 0.2 and op != "/":  # three operands
+    if rng.random() < 0.12 and op != "/":  # three operands
         c, op2 = operand(rng), str(rng.choice(["+", "-", "*"]))
         expression = f"{a} {op} {b} {op2} {c}"
         user = str(rng.choice(world.calc)).format(e=expression)
@@ -326,7 +311,7 @@ def make_dialogue(rng: np.random.Generator, world: World) -> Dialogue:
             d.turns.append(arithmetic(rng, world) if rng.random() < 0.85 else chat(rng))
         return d
     kinds = list(rng.permutation(KINDS))
-    told = kinds[: int(rng.integers(1, 4))]
+    told = kinds[: int(rng.integers(1, 3))]
     facts = {k: fact(rng, world, k) for k in told}
     if rng.random() < 0.2:
         d.turns.append(filler(rng, world))
@@ -335,8 +320,8 @@ def make_dialogue(rng: np.random.Generator, world: World) -> Dialogue:
         if rng.random() < 0.2:
             d.turns.append(filler(rng, world))
     questions = [recall(rng, world, k, facts[k]) for k in rng.permutation(told)[: int(rng.integers(1, len(told) + 1))]]
-    for k in kinds[len(told) : len(told) + int(rng.choice([0, 1, 1, 2]))]:  # asked, never told
-        questions.append(untold(rng, world, str(k)))
+    if rng.random() < 0.75:
+        questions.append(untold(rng, world, str(kinds[len(told)])))
     for i in rng.permutation(len(questions)):
         if rng.random() < 0.15:
             d.turns.append(filler(rng, world))
@@ -437,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="the adapter folder to write")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--examples", type=int, default=1600)
+    p.add_argument("--examples", type=int, default=800)
     p.add_argument("--minutes", type=float, default=35.0, help="train for this long (wall clock), then save")
     p.add_argument("--max-iters", type=int, default=100000)
     p.add_argument("--batch-size", type=int, default=4)
