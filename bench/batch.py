@@ -73,6 +73,17 @@ def params(lm, tokens: int) -> GenerateParams:
     return GenerateParams(max_tokens=tokens, temperature=0.0, logit_bias={t: -1e9 for t in lm.tokenizer.eos_token_ids})
 
 
+def run_all(sessions, texts, got) -> float:
+    """Each session's turn on ``texts`` on its own thread, all at once (``run_turn`` fills ``got``); the start."""
+    threads = [threading.Thread(target=run_turn, args=(s, t, got, i, True)) for i, (s, t) in enumerate(zip(sessions, texts))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return t0
+
+
 def run_turn(session, text, out, i, thread=False):
     times = []
     t0 = time.perf_counter()
@@ -95,12 +106,7 @@ def throughput(lm, n: int, tokens: int, engine: BatchEngine):
     # (b) all at once on the engine
     sessions = [ChatSession.builder(lm).generate_params(params(lm, tokens)).engine(engine).build() for _ in texts]
     got = [None] * n
-    threads = [threading.Thread(target=run_turn, args=(s, t, got, i, True)) for i, (s, t) in enumerate(zip(sessions, texts))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    t0 = run_all(sessions, texts, got)
     batch_wall = max(r[1][-1] for r in got) - t0  # type: ignore[index]
     same = all(g[2] == s[2] for g, s in zip(got, seq))  # type: ignore[index]
 
@@ -322,12 +328,7 @@ def lookup_turns(lm, n: int, tokens: int, copying: bool, lookup: int | str | Non
         for reply in replies:
             b = ChatSession.builder(lm).generate_params(GenerateParams(max_tokens=tokens, logits_processors=[Copy(reply)]))
             sessions.append(b.speculative(None if lookup is None else SpeculativeConfig("prompt_lookup", lookup)).engine(engine).build())
-        threads = [threading.Thread(target=run_turn, args=(s, t, got, i, True)) for i, (s, t) in enumerate(zip(sessions, texts))]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        t0 = run_all(sessions, texts, got)
     wall = max(r[1][-1] for r in got) - t0  # type: ignore[index]
     accepted = sum(s.last_stats.draft_tokens_accepted for s in sessions)
     return sum(len(r[2]) for r in got) / wall, [r[2] for r in got], accepted  # type: ignore[index]
