@@ -60,7 +60,7 @@ def load(
         text_model, tok, parts = load_vision(folder, vision)
         _tokenizer.silence_length_warning(tok)
         return LoadedModel(model=text_model, tokenizer=tok, config=dict(vision), source=source, vision=parts)
-    model, tok, config = _mlx_load(folder, tokenizer_config)
+    model, tok, config = _mlx_load(folder, source, tokenizer_config)
     _tokenizer.silence_length_warning(tok)
     return LoadedModel(model=model, tokenizer=tok, config=dict(config), source=source, distributed=group)
 
@@ -94,21 +94,18 @@ def _folder(source: str) -> str:
                              "folder (offline? set HF_HUB_OFFLINE=1 and use a path)).") from exc
 
 
-def _mlx_load(source: str, tokenizer_config: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """``mlx_lm.load``'s (model, tokenizer, config); its many kinds of errors as ``ModelLoadError``."""
+def _mlx_load(folder: str, source: str, tokenizer_config: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """``mlx_lm.load``'s (model, tokenizer, config) of the local ``folder`` (``source``: what the user named);
+    its many kinds of errors as ``ModelLoadError``."""
     from mlx_lm import load as mlx_load  # imported here: mlx_lm costs about a second to import
 
     try:
         return mlx_load(  # type: ignore[return-value]  # 3 values with return_config
-            source, tokenizer_config=tokenizer_config or None, return_config=True
+            folder, tokenizer_config=tokenizer_config or None, return_config=True
         )
-    except Exception as exc:  # mlx-lm raises many kinds: missing files, hub errors, bad configs
-        hint = (
-            "check the folder holds config.json, weights and tokenizer files"
-            if Path(source).exists()
-            else "check the repo id, or pass a local folder (offline? set HF_HUB_OFFLINE=1 and use a path)"
-        )
-        raise ModelLoadError(f"Could not load model {source!r}: {exc} ({hint}).") from exc
+    except Exception as exc:  # mlx-lm raises many kinds: missing files, bad configs
+        raise ModelLoadError(f"Could not load model {source!r}: {exc} (check the folder {folder} holds "
+                             "config.json, weights and tokenizer files).") from exc
 
 
 def _vision_config(source: str) -> dict[str, Any] | None:

@@ -148,12 +148,10 @@ class Vision:
         while end < len(ids) and ids[end] == self.image_token_id:
             end += 1
         ids = ids[first:end]  # the image's tokens (not a BOS, nor the boundary tokens around them: text)
-        if self._masked:  # Gemma 3's wants the prompt's mask
-            extra["mask"] = mx.ones((1, len(ids)), dtype=mx.int32)
+        mask = {"mask": mx.ones((1, len(ids)), dtype=mx.int32)} if self._masked else {}  # Gemma 3's wants one
         features = self.vlm.get_input_embeddings(
-            mx.array([ids]), mx.array(out["pixel_values"]), **extra
+            mx.array([ids]), mx.array(out["pixel_values"]), **extra, **mask
         ).inputs_embeds[0]  # one row per id: the image's features
-        extra.pop("mask", None)
         mx.eval(features)
         return Encoded(tuple(ids), features, extra)
 
@@ -312,7 +310,7 @@ def _token_id(processor: Any, token: str) -> int:
 
 
 def load_vision(source: str, config: Mapping[str, Any]) -> tuple[TextModel, Any, Vision]:
-    """mlx-vlm's model and processor for ``source``: (the language model as mlx-lm calls it, mlx-lm's
+    """mlx-vlm's model and processor from the local folder ``source``: (the language model as mlx-lm calls it, mlx-lm's
     tokenizer wrapper over the processor's tokenizer, the :class:`Vision`)."""
     try:
         from mlx_vlm.utils import load as vlm_load
@@ -322,20 +320,17 @@ def load_vision(source: str, config: Mapping[str, Any]) -> tuple[TextModel, Any,
             "pip install 'chatkit[vision]'."
         ) from None
     from mlx_lm.utils import load_tokenizer
-    from mlx_vlm.utils import get_model_path
 
     try:
         vlm, processor = vlm_load(source)
-        path = get_model_path(source)
     except Exception as exc:  # mlx-vlm raises many kinds
-        hint = "check the folder holds config.json, weights, processor and tokenizer files" if Path(source).exists() \
-            else "check the repo id"
-        raise ModelLoadError(f"Could not load vision-language model {source!r}: {exc} ({hint}).") from exc
+        raise ModelLoadError(f"Could not load vision-language model {source!r}: {exc} (check the folder holds "
+                             "config.json, weights, processor and tokenizer files).") from exc
     if not hasattr(processor, "image_token"):
         raise ModelLoadError(f"{source!r}: its processor names no image token, so chatkit cannot place images.")
     eos = config.get("eos_token_id", config.get("text_config", {}).get("eos_token_id"))
     eos_ids = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
-    tokenizer = load_tokenizer(Path(path), eos_token_ids=sorted(eos_ids) or None)
+    tokenizer = load_tokenizer(Path(source), eos_token_ids=sorted(eos_ids) or None)
     vision = Vision(vlm, processor)
     return vision.text, tokenizer, vision
 
