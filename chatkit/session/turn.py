@@ -55,7 +55,7 @@ class Prompting:
             self._with_system(messages), tools=self.tools, add_generation_prompt=add_generation_prompt,
             template_kwargs=params.chat_template_kwargs(), rewrite=vision.rewrite if vision is not None else None,
         )
-        if not images or self.vision is None or vision is None or vision.expansion is not None:
+        if not images or self.vision is None or self.vision.vision.expansion is not None:
             return ids  # (an expansion wrote the image tokens already)
         return expand(ids, images, self.vision.placeholder, self.vision.ids)
 
