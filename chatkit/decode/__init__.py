@@ -31,6 +31,10 @@ class DraftCount:
     accepted: int = 0
     steps: int = 0
 
+    def add(self, drafted: int, accepted: int) -> None:
+        """One drafting step: ``drafted`` tokens proposed, ``accepted`` of them kept."""
+        self.drafted, self.accepted, self.steps = self.drafted + drafted, self.accepted + accepted, self.steps + 1
+
 
 @dataclass(frozen=True)
 class Request:

@@ -8,7 +8,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -309,9 +309,7 @@ class BatchEngine:
                 record_plain(row.policy, seconds)
             elif drafts[e]:
                 record_draft(row.policy, len(drafts[e]), accepted[e], seconds, wants[e][1] and wants[e][0] > 0)
-                counts = row.job.drafts
-                counts.drafted, counts.accepted, counts.steps = (
-                    counts.drafted + len(drafts[e]), counts.accepted + accepted[e], counts.steps + 1)
+                row.job.drafts.add(len(drafts[e]), accepted[e])
             elif plain is not None:
                 record_plain(row.policy, plain)
 
@@ -338,27 +336,26 @@ class BatchEngine:
     def _fail_group(self, error: BaseException) -> None:
         """Every turn of the prefill group fails with ``error``; each gets its cache back if it can."""
         group = self._prefilling
-        jobs = list(group.jobs)
-        if not jobs:
-            return
-        try:
-            caches: list[list[Any] | None] = list(group.leave(range(len(jobs))))
-        except Exception:
-            caches = [None] * len(jobs)
-            group.take()
-        for job, layers in zip(jobs, caches):
-            job.finish(layers, error)
+        _fail_all(list(group.jobs), group.leave, group.take, error)
 
     def _fail_rows(self, rows: Rows, error: BaseException) -> None:
         """Every turn in the batch fails with ``error``; each gets its cache back if it can be read."""
-        jobs = [r.job for r in rows.rows]
-        try:
-            caches: list[list[Any] | None] = list(rows.leave(range(len(jobs))))
-        except Exception:
-            caches = [None] * len(jobs)
-            rows.clear()
-        for job, layers in zip(jobs, caches):
-            job.finish(layers, error)
+        _fail_all([r.job for r in rows.rows], rows.leave, rows.clear, error)
+
+
+def _fail_all(jobs: list[Any], leave: Callable[[range], list[list[Any]]], reset: Callable[[], Any],
+              error: BaseException) -> None:
+    """``jobs`` (all of a group's or the batch's rows) fail with ``error``, each with its cache ``leave``
+    hands back, or none when that cannot be read (then ``reset`` empties the part)."""
+    if not jobs:
+        return
+    try:
+        caches: list[list[Any] | None] = list(leave(range(len(jobs))))
+    except Exception:
+        caches = [None] * len(jobs)
+        reset()
+    for job, layers in zip(jobs, caches):
+        job.finish(layers, error)
 
 
 def check_engine(engine: Any, model: Any) -> None:
@@ -366,7 +363,7 @@ def check_engine(engine: Any, model: Any) -> None:
     if engine is None:
         return
     if not isinstance(engine, BatchEngine):
-        raise InvalidParamsError(f"engine() takes a chatkit.BatchEngine, got {type(engine).__name__}.")
+        raise InvalidParamsError(f"engine must be a chatkit.BatchEngine, got {type(engine).__name__}.")
     if engine.lm.model is not model:
         raise InvalidParamsError(
             "This BatchEngine was built for another model: create one over the session's model, "

@@ -201,9 +201,8 @@ def _accept(run: _Run, taken: list[int], drafted: int, probe: bool) -> None:
     trim_layers(run.layers, run.base + len(run.held))  # the rejected drafts leave the cache
     _quantize(run)  # after the trim: at the offset one-token steps would have reached
     run.drafter.rewind(len(run.held))
-    accepted, counts = len(taken) - 1, run.request.drafts
-    counts.drafted, counts.accepted, counts.steps = (
-        counts.drafted + drafted, counts.accepted + accepted, counts.steps + 1)
+    accepted = len(taken) - 1
+    run.request.drafts.add(drafted, accepted)
     run.last = (drafted, accepted, probe)
 
 
