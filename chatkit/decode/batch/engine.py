@@ -149,8 +149,9 @@ class BatchEngine:
             self._cond.notify_all()
 
     def _release(self, job: Job) -> list[Any] | None:
-        """The turn stops reading: take it out of the batch and get its cache back (``None``: the
-        batch never took the session's own layers)."""
+        """The turn stops reading: take it out of the batch and get its cache back (``None``: none to give,
+        because the batch never took the session's layers, the turn was closed on the batch's own thread,
+        or the hand-back timed out; a session whose layers the batch took then rebuilds them next turn)."""
         with self._cond:
             if not job.finished.is_set():
                 self._cancels.append(job)

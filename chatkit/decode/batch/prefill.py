@@ -75,7 +75,8 @@ class Prefill:
 
     def leave(self, idx: Sequence[int]) -> list[list[Any]]:
         """Turns ``idx`` leave the group (cancelled, or the group failed); their caches, in order."""
-        keep = [i for i in range(len(self.jobs)) if i not in set(idx)]
+        gone = set(idx)
+        keep = [i for i in range(len(self.jobs)) if i not in gone]
         caches: list[list[Any]] = [[KVCache() if c.keys is None else c.extract(i) for c in self.layers] for i in idx]
         mx.eval([c.state for cache in caches for c in cache])
         if keep:

@@ -116,7 +116,8 @@ class Rows:
     def leave(self, idx: Sequence[int]) -> list[list[Any]]:
         """Rows ``idx`` leave; their caches (plain ``KVCache`` layers), in the order of ``idx``. The
         batch's layers shrink one at a time (see :meth:`join`)."""
-        keep = [i for i in range(len(self.rows)) if i not in set(idx)]
+        gone = set(idx)
+        keep = [i for i in range(len(self.rows)) if i not in gone]
         caches: list[list[Any]] = [[] for _ in idx]
         for n, c in enumerate(self.layers):
             for cache, i in zip(caches, idx):

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 from mlx_lm.models.cache import KVCache
 
-from ...cache._mlx import layer_offset
+from ...cache._mlx import layer_offset, trim_layers
 from ...cache.state import CacheState
 from .. import Request, Token
 from ..local import LocalSource
@@ -78,9 +78,7 @@ class BatchSource:
                 # What the turn fed and read, no run-ahead; after a failure only the prompt: the turn
                 # commits no reply, and the next one reuses what the cache holds of the prompt.
                 target = base + len(request.suffix) + (0 if failed else read)
-                for layer in back:
-                    if layer.offset > target:
-                        layer.trim(layer.offset - target)
+                trim_layers(back, target)
                 layers[:] = back
             elif not layers:  # handed to the batch and not given back: rebuild next turn
                 cache.reset()
