@@ -429,6 +429,23 @@ def test_a_batched_turn_prefills_in_the_sessions_own_chunks(lm):
         assert [d for d, _ in seen[1:3]] == [16, 32]
 
 
+def test_a_prefill_step_smaller_than_the_waiting_turns_holds(lm, monkeypatch):
+    """The engine's ``prefill_step_size`` bounds every shared prefill pass, padding included, even
+    when fewer tokens than waiting turns: the group takes no more turns than the step has tokens."""
+    from chatkit.decode.batch.prefill import Prefill
+
+    fed, feed = [], Prefill.feed
+    monkeypatch.setattr(Prefill, "feed", lambda self, budget: fed.append(feed(self, budget)) or fed[-1])
+    params = params_for(lm, 3, no_eos=True)
+    prompts = [prompt_of(150 + i, i) for i in range(4)]  # long: the others wait while the first prefills
+    expected = [alone(lm, p, params) for p in prompts]
+    with BatchEngine(lm, max_batch=4, prefill_step_size=2) as engine:
+        runners = [Runner(session_for(lm, params=params.copy(), engine=engine), p) for p in prompts]
+        run_all(runners)
+    assert [r.tokens for r in runners] == expected
+    assert fed and max(fed) <= 2
+
+
 def test_closing_the_engine_mid_turn_leaves_the_session_its_cache(lm):
     params = params_for(lm, 60, no_eos=True)
     engine = BatchEngine(lm, max_batch=2)

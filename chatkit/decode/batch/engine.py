@@ -222,7 +222,8 @@ class BatchEngine:
         group = self._prefilling
         if not group:
             with self._cond:
-                room = min(PREFILL_BATCH, self.max_batch - len(rows), len(self._waiting))
+                # at most one token per turn and step: a group wider than the step would exceed it
+                room = min(PREFILL_BATCH, self.prefill_step_size, self.max_batch - len(rows), len(self._waiting))
                 jobs = [self._waiting.popleft() for _ in range(max(0, room))]
             if not jobs:
                 return
