@@ -8,8 +8,9 @@ from typing import Any
 SHOWN = 6  # messages shown without --all
 
 
-def inspect(path: str, out: Any = sys.stdout, *, show_all: bool = False, model: str | None = None) -> int:
-    """Print the header of ``path``; with ``model``, also whether the file fits that model."""
+def inspect(path: str, out: Any = None, *, show_all: bool = False, model: str | None = None) -> int:
+    """Print the header of ``path`` to ``out`` (``sys.stdout`` as it is when called); with ``model``, also
+    whether the file fits that model."""
     from ..cache.file import check_fingerprint
     from ..errors import CacheFileError, ChatKitError
     from ..session.saved import inspect as inspect_file
@@ -32,7 +33,7 @@ def inspect(path: str, out: Any = sys.stdout, *, show_all: bool = False, model: 
             lines.append(f"fits {model}: yes (every fingerprint part matches)")
         else:
             lines.append(f"fits {model}: unknown until restored (a raw cache's layers are checked when it is loaded)")
-    print("\n".join(lines), file=out)
+    print("\n".join(lines), file=out if out is not None else sys.stdout)
     return 0
 
 
