@@ -1,6 +1,8 @@
 """The chatkit command for real: a REPL in a pseudo-terminal (prompt_toolkit), Ctrl-C mid-reply,
 save/undo/load, line editing and history; piped input; flags, errors and inspect."""
 
+import contextlib
+import io
 import os
 import re
 import subprocess
@@ -8,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from chatkit.cli import main
 from chatkit.testing import tiny_model_path
 
 import pexpect
@@ -71,6 +74,23 @@ def run(*args, stdin="", env=None, timeout=120):
                           text=True, timeout=timeout, env=env)
 
 
+def run_here(*args, stdin=""):
+    """``run`` in this process: ``chatkit.cli.main``, which ``python -m chatkit`` exits with (the same
+    status and output), for commands that end before a chat starts: a process would only add ~3 s to
+    start. Process-level exit statuses are proven by the ``run`` cases (a refused --save, inspect)."""
+    out, err = io.StringIO(), io.StringIO()
+    given, sys.stdin = sys.stdin, io.StringIO(stdin)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse: --help, --version and usage errors
+                code = 0 if exc.code is None else exc.code
+    finally:
+        sys.stdin = given
+    return subprocess.CompletedProcess(["chatkit", *args], code, out.getvalue(), err.getvalue())
+
+
 def test_repl_conversation_with_ctrl_c_save_undo_and_load(model_dir, tmp_path):
     saved, after_undo = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
     child = spawn("chat", "--model", model_dir, "--max-tokens", "3000", tmp_path=tmp_path)
@@ -102,7 +122,7 @@ def test_repl_conversation_with_ctrl_c_save_undo_and_load(model_dir, tmp_path):
     again.sendeof()
     again.expect(pexpect.EOF)
 
-    out = run("inspect", str(after_undo))
+    out = run_here("inspect", str(after_undo))
     assert out.returncode == 0 and "turns: 1, messages: 2" in out.stdout and "Tell me a long story" in out.stdout
 
 
@@ -227,10 +247,10 @@ def test_cache_flags_follow_one_rule_and_errors_name_flags(tmp_path):
         ("--max-tokens", "0"): "--max-tokens",
     }
     for flags, expected in refusals.items():
-        out = run(*flags, stdin="Hi\n")
+        out = run_here(*flags, stdin="Hi\n")
         assert out.returncode == 2 and expected in out.stderr, (flags, out.stderr)
         assert "Traceback" not in out.stderr and not LIBRARY_NAMES.search(out.stderr), (flags, out.stderr)
-    helped = run("chat", "--help")
+    helped = run_here("chat", "--help")
     assert "N >= 8 (default: no limit)" in " ".join(helped.stdout.split())
     for flags in (("--draft", "demo", "--kv-bits", "8"),
                   ("--draft", "prompt_lookup", "--max-kv-size", "64", "--context-policy", "error")):  # a rotating cache
@@ -364,23 +384,23 @@ def test_the_repl_prepares_the_next_compaction_while_the_user_types():
 
 
 def test_version_help_and_inspect(tmp_path):
-    version = run("--version")
+    version = run_here("--version")
     assert version.returncode == 0 and re.match(r"chatkit \d+\.\d+\.\d+ \(mlx .*, mlx-lm .*\)", version.stdout)
-    helped = run("chat", "--help").stdout
+    helped = run_here("chat", "--help").stdout
     assert "demo model" in helped and "(default: 256" in helped and "/retry" in helped and "Ctrl-R" in helped
     assert "auto it decodes plainly" in " ".join(helped.split())  # --draft with the demo on a CPU
 
     saved = tmp_path / "chat.safetensors"
     turns = ["My name is Ada.", "What is 7 + 5?", "Spell tiger.", "I live in Lyon."]
     assert run("--save", str(saved), stdin="\n".join(turns) + "\n").returncode == 0
-    out = run("inspect", str(saved))
+    out = run_here("inspect", str(saved))
     assert out.returncode == 0 and "the last 6 of 10 messages (--all shows every one)" in out.stdout
     assert "My name is Ada." not in out.stdout
     assert re.search(r"^  architecture +[0-9a-f]{16}$", out.stdout, re.M)
-    every = run("inspect", "--all", "--model", "demo", str(saved))
+    every = run_here("inspect", "--all", "--model", "demo", str(saved))
     assert every.returncode == 0 and "10 messages:" in every.stdout and "My name is Ada." in every.stdout
     assert "fits demo: yes" in every.stdout
-    foreign = run("inspect", "--model", str(tiny_model_path(arch="qwen3", tokenizer="bpe")), str(saved))
+    foreign = run_here("inspect", "--model", str(tiny_model_path(arch="qwen3", tokenizer="bpe")), str(saved))
     assert foreign.returncode == 1 and "another model" in foreign.stderr and "Traceback" not in foreign.stderr
 
 
@@ -421,7 +441,7 @@ def test_inspect_and_resume_on_a_bad_file_print_one_line(tmp_path, good_file, da
     elif damage == "folder":
         bad.mkdir()
     for args in (["inspect", str(bad)], ["--resume", str(bad)]):
-        out = run(*args, stdin="Hi\n")
+        out = run_here(*args, stdin="Hi\n")
         assert out.returncode in (1, 2) and out.stderr.startswith("error:"), (args, out.stderr)
         assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, (args, out.stderr)
         assert "bad.safetensors" in out.stderr, (args, out.stderr)  # names the file
@@ -484,7 +504,7 @@ def test_chat_shows_reasoning_dimmed_or_hidden_and_tool_calls_and_results(tmp_pa
 
 
 def test_tools_flag_names_what_cannot_be_imported():
-    out = run("--tools", "no_such_module_here:f", stdin="Hi\n")
+    out = run_here("--tools", "no_such_module_here:f", stdin="Hi\n")
     assert out.returncode == 2 and "--tools" in out.stderr and "module:function" in out.stderr.lower()
     assert "Traceback" not in out.stderr
 
