@@ -13,7 +13,7 @@ import os
 import signal
 import subprocess
 import sys
-from functools import cache
+from collections.abc import Iterator
 from pathlib import Path
 
 import chatkit
@@ -37,37 +37,36 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _launch(*command: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def _launch(*command: str, stdin: str | None = None, limit: float = LIMIT) -> subprocess.CompletedProcess[str]:
     args = [*ring_launch(), "--", sys.executable, *command]
-    return subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=LIMIT, env=_env(), cwd=ROOT)
+    return subprocess.run(args, input=stdin, capture_output=True, text=True, timeout=limit, env=_env(), cwd=ROOT)
 
 
-@cache
-def _reference(arch: str, folder: str) -> list[dict]:
-    out = Path(folder) / f"{arch}-one-process"
-    out.mkdir(parents=True)
-    done = subprocess.run([sys.executable, str(SCRIPT), arch, "none", str(out)], capture_output=True, text=True,
-                          timeout=LIMIT, env=_env(), cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads((out / "tokens.rank0.json").read_text())
+PLAIN = [("llama", "tensor"), ("qwen3", "tensor"), ("qwen3_5", "tensor"), ("qwen3_5", "pipeline")]
+EXTRAS = [("qwen3", "tensor", "2"), ("qwen3_5", "pipeline", "6")]
 
 
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory) -> str:
-    return str(tmp_path_factory.mktemp("distributed"))
+def runs(tmp_path_factory) -> Path:
+    """Every sharded case below in one mlx.launch run, and their one-process references in one process
+    (tests/helpers/distributed_session.py ``cases``): the ranks start and connect once, not six times.
+    ``runs / "one" / case`` and ``runs / "two" / case`` hold what each wrote."""
+    out = tmp_path_factory.mktemp("distributed")
+    sharded = [f"{a}-{s}" for a, s in PLAIN] + [f"extras-{a}-{s}-{n}" for a, s, n in EXTRAS]
+    alone = [*dict.fromkeys(f"{a}-none" for a, _ in PLAIN), *(f"extras-{a}-none-{n}" for a, _, n in EXTRAS)]
+    done = subprocess.run([sys.executable, str(SCRIPT), "cases", str(out / "one"), *alone], capture_output=True,
+                          text=True, timeout=LIMIT, env=_env(), cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = _launch(str(SCRIPT), "cases", str(out / "two"), *sharded, limit=len(sharded) * LIMIT)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "arch, strategy",
-    [("llama", "tensor"), ("qwen3", "tensor"), ("qwen3_5", "tensor"), ("qwen3_5", "pipeline")],
-)
-def test_two_ranks_give_the_tokens_of_one_process(arch, strategy, scratch):
-    reference = _reference(arch, scratch)
-    out = Path(scratch) / f"{arch}-{strategy}"
-    out.mkdir()
-    done = _launch(str(SCRIPT), arch, strategy, str(out))
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+@pytest.mark.parametrize("arch, strategy", PLAIN)
+def test_two_ranks_give_the_tokens_of_one_process(arch, strategy, runs):
+    reference = json.loads((runs / "one" / f"{arch}-none" / "tokens.rank0.json").read_text())
+    out = runs / "two" / f"{arch}-{strategy}"
     names = [t["turn"] for t in reference]
     for rank in (0, 1):
         turns = json.loads((out / f"tokens.rank{rank}.json").read_text())
@@ -92,17 +91,11 @@ def test_two_ranks_give_the_tokens_of_one_process(arch, strategy, scratch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, strategy, layers", [("qwen3", "tensor", "2"), ("qwen3_5", "pipeline", "6")])
-def test_tool_guided_async_and_pooled_turns_over_two_ranks_equal_one_process(arch, strategy, layers, tmp_path):
-    """One mlx.launch run per layout for every path above a plain turn (tests/helpers/distributed_session.py
-    extras). Six qwen3_5 layers split 3 + 3 give the ranks caches of unequal size (1 vs 2 KV layers)."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    done = subprocess.run([sys.executable, str(SCRIPT), arch, "none", str(one), "extras", layers],
-                          capture_output=True, text=True, timeout=LIMIT, env=_env(), cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    done = _launch(str(SCRIPT), arch, strategy, str(two), "extras", layers)
-    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+@pytest.mark.parametrize("arch, strategy, layers", EXTRAS)
+def test_tool_guided_async_and_pooled_turns_over_two_ranks_equal_one_process(arch, strategy, layers, runs):
+    """Every path above a plain turn (tests/helpers/distributed_session.py extras). Six qwen3_5 layers
+    split 3 + 3 give the ranks caches of unequal size (1 vs 2 KV layers)."""
+    one, two = runs / "one" / f"extras-{arch}-none-{layers}", runs / "two" / f"extras-{arch}-{strategy}-{layers}"
     reference = {t["turn"]: t for t in json.loads((one / "extras.rank0.json").read_text())}
     ranks = [{t["turn"]: t for t in json.loads((two / f"extras.rank{r}.json").read_text())} for r in (0, 1)]
     early = "astream closed early"  # where rank 0's worker stopped depends on timing: the ranks must agree
@@ -129,8 +122,7 @@ def test_tool_guided_async_and_pooled_turns_over_two_ranks_equal_one_process(arc
     assert len(reference["pool files"]["files"]) == 1  # ada's file; bob's was removed (on every rank)
 
 
-def _run_ranks_without_launcher(fault: str, out: Path) -> list[subprocess.Popen[str]]:
-    port = free_ring_port()
+def _run_ranks_without_launcher(fault: str, out: Path, port: int) -> list[subprocess.Popen[str]]:
     hostfile = out / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     procs = []
@@ -141,9 +133,29 @@ def _run_ranks_without_launcher(fault: str, out: Path) -> list[subprocess.Popen[
     return procs
 
 
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory) -> Iterator[dict[str, list[subprocess.Popen[str]]]]:
+    """The ``die`` and the ``hang`` pair of ranks, started together: most of each run is rank 0 waiting
+    out its 10 s watchdog, which the two pairs now wait at the same time."""
+    ports: list[int] = []
+    while len(ports) < 2:
+        port = free_ring_port()
+        if all(abs(port - p) > 1 for p in ports):  # each pair takes port and port + 1
+            ports.append(port)
+    runs = {fault: _run_ranks_without_launcher(fault, tmp_path_factory.mktemp(fault), port)
+            for fault, port in zip(("die", "hang"), ports)}
+    yield runs
+    for procs in runs.values():
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close(), proc.stderr.close()
+
+
 @pytest.mark.slow
-def test_a_killed_rank_gives_a_clear_error(tmp_path):
-    rank0, rank1 = _run_ranks_without_launcher("die", tmp_path)
+def test_a_killed_rank_gives_a_clear_error(faults):
+    rank0, rank1 = faults["die"]
     try:
         _, err = rank0.communicate(timeout=LIMIT)
     finally:
@@ -158,8 +170,8 @@ def test_a_killed_rank_gives_a_clear_error(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_hung_rank_stops_the_others_after_the_timeout(tmp_path):
-    rank0, rank1 = _run_ranks_without_launcher("hang", tmp_path)
+def test_a_hung_rank_stops_the_others_after_the_timeout(faults):
+    rank0, rank1 = faults["hang"]
     try:
         _, err = rank0.communicate(timeout=LIMIT)
     finally:

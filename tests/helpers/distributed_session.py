@@ -1,6 +1,7 @@
 """One multi-turn session, run by tests/test_distributed.py on every rank of ``mlx.launch`` or in one process.
 
-    python tests/helpers/distributed_session.py ARCH STRATEGY OUT_DIR [hang|die|extras]
+    python tests/helpers/distributed_session.py ARCH STRATEGY OUT_DIR [hang|die|extras [LAYERS]]
+    python tests/helpers/distributed_session.py cases OUT_DIR CASE [CASE ...]
 
 STRATEGY is tensor, pipeline or none (one process, no sharding). Each rank writes the greedy tokens of
 every turn (with reuse, a stream closed early by rank 0 only, a stop string, a sampled turn whose
@@ -8,6 +9,9 @@ seed differs per rank, undo, regenerate, fork, save then restore) to OUT_DIR/tok
 stops answering (SIGSTOP) or dies (SIGKILL) in the middle of the second turn. With ``extras`` it runs
 the other session paths instead (:func:`extras`): a tool loop, guided turns, async turns and a
 SessionPool that evicts and restores, on a model whose tokenizer has a tool-call format.
+
+``cases`` runs several of these one after the other in the same processes (the ranks start once), each
+into OUT_DIR/CASE: a CASE is ``ARCH-STRATEGY`` (a plain run) or ``extras-ARCH-STRATEGY-LAYERS``.
 """
 
 from __future__ import annotations
@@ -244,8 +248,23 @@ async def _enumerate(stream):
         i += 1
 
 
+def cases(out: Path, names: list[str]) -> None:
+    """Each case into its own folder, in the order given (every rank runs the same order)."""
+    for name in names:
+        folder = out / name
+        folder.mkdir(parents=True, exist_ok=True)
+        if name.startswith("extras-"):
+            _, arch, strategy, layers = name.split("-")
+            extras(arch, strategy, folder, int(layers))
+        else:
+            arch, strategy = name.split("-")
+            run(arch, strategy, folder, None)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 4 and sys.argv[4] == "extras":
+    if sys.argv[1] == "cases":
+        cases(Path(sys.argv[2]), sys.argv[3:])
+    elif len(sys.argv) > 4 and sys.argv[4] == "extras":
         extras(sys.argv[1], sys.argv[2], Path(sys.argv[3]), int(sys.argv[5]) if len(sys.argv) > 5 else None)
     else:
         run(sys.argv[1], sys.argv[2], Path(sys.argv[3]), sys.argv[4] if len(sys.argv) > 4 else None)
