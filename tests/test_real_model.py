@@ -242,7 +242,8 @@ def test_a_summary_carries_a_fact_past_the_window(lm):
     small = chatkit.LoadedModel(lm.model, lm.tokenizer, {**lm.config, "max_position_embeddings": 512}, lm.source)
     session = chat(small, params=GenerateParams(max_tokens=32, temperature=0.0),
                    context_policy=chatkit.ContextPolicy.summarize(summarizer=keep_user_lines))
-    replies = told_and_asked(session, 14, asked=(14,))
+    # The exchanges up to turn 10 fill the window: turn 11 (the question) is the first turn after a compaction.
+    replies = told_and_asked(session, 11, asked=(11,))
     assert session.dropped_messages[2].content.startswith("My cat is called Pixel")  # the fact left the window
     assert "Pixel" in session.context[0].content  # ... and the summary brought it back
-    print("recall at turn 14:", "Pixel" in replies[14], repr(replies[14]))
+    print("recall at turn 11:", "Pixel" in replies[11], repr(replies[11]))
