@@ -943,7 +943,7 @@ def train(name: str, model, tok, *, steps: int, batch_size: int, lr: float, seed
     school = batches(tok, seed + 1, 2 * batch_size, max_len, school=True)  # short dialogues: twice as many
     stream = batches(tok, seed, batch_size, max_len)
     t0 = time.perf_counter()
-    tokens, recent = 0, []
+    tokens, recent, final = 0, [], {}
     for i in range(1, steps + 1):
         ids, mask = next(copying if i <= copy_steps else school if i <= copy_steps + school_steps else stream)
         loss = step(ids, mask)
@@ -957,9 +957,9 @@ def train(name: str, model, tok, *, steps: int, batch_size: int, lr: float, seed
             recent = []
         if eval_set is not None and (i % (log_every * 5) == 0 or i == steps):
             report = teacher_forced(model, eval_set)
+            final = {"heldout_loss": report.pop("heldout_loss")}  # the last one is the final model's
             print(f"[{name}] held-out exact replies (teacher forced): "
                   + ", ".join(f"{k} {v:.0%}" for k, v in report.items()), flush=True)
-    final = teacher_forced(model, eval_set, loss_only=True) if eval_set is not None else {}
     return {"train_loss": float(np.mean(recent or [loss.item()])), "minutes": (time.perf_counter() - t0) / 60, **final}
 
 
@@ -986,9 +986,9 @@ def reply_keys(d: Dialogue) -> list[str]:
     return keys
 
 
-def teacher_forced(model, eval_set, loss_only: bool = False) -> dict:
+def teacher_forced(model, eval_set) -> dict:
     """Per task, the share of replies whose every token is the model's argmax (given the true
-    context): close to greedy exact-match. Or, with ``loss_only``, the held-out loss."""
+    context): close to greedy exact-match; and the held-out loss (``heldout_loss``)."""
     dialogues, encoded = eval_set
     hits: dict[str, list[int]] = {}
     total_loss, total_n = 0.0, 0.0
@@ -999,8 +999,6 @@ def teacher_forced(model, eval_set, loss_only: bool = False) -> dict:
         m = mx.array(mask[1:])
         total_loss += (ce * m).sum().item()
         total_n += float(mask[1:].sum())
-        if loss_only:
-            continue
         pred = np.array(mx.argmax(logits, axis=-1)[0])
         ok = pred == ids[1:]
         # Mask runs (one per assistant message) in order.
@@ -1015,9 +1013,7 @@ def teacher_forced(model, eval_set, loss_only: bool = False) -> dict:
             runs.append(cur)
         for key, run in zip(reply_keys(d), runs, strict=True):
             hits.setdefault(key, []).append(int(ok[run].all()))
-    if loss_only:
-        return {"heldout_loss": total_loss / total_n}
-    return {k: float(np.mean(v)) for k, v in sorted(hits.items())}
+    return {**{k: float(np.mean(v)) for k, v in sorted(hits.items())}, "heldout_loss": total_loss / total_n}
 
 
 def save(folder: Path, model, config: dict, tok) -> None:
