@@ -75,8 +75,8 @@ def test_health_and_metrics(demo_server):
 
 
 @pytest.mark.slow
-def test_a_response_chain_survives_a_restart(serve_process):
-    served = serve_process(["--max-tokens", "24"])
+def test_a_response_chain_survives_a_restart(demo_server):
+    served = demo_server  # restarted here: the module's other cases need no fresh server, only a working one
     c = sdk(served)
     r1 = c.responses.create(model="demo", input="My name is Ada.", instructions=SYSTEM)
     r2 = c.responses.create(model="demo", input="What is 7 + 5?", instructions=SYSTEM, previous_response_id=r1.id)
