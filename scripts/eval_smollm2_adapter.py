@@ -9,7 +9,8 @@ the base model's ``<tool_call>`` blocks are read as calls too. Scored per turn:
 
 * arithmetic: the tool call (one ``calculate`` call whose expression has the right value; operands up to
   4 digits) and the answer (the final reply contains the result), and both;
-* recall: the reply contains the fact the user told (case-insensitive);
+* recall: the reply contains the fact the user told (case-insensitive); also on its own for a fact told
+  the turn before (the plainest recall);
 * untold: the reply says it does not know ("don't know", "do not know", "haven't told", ...).
 
     python scripts/eval_smollm2_adapter.py --dialogues 60 | tee scripts/logs/eval_smollm2_adapter.log
@@ -57,8 +58,9 @@ def right_call(calls: list, expected: str) -> bool:
         return False
 
 
-def score(turn: gen.Turn, reply: str, calls: list, hits: dict[str, list[bool]]) -> bool | None:
-    """Record the turn's results; True/False for a scored turn, None for one that is not scored."""
+def score(turn: gen.Turn, reply: str, calls: list, hits: dict[str, list[bool]], before: gen.Turn | None = None) -> bool | None:
+    """Record the turn's results; True/False for a scored turn, None for one that is not scored. A recall
+    of the fact told the turn ``before`` also counts on its own row (the plainest recall)."""
     if turn.task == "arithmetic":
         call, answer = right_call(calls, turn.expected), turn.expected in reply
         hits["tool call"].append(call)
@@ -68,6 +70,8 @@ def score(turn: gen.Turn, reply: str, calls: list, hits: dict[str, list[bool]]) 
     if turn.task == "recall":
         ok = turn.expected.lower() in reply.lower() and not calls
         hits["recall"].append(ok)
+        if before is not None and before.task == "tell" and before.expected == turn.expected:
+            hits["recall, told the turn before"].append(ok)
         return ok
     if turn.task == "untold":
         ok = bool(UNKNOWN.search(reply.lower())) and not calls
@@ -82,7 +86,7 @@ def play(lm, adapter, dialogues: list[gen.Dialogue], show: int) -> dict[str, lis
     for d in dialogues:
         builder = ChatSession.builder(lm).generate_params(GREEDY).tools(chatkit.demo.tools())
         s = (builder.adapter(adapter) if adapter is not None else builder).build()
-        for turn in d.turns:
+        for i, turn in enumerate(d.turns):
             before = len(s.history)
             try:
                 reply = s.respond(turn.user)
@@ -90,7 +94,7 @@ def play(lm, adapter, dialogues: list[gen.Dialogue], show: int) -> dict[str, lis
                 reply = f"<{type(exc).__name__}: {exc}>"
                 s.undo()
             calls = [c for m in s.history[before:] for c in m.tool_calls]
-            if score(turn, reply, calls, hits) is False and shown < show:
+            if score(turn, reply, calls, hits, d.turns[i - 1] if i else None) is False and shown < show:
                 shown += 1
                 print(f"  miss [{turn.task}] {turn.user!r}: got {reply!r} "
                       f"(calls {[(c.name, dict(c.arguments)) for c in calls]}), expected {turn.expected or 'not known'!r}")
@@ -133,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  ({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
     if tmp is not None:
         shutil.rmtree(tmp)
-    keys = ["tool call", "answer", "tool call and answer", "recall", "untold"]
+    keys = ["tool call", "answer", "tool call and answer", "recall", "recall, told the turn before", "untold"]
     print("\n| held-out task | " + " | ".join(results) + " | target |\n|---|" + "---|" * (len(results) + 1))
     for key in keys:
         cells = [f"{np.mean(h[key]):.0%} ({sum(h[key])}/{len(h[key])})" if h[key] else "-" for h in results.values()]

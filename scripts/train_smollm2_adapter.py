@@ -90,18 +90,33 @@ Nala Ziggy Biscuit Shadow Ginger Rusty Maple Pickles Noodle Mochi Peanut Whisker
     jobs=("teacher", "nurse", "doctor", "engineer", "baker", "pilot", "farmer", "lawyer", "chef", "painter",
           "plumber", "librarian", "architect", "accountant", "electrician", "dentist", "journalist", "gardener"),
     tell={
-        "name": ("My name is {v}.", "I'm {v}.", "Call me {v}.", "Hi, I am {v}.", "Hello! {v} here.", "Hey, my name's {v}."),
-        "city": ("I live in {v}.", "I'm from {v}.", "My home is in {v}.", "I live in the city of {v}."),
-        "pet": ("I have a {s} called {v}.", "My {s} is named {v}.", "I have a {s} named {v}."),
-        "colour": ("My favourite colour is {v}.", "I love the colour {v}.", "My favorite color is {v}."),
-        "job": ("I work as {a} {v}.", "I'm {a} {v}.", "My job is {v}."),
+        "name": ("My name is {v}.", "I'm {v}.", "Call me {v}.", "Hi, I am {v}.", "Hello! {v} here.", "Hey, my name's {v}.",
+                 "Everyone calls me {v}.", "This is {v} speaking.", "I go by {v}.", "{v} is my name.", "Good morning, I'm {v}."),
+        "city": ("I live in {v}.", "I'm from {v}.", "My home is in {v}.", "I live in the city of {v}.", "I'm based in {v}.",
+                 "I recently moved to {v}.", "Home for me is {v}.", "I grew up in {v} and still live there.", "I've lived in {v} for years."),
+        "pet": ("I have a {s} called {v}.", "My {s} is named {v}.", "I have a {s} named {v}.", "My {s}'s name is {v}.",
+                "{v} is the name of my {s}.", "I own a {s}; its name is {v}.", "Our family {s} is called {v}."),
+        "colour": ("My favourite colour is {v}.", "I love the colour {v}.", "My favorite color is {v}.", "{v} is the colour I like most.",
+                   "My favourite color has always been {v}.", "I really like {v}, it's my favourite colour."),
+        "job": ("I work as {a} {v}.", "I'm {a} {v}.", "My job is {v}.", "I'm {a} {v} by profession.", "I have a job as {a} {v}.",
+                "I've been {a} {v} for ten years.", "At work I'm {a} {v}."),
     },
     ask={
-        "name": ("What is my name?", "Do you remember my name?", "What's my name?", "Who am I?"),
-        "city": ("Where do I live?", "Which city do I live in?", "Where am I from?", "What city is my home?"),
-        "pet": ("What is my pet's name?", "What's my pet called?", "What is the name of my pet?"),
-        "colour": ("What is my favourite colour?", "Which colour do I like best?", "What's my favorite color?"),
-        "job": ("What is my job?", "What do I do for work?", "What's my job?"),
+        "name": ("What is my name?", "Do you remember my name?", "What's my name?", "Who am I?", "Do you know my name?",
+                 "What did I tell you my name is?", "Tell me my name.", "What was my name again?", "Have I told you my name?",
+                 "Which name did I give you?", "Can you recall my name?"),
+        "city": ("Where do I live?", "Which city do I live in?", "Where am I from?", "What city is my home?",
+                 "Do you know where I live?", "What did I tell you about where I live?", "Tell me where I live.",
+                 "Which city did I say I live in?", "Where is my home?", "Can you recall my city?"),
+        "pet": ("What is my pet's name?", "What's my pet called?", "What is the name of my pet?", "Do you know my pet's name?",
+                "What did I tell you my pet is called?", "Tell me my pet's name.", "What was my pet's name again?",
+                "Which name does my pet have?", "Can you recall what my pet is called?"),
+        "colour": ("What is my favourite colour?", "Which colour do I like best?", "What's my favorite color?",
+                   "Do you know my favourite colour?", "What did I tell you my favourite colour is?", "Tell me my favourite colour.",
+                   "Which colour did I tell you I like?", "What colour do I love most?", "Can you recall my favourite colour?"),
+        "job": ("What is my job?", "What do I do for work?", "What's my job?", "Do you know what I do for a living?",
+                "What did I tell you about my work?", "Tell me what my job is.", "What is my profession?",
+                "Which job did I say I have?", "Can you recall what I do for work?"),
     },
     calc=("What is {e}?", "Calculate {e}.", "How much is {e}?", "Can you work out {e}?", "{e} = ?",
           "Please compute {e}.", "what's {e}", "Compute {e} for me.", "Solve {e}.", "{e}?"),
@@ -109,7 +124,8 @@ Nala Ziggy Biscuit Shadow Ginger Rusty Maple Pickles Noodle Mochi Peanut Whisker
         "+": ("What is {a} plus {b}?", "Add {a} and {b}.", "What do you get if you add {a} to {b}?"),
         "-": ("What is {a} minus {b}?", "Take {b} away from {a}.", "How much is {a} minus {b}?"),
         "*": ("What is {a} times {b}?", "Multiply {a} by {b}.", "What do you get if you multiply {a} by {b}?"),
-        "/": ("What is {a} divided by {b}?", "Divide {a} by {b}.", "How much is {a} divided by {b}?"),
+        "/": ("What is {a} divided by {b}?", "Divide {a} by {b}.", "How much is {a} divided by {b}?",
+              "How many times does {b} go into {a}?", "Share {a} equally between {b}.", "What is {a} split {b} ways?"),
     },
     invented=0.25,
 )
@@ -199,7 +215,7 @@ class Turn:
     user: str
     replies: list[ChatMessage]
     task: str  # "arithmetic", "recall", "untold", "chat", "tell"
-    expected: str = ""  # arithmetic: the result; recall: the value to be quoted
+    expected: str = ""  # arithmetic: the result; recall and tell: the fact's value
     expression: str = ""
     phrasing: str = ""
 
@@ -237,7 +253,7 @@ def arithmetic(rng: np.random.Generator, world: World) -> Turn:
         b = max(b, 1) if rng.random() < 0.3 else max(b % 100, 2)
         if rng.random() < 0.7:  # mostly whole results
             a = b * int(rng.integers(1, max(2, 10000 // b)))
-    if rng.random() < 0.12 and op != "/":  # three operands
+    if rng.random() < 0.2 and op != "/":  # three operands
         c, op2 = operand(rng), str(rng.choice(["+", "-", "*"]))
         expression = f"{a} {op} {b} {op2} {c}"
         user = str(rng.choice(world.calc)).format(e=expression)
@@ -281,7 +297,7 @@ def tell(rng: np.random.Generator, world: World, kind: str, f: dict[str, str]) -
     user = str(rng.choice(world.tell[kind])).format(**f)
     if user[0].islower():
         user = user[0].upper() + user[1:]
-    return Turn(user, [ChatMessage.assistant(str(rng.choice(ACK[kind])).format(**f))], "tell")
+    return Turn(user, [ChatMessage.assistant(str(rng.choice(ACK[kind])).format(**f))], "tell", expected=f["v"])
 
 
 def recall(rng: np.random.Generator, world: World, kind: str, f: dict[str, str]) -> Turn:
@@ -303,15 +319,25 @@ def filler(rng: np.random.Generator, world: World) -> Turn:
     return arithmetic(rng, world) if rng.random() < 0.6 else chat(rng)
 
 
+def one_fact(rng: np.random.Generator, world: World, kinds: list[str]) -> Dialogue:
+    """One fact told, then asked at once (and, half the time, another one never told): the plainest recall."""
+    f = fact(rng, world, kinds[0])
+    questions = [recall(rng, world, kinds[0], f)] + ([untold(rng, world, kinds[1])] if rng.random() < 0.5 else [])
+    return Dialogue([tell(rng, world, kinds[0], f)] + [questions[int(i)] for i in rng.permutation(len(questions))])
+
+
 def make_dialogue(rng: np.random.Generator, world: World) -> Dialogue:
-    """Arithmetic dialogues (40 %) or memory dialogues: facts told, other turns, then asked and not told."""
+    """Arithmetic dialogues (40 %), one-fact dialogues (15 %) or memory dialogues: up to three facts told,
+    other turns, then some of them asked and (70 % of the time) one never told."""
     d = Dialogue()
     if rng.random() < 0.4:
         for _ in range(int(rng.integers(1, 3))):
             d.turns.append(arithmetic(rng, world) if rng.random() < 0.85 else chat(rng))
         return d
-    kinds = list(rng.permutation(KINDS))
-    told = kinds[: int(rng.integers(1, 3))]
+    kinds = [str(k) for k in rng.permutation(KINDS)]
+    if rng.random() < 0.25:
+        return one_fact(rng, world, kinds)
+    told = kinds[: int(rng.integers(1, 4))]
     facts = {k: fact(rng, world, k) for k in told}
     if rng.random() < 0.2:
         d.turns.append(filler(rng, world))
@@ -320,8 +346,8 @@ def make_dialogue(rng: np.random.Generator, world: World) -> Dialogue:
         if rng.random() < 0.2:
             d.turns.append(filler(rng, world))
     questions = [recall(rng, world, k, facts[k]) for k in rng.permutation(told)[: int(rng.integers(1, len(told) + 1))]]
-    if rng.random() < 0.75:
-        questions.append(untold(rng, world, str(kinds[len(told)])))
+    if rng.random() < 0.7:  # one question at most about a fact never told: more tilts it towards refusing
+        questions.append(untold(rng, world, kinds[len(told)]))
     for i in rng.permutation(len(questions)):
         if rng.random() < 0.15:
             d.turns.append(filler(rng, world))
@@ -418,11 +444,21 @@ def step_inputs(tokens, mask):
     return mx.array(inputs), mx.array(tokens[:, 1:].reshape(-1)[where]), mx.array(where)
 
 
+def schedule(args: argparse.Namespace):
+    """Warm up over 8 steps, then constant (a time-bounded run) or a cosine down to ``--final-lr``."""
+    import mlx.optimizers as optim
+
+    warmup = 8
+    rest = (optim.linear_schedule(args.lr, args.lr, 1) if args.final_lr is None
+            else optim.cosine_decay(args.lr, max(args.max_iters - warmup, 1), args.final_lr))
+    return optim.join_schedules([optim.linear_schedule(args.lr / 10, args.lr, warmup), rest], [warmup])
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="the adapter folder to write")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--examples", type=int, default=800)
+    p.add_argument("--examples", type=int, default=1600)
     p.add_argument("--minutes", type=float, default=35.0, help="train for this long (wall clock), then save")
     p.add_argument("--max-iters", type=int, default=100000)
     p.add_argument("--batch-size", type=int, default=4)
@@ -433,6 +469,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--keys", default="self_attn.q_proj,self_attn.k_proj,self_attn.v_proj,self_attn.o_proj,"
                    "mlp.gate_proj,mlp.up_proj,mlp.down_proj")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--final-lr", type=float, default=None,
+                   help="decay the rate to this along a cosine over --max-iters steps (default: constant)")
     p.add_argument("--save-every", type=int, default=10)
     args = p.parse_args(argv)
 
@@ -464,9 +502,7 @@ def main(argv: list[str] | None = None) -> None:
               "chatkit_training": {k: v for k, v in vars(args).items() if k != "out"}}  # where it was written: no use
     (args.out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
-    warmup = 8
-    opt = optim.Adam(learning_rate=optim.join_schedules(  # warm up, then constant (the run is time-bounded)
-        [optim.linear_schedule(args.lr / 10, args.lr, warmup), optim.linear_schedule(args.lr, args.lr, 1)], [warmup]))
+    opt = optim.Adam(learning_rate=schedule(args))
     loss_and_grad = nn.value_and_grad(model, masked_loss)
 
     def save(name: str) -> None:
