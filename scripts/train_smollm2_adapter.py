@@ -16,12 +16,12 @@ city, pet, favourite colour, job) asked later; questions about facts never told 
 a little small talk. ``HELDOUT`` holds names, cities, pets, jobs and phrasings training never sees
 (``scripts/eval_smollm2_adapter.py`` plays dialogues of that world).
 
-    python scripts/train_smollm2_adapter.py --out /tmp/smollm2-tools --lr 2e-4 --minutes 27
-    python scripts/train_smollm2_adapter.py --out /tmp/smollm2-tools --lr 2e-4 --minutes 1000 --max-iters 217
+    python scripts/train_smollm2_adapter.py --out /tmp/smollm2-tools
 
-The run stops after ``--minutes`` of wall clock (the shipped adapter: 217 steps of 4 dialogues in 27 min on
-the loaded 2-core machine, run 2 of scripts/logs/train_smollm2_adapter*.log); ``--max-iters`` gives the
-same steps (same data, order and initialisation) on any machine. Checkpoints ``NNNNN_adapters.safetensors`` are written
+runs the shipped adapter's steps (run 4 of docs/adapters.md: 300 steps of 4 dialogues, the rate decaying
+from 2e-4 to 2e-5; about 5.5 s a step idle, 42 min on the loaded 2-core machine,
+scripts/logs/train_smollm2_adapter-run4.log): the same data, order and initialisation on any machine.
+``--minutes`` also bounds a run by wall clock. Checkpoints ``NNNNN_adapters.safetensors`` are written
 beside the adapter every ``--save-every`` steps (scripts/eval_smollm2_adapter.py --adapter takes one).
 """
 
@@ -459,8 +459,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True, help="the adapter folder to write")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--examples", type=int, default=1600)
-    p.add_argument("--minutes", type=float, default=35.0, help="train for this long (wall clock), then save")
-    p.add_argument("--max-iters", type=int, default=100000)
+    p.add_argument("--minutes", type=float, default=None, help="stop after this long (wall clock), then save")
+    p.add_argument("--max-iters", type=int, default=300)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=320)
     p.add_argument("--rank", type=int, default=16)
@@ -468,9 +468,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layers", type=int, default=10, help="adapt the last N of the 30 layers")
     p.add_argument("--keys", default="self_attn.q_proj,self_attn.k_proj,self_attn.v_proj,self_attn.o_proj,"
                    "mlp.gate_proj,mlp.up_proj,mlp.down_proj")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--final-lr", type=float, default=None,
-                   help="decay the rate to this along a cosine over --max-iters steps (default: constant)")
+    p.add_argument("--lr", type=float, default=2e-4)
+    p.add_argument("--final-lr", type=float, default=2e-5,
+                   help="the rate at the last step: a cosine from --lr over --max-iters steps")
     p.add_argument("--save-every", type=int, default=10)
     args = p.parse_args(argv)
 
@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
               f"{elapsed / it:.1f} s/step, {elapsed / 60:.1f} min", flush=True)
         if it % args.save_every == 0:
             save(f"{it:05d}_adapters.safetensors")
-        if elapsed > args.minutes * 60 or it >= args.max_iters:
+        if (args.minutes is not None and elapsed > args.minutes * 60) or it >= args.max_iters:
             break
     save("adapters.safetensors")
     print(f"done: {it} steps in {(time.perf_counter() - start) / 60:.1f} min; adapter in {args.out}", flush=True)
