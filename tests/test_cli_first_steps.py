@@ -3,6 +3,7 @@ lists every command, `serve --help` says which models it takes, `--tools` finds 
 folder and takes a bare module, user tools join the demo's, a reply cut at max_tokens says so, the first
 fetch and conversion of SmolLM2 say what takes the time, and a --draft model works with --kv-bits."""
 
+import contextlib
 import io
 import subprocess
 import sys
@@ -132,9 +133,12 @@ def test_a_reply_cut_at_max_tokens_ends_with_a_marker(monkeypatch):
         assert "[cut at max_tokens (3): start chatkit with a larger --max-tokens" in shown, shown
         assert ("\x1b[2m[cut at" in shown) is isinstance(out, Terminal)  # dimmed in a terminal only
         assert repl.session.last_stats.finish_reason == "length"
-    whole = Repl(parser().parse_args(["chat"]), out=io.StringIO(), err=io.StringIO())
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):  # its default streams: sys's as they are now
+        whole = Repl(parser().parse_args(["chat"]))
+    assert (whole.out, whole.err) == (out, err)
     whole.turn("My name is Ada.")
-    assert "Nice to meet you, Ada." in whole.out.getvalue() and "[cut" not in whole.out.getvalue()
+    assert "Nice to meet you, Ada." in out.getvalue() and "[cut" not in out.getvalue()
 
 
 @pytest.fixture(scope="module")

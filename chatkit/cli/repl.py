@@ -43,10 +43,13 @@ class _LastTurn:
 
 
 class Repl:
-    """The chat loop; ``out`` and ``err`` are where it prints (a terminal, or a test's buffers)."""
+    """The chat loop; ``out`` and ``err`` are where it prints (a terminal, or a test's buffers; by default
+    ``sys.stdout`` and ``sys.stderr`` as they are when the loop is made)."""
 
-    def __init__(self, args: argparse.Namespace, out: Any = sys.stdout, err: Any = sys.stderr) -> None:
-        self.args, self.out, self.err = args, out, err
+    def __init__(self, args: argparse.Namespace, out: Any = None, err: Any = None) -> None:
+        self.args = args
+        self.out = out if out is not None else sys.stdout
+        self.err = err if err is not None else sys.stderr
         self.keys = ReplyKeys()
         # Checked before loading anything: a bad path fails at once, not at every turn.
         self.save_path = check_save_path(args.save) if args.save else None
