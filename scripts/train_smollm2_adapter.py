@@ -445,13 +445,12 @@ def step_inputs(tokens, mask):
 
 
 def schedule(args: argparse.Namespace):
-    """Warm up over 8 steps, then constant (a time-bounded run) or a cosine down to ``--final-lr``."""
+    """Warm up over 8 steps, then a cosine from ``--lr`` down to ``--final-lr`` (equal: a constant rate)."""
     import mlx.optimizers as optim
 
     warmup = 8
-    rest = (optim.linear_schedule(args.lr, args.lr, 1) if args.final_lr is None
-            else optim.cosine_decay(args.lr, max(args.max_iters - warmup, 1), args.final_lr))
-    return optim.join_schedules([optim.linear_schedule(args.lr / 10, args.lr, warmup), rest], [warmup])
+    decay = optim.cosine_decay(args.lr, max(args.max_iters - warmup, 1), args.final_lr)
+    return optim.join_schedules([optim.linear_schedule(args.lr / 10, args.lr, warmup), decay], [warmup])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -470,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
                    "mlp.gate_proj,mlp.up_proj,mlp.down_proj")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--final-lr", type=float, default=2e-5,
-                   help="the rate at the last step: a cosine from --lr over --max-iters steps")
+                   help="the rate at the last step: a cosine from --lr over --max-iters steps (--lr: constant)")
     p.add_argument("--save-every", type=int, default=10)
     args = p.parse_args(argv)
 
