@@ -14,6 +14,7 @@ The whole public API is here (``chatkit.X``); submodules are implementation::
     GenerateParams, CacheOptions, SpeculativeConfig     settings;  TurnStats, CacheInfo: what it cost
     SessionPool                                         many sessions over one model, a memory budget
     BatchEngine(lm, max_batch=16); builder.engine(e)    concurrent sessions' turns decoded together
+    PromptCache(folder, ram_bytes=, disk_bytes=)        KV blocks shared by every session (builder.prompt_cache)
     load_adapter(path) / lm.adapter(path) -> Adapter    LoRA/DoRA per session: builder.adapter(a), lm.fuse(a)
     ChatKitError and its subclasses                     every error chatkit raises (see chatkit.errors)
 
@@ -26,6 +27,7 @@ from . import (
 )
 from ._version import __version__ as __version__
 from .cache.file import CacheFileInfo
+from .cache.prompt import PromptCache, PromptCacheUsage
 from .cache.state import CacheInfo, CacheOptions
 from .decode.batch import BatchEngine
 from .decode.speculative import SpeculativeConfig
@@ -99,6 +101,8 @@ __all__ = [
     "NothingToRegenerateError",
     "NothingToUndoError",
     "OutputValidationError",
+    "PromptCache",
+    "PromptCacheUsage",
     "ResponseStream",
     "Role",
     "SessionBusyError",

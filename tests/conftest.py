@@ -39,7 +39,9 @@ def session_for(lm, *, params=GREEDY, instructions="Be brief.", history=(), **op
 
 
 def fresh_reply(session, prompt, **options):
-    """The reply of a new session with the same history: the ground truth for cache reuse."""
+    """The reply of a new session with the same history: the ground truth for cache reuse (no prompt
+    cache: it computes everything)."""
+    options.setdefault("prompt_cache", None)
     fresh = session_for(
         session.model,
         params=session.generate_params.copy(),

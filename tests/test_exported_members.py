@@ -14,6 +14,7 @@ PUBLIC = {
     "load_adapter", "Adapter",  # LoRA/DoRA adapters per session (docs/adapters.md)
     # persistence
     "inspect_cache", "CacheFileInfo",
+    "PromptCache", "PromptCacheUsage",  # KV blocks shared by every session, in RAM and on disk (docs/caching.md)
     # errors
     "ChatKitError", "ModelLoadError", "TemplateError", "InvalidMessageError", "InvalidParamsError",
     "SpeculativeCacheRestoreError", "IncompatibleDraftError", "MissingDependencyError", "SessionBusyError", "ContextWindowExceededError",

@@ -26,6 +26,7 @@ from ._mlx import (
 from .ledger import Ledger
 from .planner import Action, Plan, common_prefix_length, plan
 from .prefix import PrefixCache
+from .prompt import SharedPrefixes
 
 
 @dataclass(frozen=True)
@@ -148,9 +149,11 @@ class CacheState:
         # A draft model's cache holds the first ``draft_length`` ledger tokens (it may lag the target's).
         self.draft_layers: list[Any] | None = None
         self.draft_length = 0
-        # Prefixes shared with other sessions (a BatchEngine's); a turn that started from an empty
-        # cache offers its prompt's first ``_share_length`` tokens when it is recorded.
-        self.shared: PrefixCache | None = None
+        # Prefixes shared with other sessions: the prompt cache (its blocks; every recorded turn adds its
+        # own), or a BatchEngine's prefix cache (a turn that started from an empty cache offers its
+        # prompt's first ``_share_length`` tokens when it is recorded).
+        self.shared: SharedPrefixes | PrefixCache | None = None
+        self.reused = 0  # tokens the last prepare took from ``shared``
         self._share_length = 0
         self._images: tuple[ImageSpan, ...] = ()  # where the prompt being fed has images
 
@@ -276,25 +279,31 @@ class CacheState:
         else:
             self._forget_after(p.keep)
         self._images = tuple(images)
+        self.reused = 0
+        if self.ledger.opaque == 0 and self.options.max_kv_size is None:
+            p = self._from_shared(prompt, p)
         if self.draft_layers is not None:
             self._align_draft(tuple(prompt[: p.keep]))
-        if p.keep == 0 and self.ledger.opaque == 0 and not images and self._can_share():
-            p = self._from_shared(prompt, p)
         return p
 
-    def _can_share(self) -> bool:
-        return (self.shared is not None and self._draft_model is None and self.options.kv_bits is None
-                and self.options.max_kv_size is None)
-
     def _from_shared(self, prompt: Sequence[int], p: Plan) -> Plan:
-        """An empty cache: start from the longest prefix of ``prompt`` another session prefilled."""
-        assert self.shared is not None and self.layers is not None
-        self._share_length = len(prompt)
-        found = self.shared.fetch(prompt)
-        if found is None or len(found[1]) != len(self.layers):
+        """Start from the longest prefix of ``prompt`` another session computed, when it is longer than
+        what this cache keeps (the prompt cache: any turn; a BatchEngine's prefix cache: an empty cache)."""
+        assert self.layers is not None
+        if isinstance(self.shared, SharedPrefixes):
+            found = self.shared.fetch(prompt, self._images, p.keep)
+        elif (self.shared is not None and p.keep == 0 and not self._images and self._draft_model is None
+              and self.options.kv_bits is None):
+            self._share_length = len(prompt)
+            found = self.shared.fetch(prompt)
+        else:
+            return p
+        if found is None or len(found[1]) != len(self.layers) or found[0] <= p.keep:
             return p
         n, layers = found
-        self.layers, self.ledger, self.checkpoints = layers, Ledger(tuple(prompt[:n])), []
+        self.layers, self.checkpoints = layers, []
+        self.ledger = Ledger(tuple(prompt[:n]), 0, tuple(s for s in self._images if s.end <= n))
+        self.reused = n
         return Plan(Action.APPEND, n, tuple(prompt[n:]))
 
     def record(self, fed: Sequence[int], *, failed: bool = False) -> None:
@@ -318,7 +327,10 @@ class CacheState:
             return
         self.ledger = ledger
         share, self._share_length = self._share_length, 0
-        if share and self.shared is not None and len(ledger.tokens) >= share and ledger.opaque == 0:
+        if isinstance(self.shared, SharedPrefixes):
+            if ledger.opaque == 0 and not failed:
+                self.shared.insert(ledger.tokens, self.layers, ledger.images)
+        elif share and self.shared is not None and len(ledger.tokens) >= share and ledger.opaque == 0:
             self.shared.insert(ledger.tokens[:share], self.layers)
         if self.draft_layers is not None:
             # After a speculative run the draft may hold one token more or fewer than the target.

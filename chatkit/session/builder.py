@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar
 
+from ..cache.prompt import PromptCache
 from ..cache.state import CacheOptions, CacheState
 from ..decode import ProgressCallback
 from ..decode.speculative import SpeculativeConfig, check_draft
@@ -53,6 +54,7 @@ class SessionSettings:
     window: Window = Window()  # what the model sees of ``history`` (a restored context policy's window)
     earlier: tuple[tuple[int, Window], ...] = ()
     adapter: ActiveAdapter | None = None  # the LoRA adapter applied to the model, checked and installed
+    prompt_cache: PromptCache | None | str = "default"  # "default": the model's process-wide one
 
 
 def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
@@ -102,6 +104,7 @@ class ChatSessionBuilder(Generic[S]):
         self._engine: Any = None
         self._context_policy: ContextPolicy | None = None  # None: the default, or a restored file's
         self._adapter: ActiveAdapter | None = None
+        self._prompt_cache: PromptCache | None | str = "default"
 
     def instructions(self, text: str | None) -> ChatSessionBuilder[S]:
         """The system prompt."""
@@ -173,6 +176,15 @@ class ChatSessionBuilder(Generic[S]):
     def kv_bits(self, bits: int | None, *, group_size: int = 64, start: int = 0) -> ChatSessionBuilder[S]:
         """Quantize the KV cache to ``bits`` once it holds ``start`` tokens."""
         self._cache_options.update(kv_bits=bits, kv_group_size=group_size, quantized_kv_start=start)
+        return self
+
+    def prompt_cache(self, cache: PromptCache | None) -> ChatSessionBuilder[S]:
+        """Share KV blocks through ``cache`` (a ``chatkit.PromptCache``); ``None`` turns the prompt cache off
+        for this session. Without this call a session uses its model's process-wide prompt cache (RAM
+        only). See docs/caching.md."""
+        if cache is not None and not isinstance(cache, PromptCache):
+            raise InvalidParamsError(f"prompt_cache() takes a chatkit.PromptCache or None, got {type(cache).__name__}.")
+        self._prompt_cache = cache
         return self
 
     def prefill_step_size(self, tokens: int) -> ChatSessionBuilder[S]:
@@ -271,7 +283,7 @@ class ChatSessionBuilder(Generic[S]):
         settings = SessionSettings(
             self._lm, instructions, tuple(history), params, self._template, self._tools, self._tool_options, options,
             self._progress, self._speculative, self._allow_special, self._engine, self._context_policy or ContextPolicy(),
-            adapter=self._adapter,
+            adapter=self._adapter, prompt_cache=self._prompt_cache,
         )
         return self._factory(settings if self._restore is None else self._restored(settings))
 

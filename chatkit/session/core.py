@@ -12,6 +12,7 @@ from typing import Any
 
 from typing_extensions import Self
 
+from ..cache.prompt import PromptCache, default_prompt_cache
 from ..cache.state import CacheOptions, CacheState
 from ..decode import ProgressCallback, TokenSource
 from ..decode.batch import BatchEngine, check_engine
@@ -60,6 +61,7 @@ class SessionCore:
         engine: BatchEngine | None = None,
         context_policy: ContextPolicy = ContextPolicy(),
         adapter: ActiveAdapter | None = None,
+        prompt_cache: PromptCache | None | str = "default",
     ) -> None:
         """Prefer :meth:`builder`, which also restores saved caches; every argument is checked here."""
         if not isinstance(lm, LoadedModel):
@@ -80,6 +82,9 @@ class SessionCore:
         self._speculative = speculative
         self._engine = engine
         self._adapter = adapter if adapter is None or isinstance(adapter, ActiveAdapter) else _bad_adapter()
+        self._prompt_cache = default_prompt_cache(lm) if prompt_cache == "default" else prompt_cache
+        if self._prompt_cache is not None and not isinstance(self._prompt_cache, PromptCache):
+            raise InvalidParamsError(f"prompt_cache takes a chatkit.PromptCache or None, got {type(prompt_cache).__name__}.")
         self._source: TokenSource = (
             engine.source(speculative) if engine is not None else source_for(lm.model, lm.distributed, speculative)
         )
@@ -316,19 +321,25 @@ class SessionCore:
 
     def _use_cache(self, cache: CacheState) -> None:
         """Go on from a restored cache."""
-        cache.shared = self._shared_prefixes()
+        cache.shared = self._shared_prefixes(cache.options)
         if self._images is not None:
             self._images.restore(cache.ledger.tokens, cache.ledger.images)
         self._conversation = self._conversation.with_cache(cache)
 
     def _new_cache(self, options: CacheOptions) -> CacheState:
         cache = CacheState(self._lm.model, options, self._draft_model)
-        cache.shared = self._shared_prefixes()
+        cache.shared = self._shared_prefixes(options)
         return cache
 
-    def _shared_prefixes(self) -> Any:
-        """The engine's shared prefix cache, when the session runs on a ``BatchEngine`` that has one (and
-        the session has no adapter: the prefixes there are the base model's)."""
+    def _shared_prefixes(self, o: CacheOptions) -> Any:
+        """The prompt cache bound to what shapes this session's KV (the model's fingerprint, the adapter and
+        its scale, the KV quantization); without one, the engine's prefix cache when the session runs on a
+        ``BatchEngine`` that has one (and has no adapter: the prefixes there are the base model's)."""
+        if self._prompt_cache is not None:
+            return self._prompt_cache.bind({
+                "model": self._lm.fingerprint, "adapter": None if self._adapter is None else self._adapter.key,
+                "kv": [o.kv_bits, o.kv_group_size, o.quantized_kv_start] if o.kv_bits is not None else None,
+            })
         return None if self._engine is None or self._adapter is not None else self._engine.prefix_cache
 
     def _summary_session(self, model: LoadedModel, instructions: str | None, history: Sequence[ChatMessage],

@@ -316,6 +316,7 @@ class ChatSession(SessionCore):
                 self._lm, self._instructions, (), self._params.copy(), self._template.template, self._tools,
                 self._tool_options, self.cache_options, self._progress, self._speculative,
                 self._template.allow_special_in_content, self._engine, self._policy, adapter=self._adapter,
+                prompt_cache=self._prompt_cache,
             ))
             other._conversation = self._conversation.copy()
             other._images = self._images.copy() if self._images is not None else None  # encoded images too

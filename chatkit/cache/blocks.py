@@ -1,0 +1,123 @@
+"""KV blocks of the prompt cache: their keys (a hash chain), taking them out of a session's layers and
+putting them together again.
+
+A block holds the KV of ``block_tokens`` consecutive positions of every layer. Its key hashes the key of
+the block before it, its own token ids and the images that fill any of them, starting from a seed that
+names everything else that shapes the KV (the model, the adapter and its scale, the KV quantization): two
+blocks have the same key only when everything before and in them is the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from ..images import ImageSpan
+
+PLAIN, QUANTIZED = "KVCache", "QuantizedKVCache"
+
+
+def seed_of(parts: Mapping[str, Any]) -> str:
+    """The seed of a chain: a digest of what shapes the KV besides the tokens (JSON, keys sorted)."""
+    text = json.dumps(parts, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+def chain(seed: str, tokens: Sequence[int], images: Sequence[ImageSpan], block: int) -> Iterator[str]:
+    """The keys of the full blocks of ``tokens``, first to last (lazily: a lookup stops at a miss)."""
+    previous = seed.encode("ascii")
+    for start in range(0, len(tokens) - block + 1, block):
+        end = start + block
+        h = hashlib.blake2b(previous, digest_size=20)
+        h.update(array("q", tokens[start:end]).tobytes())
+        for span in images:
+            if span.start < end and span.end > start:  # an image in this block: its pixels shape the KV
+                h.update(json.dumps([span.start, span.end, span.digest, list(span.layout)]).encode("utf-8"))
+        previous = h.hexdigest().encode("ascii")
+        yield previous.decode("ascii")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One block: per layer its arrays (keys then values; a quantized layer's are 3 each), the token
+    axis second to last; ``kind`` the layers' class, ``bits``/``group`` a quantized one's."""
+
+    kind: str
+    layers: tuple[tuple[mx.array, ...], ...]
+    tokens: int
+    bits: int = 0
+    group: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for arrays in self.layers for a in arrays)
+
+
+def kind_of(layers: Sequence[Any]) -> str | None:
+    """The one kind of cache layer a block can be made of (every layer plain or every layer quantized
+    alike); ``None`` for anything else (rotating windows, recurrent states, a mix)."""
+    if layers and all(type(c) is KVCache for c in layers):
+        return PLAIN
+    if layers and all(type(c) is QuantizedKVCache for c in layers):
+        first = layers[0]
+        if all((c.bits, c.group_size) == (first.bits, first.group_size) for c in layers):
+            return QUANTIZED
+    return None
+
+
+def take(layers: Sequence[Any], start: int, end: int) -> Block:
+    """Positions ``[start, end)`` of ``layers`` as a block in buffers of its own (never a view: the
+    session writes into its buffers again after a rewind)."""
+    kind = kind_of(layers)
+    assert kind is not None
+    out = []
+    for c in layers:
+        parts = (*c.keys, *c.values) if kind == QUANTIZED else (c.keys, c.values)
+        out.append(tuple(a[..., start:end, :] + 0 for a in parts))
+    mx.eval([a for arrays in out for a in arrays])
+    first = layers[0]
+    bits, group = (first.bits, first.group_size) if kind == QUANTIZED else (0, 0)
+    return Block(kind, tuple(out), end - start, bits, group)
+
+
+def join(blocks: Sequence[Block]) -> list[Any]:
+    """Cache layers holding ``blocks`` one after the other (new arrays: nothing shared with the blocks)."""
+    first = blocks[0]
+    n = sum(b.tokens for b in blocks)
+    layers: list[Any] = []
+    for i in range(len(first.layers)):
+        parts = [mx.concatenate([b.layers[i][j] for b in blocks], axis=-2) if len(blocks) > 1
+                 else first.layers[i][j] + 0 for j in range(len(first.layers[i]))]
+        if first.kind == QUANTIZED:
+            c: Any = QuantizedKVCache(group_size=first.group, bits=first.bits)
+            c.keys, c.values = tuple(parts[:3]), tuple(parts[3:])
+        else:
+            c = KVCache()
+            c.keys, c.values = parts
+        c.offset = n
+        layers.append(c)
+    mx.eval([c.state for c in layers])
+    return layers
+
+
+def fits(block: Block, like: Block) -> bool:
+    """Whether ``block`` can follow ``like`` (same kind, layers, arrays and shapes but the token axis)."""
+    if (block.kind, block.bits, block.group, len(block.layers)) != (like.kind, like.bits, like.group, len(like.layers)):
+        return False
+    for mine, theirs in zip(block.layers, like.layers):
+        if len(mine) != len(theirs):
+            return False
+        for a, b in zip(mine, theirs):
+            if a.dtype != b.dtype or a.ndim != b.ndim or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-1]:
+                return False
+    return True
+
+
+__all__ = ["PLAIN", "QUANTIZED", "Block", "chain", "fits", "join", "kind_of", "seed_of", "take"]
