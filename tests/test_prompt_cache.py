@@ -10,16 +10,16 @@ import threading
 import time
 from pathlib import Path
 
+from chatkit import ChatSession, GenerateParams, PromptCache
+from chatkit.cache.block_files import SUFFIX
+from chatkit.cache.prompt import default_prompt_cache
+from chatkit.errors import InvalidParamsError
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from conftest import assert_ledger_matches_cache, fresh_reply
 from mlx_lm.models.cache import KVCache
-
-from chatkit import ChatSession, GenerateParams, PromptCache
-from chatkit.cache.block_files import SUFFIX
-from chatkit.cache.prompt import default_prompt_cache
-from chatkit.errors import InvalidParamsError
 
 GREEDY = GenerateParams(max_tokens=6, temperature=0.0)
 RULES = "You are a careful assistant. " + " ".join(f"Rule {i}: answer in words of {i % 7 + 2} letters." for i in range(40))

@@ -35,7 +35,7 @@ def digest(arrays: dict[str, mx.array]) -> str:
     for name in sorted(arrays):
         a = arrays[name]
         h.update(f"{name}|{a.dtype}|{list(a.shape)}|".encode())
-        h.update(bytes(memoryview(a)))
+        h.update(bytes(memoryview(a)))  # type: ignore[arg-type]  # mx.array has the buffer protocol
     return h.hexdigest()
 
 

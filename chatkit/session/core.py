@@ -79,12 +79,9 @@ class SessionCore:
         self._strict = StrictCalls(lm.tokenizer)
         if tool_options.strict and self._tools is not None:
             self._strict.grammar(self._tools)  # a format or schema that cannot be constrained raises here
-        self._speculative = speculative
-        self._engine = engine
+        self._speculative, self._engine = speculative, engine
         self._adapter = adapter if adapter is None or isinstance(adapter, ActiveAdapter) else _bad_adapter()
-        self._prompt_cache = default_prompt_cache(lm) if prompt_cache == "default" else prompt_cache
-        if self._prompt_cache is not None and not isinstance(self._prompt_cache, PromptCache):
-            raise InvalidParamsError(f"prompt_cache takes a chatkit.PromptCache or None, got {type(prompt_cache).__name__}.")
+        self._prompt_cache = _prompt_cache(lm, prompt_cache)
         self._source: TokenSource = (
             engine.source(speculative) if engine is not None else source_for(lm.model, lm.distributed, speculative)
         )
@@ -92,9 +89,7 @@ class SessionCore:
         if not isinstance(context_policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(context_policy).__name__}.")
         self._policy = context_policy.checked()
-        self._progress = prefill_progress
-        self._gate = TurnGate()
-        self._preparer = Preparer()
+        self._progress, self._gate, self._preparer = prefill_progress, TurnGate(), Preparer()
         self._between_turns: Callable[[Callable[[], None]], None] | None = None  # runs work between turns (a pool's)
         self._last_stats: TurnStats | None = None
         self._guided: tuple[ChatMessage, dict[str, Any]] | None = None  # the last guided prompt and its spec
@@ -358,6 +353,15 @@ def _image_table(lm: LoadedModel, speculative: SpeculativeConfig | None, engine:
     if speculative is not None or engine is not None:
         raise InvalidParamsError("A vision-language model runs its sessions alone: no speculative decoding or batch engine.")
     return ImageTable(lm.vision)
+
+
+def _prompt_cache(lm: LoadedModel, chosen: PromptCache | None | str) -> PromptCache | None:
+    """The session's prompt cache: ``"default"`` is the model's process-wide one."""
+    if chosen == "default":
+        return default_prompt_cache(lm)
+    if chosen is not None and not isinstance(chosen, PromptCache):
+        raise InvalidParamsError(f"prompt_cache takes a chatkit.PromptCache or None, got {type(chosen).__name__}.")
+    return chosen
 
 
 def _bad_adapter() -> ActiveAdapter:
