@@ -1,6 +1,7 @@
 """Shared fixtures: offline tiny models (built once per process by chatkit.testing)."""
 
 import os
+import tempfile
 
 import chatkit  # noqa: F401  (loads OpenBLAS before mlx, when present)
 from chatkit import ChatSession, GenerateParams
@@ -10,6 +11,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `chatkit chat` keeps prompt-cache blocks in the user cache folder: tests (and the CLIs they start) use a
+# temporary folder of their own instead.
+os.environ.setdefault("CHATKIT_PROMPT_CACHE_DIR", tempfile.mkdtemp(prefix="chatkit-test-prompt-cache-"))
 
 settings.register_profile(
     "chatkit",

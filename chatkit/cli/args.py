@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ChatKitError, ModelLoadError
 
 if TYPE_CHECKING:
+    from ..cache.prompt import PromptCache
     from ..model.adapters import Adapter
     from ..model.loaded import LoadedModel
     from ..session.context import ContextPolicy
@@ -142,6 +143,51 @@ def add_context_flag(p: argparse.ArgumentParser, *, otherwise: str = "") -> None
                         f"(default: {DEFAULT_CONTEXT_POLICY}{otherwise})")
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
+          "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """``2GB`` (10^9), ``512MiB`` (2^20), ``0`` or a plain number of bytes, for the size flags."""
+    number = text.strip().lower().rstrip("bkmgti")
+    unit = text.strip().lower()[len(number):]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 2GB, 512MiB or 0") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size of 0 or more bytes")
+    return int(value)
+
+
+def add_prompt_cache_flags(p: argparse.ArgumentParser, *, folder: str) -> None:
+    """``--prompt-cache DIR|off``, ``--prompt-cache-ram SIZE``, ``--prompt-cache-disk SIZE``; ``folder``
+    says in ``--help`` what the folder is without the flag."""
+    p.add_argument("--prompt-cache", metavar="DIR|off",
+                   help="KV blocks of prompts shared by every conversation are also kept in DIR, reused after a "
+                        f"restart; 'off' turns the prompt cache off (default: {folder}; see docs/caching.md)")
+    p.add_argument("--prompt-cache-ram", type=byte_size, metavar="SIZE",
+                   help="memory for the prompt cache's blocks, e.g. 2GB or 512MiB; 0: none in RAM "
+                        "(default: an eighth of the machine's memory, at most 2 GiB)")
+    p.add_argument("--prompt-cache-disk", type=byte_size, metavar="SIZE",
+                   help="disk space for the prompt cache's folder, e.g. 10GB; 0: no folder (default: 10 GiB)")
+
+
+def prompt_cache(args: argparse.Namespace, folder: Path | None) -> PromptCache | None:
+    """The ``chatkit.PromptCache`` the flags describe (``folder``: the default folder, or none); ``None``
+    for ``--prompt-cache off``. ``UsageError`` when the folder cannot be used."""
+    from ..cache.prompt import DEFAULT_DISK_BYTES, PromptCache
+
+    if args.prompt_cache == "off":
+        return None
+    where = Path(args.prompt_cache).expanduser() if args.prompt_cache else folder
+    disk = DEFAULT_DISK_BYTES if args.prompt_cache_disk is None else args.prompt_cache_disk
+    try:
+        return PromptCache(where if disk else None, ram_bytes=args.prompt_cache_ram, disk_bytes=disk)
+    except ChatKitError as exc:
+        raise UsageError(f"--prompt-cache: {exc}") from exc
+
+
 def context_policy(name: str | None) -> ContextPolicy:
     """The ``chatkit.ContextPolicy`` that ``--context-policy NAME`` names (``None``: the default)."""
     from ..session.context import ContextPolicy
@@ -213,6 +259,7 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     chat.add_argument("--save", metavar="FILE",
                       help="save the conversation to FILE after every turn and on exit (its folder must exist)")
     add_sampling_flags(chat, max_tokens=CHAT_MAX_TOKENS, otherwise="or the saved one with --resume")
+    add_prompt_cache_flags(chat, folder="prompt-cache in the user cache folder, " + str(prompt_cache_folder()))
     add_context_flag(chat, otherwise=", or the saved one with --resume")
     chat.add_argument("--max-kv-size", type=_int_at_least(MIN_KV_SIZE, f"use {MIN_KV_SIZE} or more, or leave the flag out"),
                       metavar="N",
@@ -224,6 +271,16 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     chat.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, metavar="N",
                       help="values per quantization group with --kv-bits: 32, 64 or 128 dividing the model's "
                            "head size (default: 64, or 32 when 64 does not divide the head size)")
+
+
+def prompt_cache_folder() -> Path:
+    """``chatkit chat``'s prompt-cache folder: ``$CHATKIT_PROMPT_CACHE_DIR``, else ``prompt-cache`` in the
+    user cache folder."""
+    from .._cachedir import user_cache_dir
+
+    if os.environ.get("CHATKIT_PROMPT_CACHE_DIR"):
+        return Path(os.environ["CHATKIT_PROMPT_CACHE_DIR"]).expanduser()
+    return user_cache_dir() / "prompt-cache"
 
 
 def _history_for_help() -> str:
@@ -366,7 +423,8 @@ def load_draft(name: str | None) -> LoadedModel | str | None:
 
 
 __all__ = [
-    "COMMANDS", "CONTEXT_POLICIES", "UsageError", "adapter_key", "add_context_flag", "add_model_flags", "add_sampling_flags",
-    "check_combination", "check_save_path", "context_policy", "fit_adapter", "kv_group_size", "load_draft", "load_model",
-    "parser", "progress_lines", "read_adapter", "version",
+    "COMMANDS", "CONTEXT_POLICIES", "UsageError", "adapter_key", "add_context_flag", "add_model_flags",
+    "add_prompt_cache_flags", "add_sampling_flags", "byte_size", "check_combination", "check_save_path",
+    "context_policy", "fit_adapter", "kv_group_size", "load_draft", "load_model", "parser", "progress_lines",
+    "prompt_cache", "prompt_cache_folder", "read_adapter", "version",
 ]

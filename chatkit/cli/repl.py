@@ -26,6 +26,8 @@ from .args import (
     kv_group_size,
     load_draft,
     load_model,
+    prompt_cache,
+    prompt_cache_folder,
     read_adapter,
 )
 from .compaction import Preparation, compaction_notice, context_report
@@ -65,6 +67,7 @@ class Repl:
             warnings.filterwarnings("ignore", message="This chat template does not render the tools")
         # A bad folder fails before the model loads; SmolLM2's default is chatkit's shipped adapter.
         self.adapter = read_adapter(str(demo.smollm2_adapter_path()) if self.tuned else args.adapter)
+        self.prompt_cache = prompt_cache(args, prompt_cache_folder())  # a folder that cannot be used: before loading
         parser = {"tool_parser_type": demo.SMOLLM2_TOOL_PARSER} if self.tuned else {}
         self.lm = load_model(args.model, distributed=args.distributed, distributed_timeout=args.distributed_timeout,
                              **parser)
@@ -88,7 +91,7 @@ class Repl:
         from ..session.session import ChatSession
 
         a = self.args
-        builder = ChatSession.builder(self.lm).prefill_progress(self._progress)
+        builder = ChatSession.builder(self.lm).prefill_progress(self._progress).prompt_cache(self.prompt_cache)
         builder = builder.adapter(self.adapter, 1.0 if a.adapter_scale is None else a.adapter_scale)
         if a.max_kv_size is not None:
             builder = builder.max_kv_size(a.max_kv_size)

@@ -24,10 +24,12 @@ from .args import (
     UsageError,
     add_context_flag,
     add_model_flags,
+    add_prompt_cache_flags,
     add_sampling_flags,
     context_policy,
     load_draft,
     load_model,
+    prompt_cache,
 )
 
 SERVE_MAX_TOKENS = 512  # a reply's length when neither --max-tokens nor the request sets one
@@ -78,6 +80,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", type=int, default=32, help="requests waiting beyond those; more get 503 (default 32)")
     add_sampling_flags(p, max_tokens=SERVE_MAX_TOKENS, otherwise="for requests that set none")
     add_context_flag(p)
+    add_prompt_cache_flags(p, folder="DIR/prompt-cache with --store DIR, else RAM only")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                    help="serve an mlx-lm LoRA/DoRA adapter folder over the model as the model id MODEL:NAME "
                         "(MODEL: the --model id that /v1/models lists); requests select it with their model "
@@ -128,12 +131,14 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         raise UsageError("--parallel and --max-conversations must be >= 1, --queue, --max-cache-mb and "
                          "--batch >= 0.")
     check_exposure(args.host, args.api_key, args.allow_unauthenticated)
+    store = check_store(args.store) if args.store is not None else None
     return ServerConfig(
-        model_id=args.model or "demo", store=check_store(args.store) if args.store is not None else None,
+        model_id=args.model or "demo", store=store,
         max_cache_bytes=args.max_cache_mb * 2**20,
         max_conversations=args.max_conversations, parallel=parallel, queue=args.queue,
         api_key=args.api_key, defaults=defaults, batch=args.batch > 0, context_policy=context_policy(args.context_policy),
         adapters=adapter_flags(args.adapter),
+        prompt_cache=prompt_cache(args, Path(store) / "prompt-cache" if store is not None else None),
     )
 
 

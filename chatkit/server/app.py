@@ -27,7 +27,7 @@ from ..errors import ChatKitError
 from ..model.loaded import LoadedModel
 from . import anthropic_wire, chat_completions, conversations, messages, page, response_items, responses, trace
 from .errors import UnauthorizedError, UnknownModelError, error_body
-from .metrics import CONTENT_TYPE
+from .metrics import CONTENT_TYPE, prompt_cache_series
 from .state import Handler, ServerConfig, ServerState
 
 log = logging.getLogger("chatkit.server")
@@ -67,7 +67,8 @@ async def metrics(state: ServerState, request: Request) -> Response:
         "chatkit_kv_cache_disk_bytes": ("Bytes of the KV cache files on disk.", held["disk_bytes"]),
         "chatkit_responses_stored": ("Responses stored for previous_response_id.", len(state.responses)),
     }
-    return PlainTextResponse(state.metrics.render(gauges), media_type=CONTENT_TYPE)
+    counters, cache_gauges = prompt_cache_series(state.prompt_cache.usage() if state.prompt_cache is not None else None)
+    return PlainTextResponse(state.metrics.render({**gauges, **cache_gauges}, counters), media_type=CONTENT_TYPE)
 
 
 ROUTES: list[tuple[str, str, Handler]] = [  # (method, path under /v1, handler); each is also served without /v1

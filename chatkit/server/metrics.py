@@ -14,6 +14,7 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
+from ..cache.prompt import PromptCacheUsage
 from ..session.results import TurnStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -72,8 +73,9 @@ class Metrics:
         if stats.generation_tokens > 1 and stats.generation_tps > 0:
             self.decode_speed.observe(stats.generation_tps)
 
-    def render(self, gauges: Mapping[str, tuple[str, float]]) -> str:
-        """The exposition text: the counters, then ``gauges`` (name -> (help, value))."""
+    def render(self, gauges: Mapping[str, tuple[str, float]], counters: Mapping[str, tuple[str, float]] = {}) -> str:
+        """The exposition text: the counters (and ``counters`` read elsewhere), then ``gauges`` (name -> (help,
+        value))."""
         out: list[str] = []
         _family(out, "chatkit_requests_total", "counter", "HTTP requests answered, by method, route and status.",
                 (f'chatkit_requests_total{{method="{m}",route="{_label(r)}",status="{s}"}} {n}'
@@ -93,6 +95,8 @@ class Metrics:
         _family(out, "chatkit_decode_tokens_per_second", "histogram",
                 "Decode speed of a turn: tokens per second after the first.",
                 self.decode_speed.lines("chatkit_decode_tokens_per_second"))
+        for counter, (meaning, level) in counters.items():
+            _family(out, counter, "counter", meaning, [f"{counter} {_number(level)}"])
         for gauge, (meaning, level) in gauges.items():
             _family(out, gauge, "gauge", meaning, [f"{gauge} {_number(level)}"])
         return "\n".join(out) + "\n"
@@ -112,4 +116,24 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-__all__ = ["CONTENT_TYPE", "Histogram", "Metrics"]
+def prompt_cache_series(usage: PromptCacheUsage | None) -> tuple[dict[str, tuple[str, float]], dict[str, tuple[str, float]]]:
+    """The prompt cache's (counters, gauges) for ``/metrics``; none when it is off."""
+    if usage is None:
+        return {}, {}
+    counters: dict[str, tuple[str, float]] = {
+        "chatkit_prompt_cache_hits_total": ("Prompt-cache blocks served to a new prompt.", usage.hits),
+        "chatkit_prompt_cache_misses_total": ("Prompt-cache lookups that stopped at a block not cached.", usage.misses),
+        "chatkit_prompt_cache_ram_evictions_total": ("Prompt-cache blocks dropped from RAM for its budget.",
+                                                     usage.ram_evictions),
+        "chatkit_prompt_cache_disk_evictions_total": ("Prompt-cache block files deleted for the disk budget.",
+                                                      usage.disk_evictions),
+    }
+    gauges: dict[str, tuple[str, float]] = {
+        "chatkit_prompt_cache_ram_bytes": ("Bytes of prompt-cache blocks in RAM.", usage.ram_bytes),
+        "chatkit_prompt_cache_disk_bytes": ("Bytes of prompt-cache block files on disk.", usage.disk_bytes),
+        "chatkit_prompt_cache_blocks": ("Distinct prompt-cache blocks (RAM or disk).", usage.blocks),
+    }
+    return counters, gauges
+
+
+__all__ = ["CONTENT_TYPE", "Histogram", "Metrics", "prompt_cache_series"]

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import mlx.core as mx
 
 from ..cache import atomic
+from ..cache.prompt import PromptCache
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig
 from ..errors import ChatKitError, ContextWindowExceededError, NoCacheAvailableError, SessionBusyError
@@ -71,8 +72,9 @@ class SessionIndex:
         engine: BatchEngine | None = None,
         context_policy: ContextPolicy | None = None,
         adapters: Mapping[str, Adapter] | None = None,
+        prompt_cache: PromptCache | None | str = "default",  # "default": the model's process-wide one
     ) -> None:
-        self._lm = lm
+        self._lm, self._prompt_cache = lm, prompt_cache
         self._policy = context_policy if context_policy is not None else ContextPolicy()
         self._engine = engine
         self._defaults = defaults or GenerateParams()
@@ -341,6 +343,7 @@ class SessionIndex:
         """A session over ``instructions`` + ``history`` with the adapter named ``adapter``, or
         (``restore``) the conversation saved there."""
         builder = ChatSession.builder(self._lm).generate_params(self._defaults.copy()).engine(self._engine)
+        builder = builder if self._prompt_cache == "default" else builder.prompt_cache(self._prompt_cache)  # type: ignore[arg-type]
         builder = builder.context_policy(self._policy).adapter(self._adapters[adapter] if adapter else None)
         builder = builder.cache(restore) if restore is not None else builder.instructions(instructions).history(history)
         if tools:  # the client runs the tools: a reply that calls them ends the turn

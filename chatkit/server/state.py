@@ -17,6 +17,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..cache.prompt import PromptCache, default_prompt_cache
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig
 from ..messages import ChatMessage
@@ -60,6 +61,9 @@ class ServerConfig:
     speculative: SpeculativeConfig | None = None
     context_policy: ContextPolicy = field(default_factory=ContextPolicy.rolling)
     adapters: Mapping[str, Adapter | str | os.PathLike[str]] = field(default_factory=dict)
+    prompt_cache: PromptCache | None | str = "default"
+    """KV blocks shared by every conversation (``chatkit serve --prompt-cache``): ``"default"``, the model's
+    process-wide prompt cache (RAM only); ``None``: off."""
 
 
 class Limiter:
@@ -96,6 +100,10 @@ class ServerState:
         self.lm, self.config = lm, config
         self.models = ServedModels(lm, config.model_id, config.adapters)  # a bad adapter: no app
         self.metrics = Metrics()
+        chosen = default_prompt_cache(lm) if config.prompt_cache == "default" else config.prompt_cache
+        if chosen is not None and not isinstance(chosen, PromptCache):
+            raise TypeError(f"ServerConfig.prompt_cache takes a chatkit.PromptCache, None or 'default', got {chosen!r}.")
+        self.prompt_cache: PromptCache | None = chosen
         self.started = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -117,6 +125,7 @@ class ServerState:
                 lm, folder=root, max_cache_bytes=config.max_cache_bytes, max_conversations=config.max_conversations,
                 defaults=config.defaults, speculative=config.speculative, persist=config.store is not None,
                 engine=engine, context_policy=config.context_policy, adapters=self.models.adapters,
+                prompt_cache=self.prompt_cache,
             )
             self.responses = ResponseStore(root / "responses" if config.store is not None else None)
             self.limiter = Limiter(config.parallel, config.queue)

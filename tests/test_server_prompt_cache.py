@@ -1,0 +1,78 @@
+"""The server over the prompt cache (issue 46): new conversations sharing a system prompt report the
+tokens they reused in every API's usage, and /metrics shows the prompt cache."""
+
+import re
+
+import httpx
+import pytest
+
+from chatkit import ChatSession, GenerateParams, PromptCache
+from chatkit.server import ServerConfig, start
+
+PARAMS = GenerateParams(max_tokens=6, temperature=0.0)
+SYSTEM = "You are the help desk of a library. " + " ".join(f"Policy {i}: loans last {i + 7} days." for i in range(60))
+QUESTIONS = ["Can I renew a book?", "Where is the map room?", "Do you open on Sundays?"]
+
+pytestmark = pytest.mark.slow  # starts servers
+
+
+@pytest.fixture(scope="module")
+def lm(tiny):
+    return tiny("qwen3", "bpe", 0)
+
+
+def chat_completions(url, question):
+    body = {"model": "any", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+    r = httpx.post(f"{url}/chat/completions", json=body, timeout=120)
+    r.raise_for_status()
+    data = r.json()
+    return data["choices"][0]["message"]["content"], data["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def responses(url, question):
+    r = httpx.post(f"{url}/responses", json={"model": "any", "instructions": SYSTEM, "input": question}, timeout=120)
+    r.raise_for_status()
+    data = r.json()
+    return data["output"][-1]["content"][0]["text"], data["usage"]["input_tokens_details"]["cached_tokens"]
+
+
+def messages(url, question):
+    body = {"model": "any", "system": SYSTEM, "max_tokens": 6, "messages": [{"role": "user", "content": question}]}
+    r = httpx.post(f"{url.removesuffix('/v1')}/v1/messages", json=body, timeout=120, headers={"x-api-key": "x"})
+    r.raise_for_status()
+    data = r.json()
+    return data["content"][0]["text"], data["usage"]["cache_read_input_tokens"]
+
+
+@pytest.mark.parametrize("api", [chat_completions, responses, messages])
+def test_new_conversations_sharing_a_system_prompt_report_cached_tokens(lm, api):
+    pc = PromptCache(block_tokens=16)
+    with start(lm, ServerConfig(model_id="tiny", defaults=PARAMS, prompt_cache=pc)) as running:
+        got = [api(running.url, q) for q in QUESTIONS]
+    cached = [c for _, c in got]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0, cached
+    assert cached[1] % 16 == 0
+    for (text, _), q in zip(got, QUESTIONS):  # the same replies as a session that computes everything
+        alone = ChatSession.builder(lm).generate_params(PARAMS.copy()).instructions(SYSTEM).prompt_cache(None).build()
+        assert text == alone.respond(q)
+
+
+def test_on_by_default_and_in_metrics(lm):
+    with start(lm, ServerConfig(model_id="tiny", defaults=PARAMS)) as running:
+        cached = [chat_completions(running.url, q)[1] for q in QUESTIONS]
+        text = httpx.get(f"{running.url.removesuffix('/v1')}/metrics", timeout=30).text
+    assert cached[1] >= 256 and cached[2] >= 256, cached  # the model's process-wide cache, 256-token blocks
+    hits = int(re.search(r"^chatkit_prompt_cache_hits_total (\d+)$", text, re.M).group(1))
+    assert hits >= 2
+    for name in ("chatkit_prompt_cache_misses_total", "chatkit_prompt_cache_ram_evictions_total",
+                 "chatkit_prompt_cache_disk_evictions_total", "chatkit_prompt_cache_ram_bytes",
+                 "chatkit_prompt_cache_disk_bytes", "chatkit_prompt_cache_blocks"):
+        assert re.search(rf"^{name} \d+$", text, re.M), name
+
+
+def test_off_reports_nothing_cached(lm):
+    with start(lm, ServerConfig(model_id="tiny", defaults=PARAMS, prompt_cache=None)) as running:
+        cached = [chat_completions(running.url, q)[1] for q in QUESTIONS[:2]]
+        text = httpx.get(f"{running.url.removesuffix('/v1')}/metrics", timeout=30).text
+    assert cached == [0, 0]
+    assert "chatkit_prompt_cache_hits_total" not in text
