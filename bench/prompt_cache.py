@@ -32,15 +32,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402,F401  (first: OpenBLAS before MLX)
+from chatkit import ChatSession, GenerateParams, PromptCache  # noqa: E402
+from chatkit.server import ServerConfig, start  # noqa: E402
 
+import _common  # noqa: E402,F401  (first: OpenBLAS before MLX)
 import httpx  # noqa: E402
 import mlx.core as mx  # noqa: E402
 from mlx_lm.generate import generate_step  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-
-from chatkit import ChatSession, GenerateParams, PromptCache  # noqa: E402
-from chatkit.server import ServerConfig, start  # noqa: E402
 
 
 def system_prompt(lm, tokens: int, seed: int) -> str:

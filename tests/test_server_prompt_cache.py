@@ -3,11 +3,11 @@ tokens they reused in every API's usage, and /metrics shows the prompt cache."""
 
 import re
 
-import httpx
-import pytest
-
 from chatkit import ChatSession, GenerateParams, PromptCache
 from chatkit.server import ServerConfig, start
+
+import httpx
+import pytest
 
 PARAMS = GenerateParams(max_tokens=6, temperature=0.0)
 SYSTEM = "You are the help desk of a library. " + " ".join(f"Policy {i}: loans last {i + 7} days." for i in range(60))
