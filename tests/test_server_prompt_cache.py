@@ -51,7 +51,6 @@ def test_new_conversations_sharing_a_system_prompt_report_cached_tokens(lm, api)
         got = [api(running.url, q) for q in QUESTIONS]
     cached = [c for _, c in got]
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > 0, cached
-    assert cached[1] % 16 == 0
     for (text, _), q in zip(got, QUESTIONS):  # the same replies as a session that computes everything
         alone = ChatSession.builder(lm).generate_params(PARAMS.copy()).instructions(SYSTEM).prompt_cache(None).build()
         assert text == alone.respond(q)

@@ -1,6 +1,7 @@
 """The prompt cache's disk tier: one safetensors file per block in a folder, within a byte budget.
 
-A block file is written atomically (``atomic.write``: a killed writer leaves only a stale temporary
+A block file is named ``<parent key>.<key>`` (the parent: the key of the block before it, or the seed),
+so that the blocks that follow a given one are known from the folder's listing alone; it is written atomically (``atomic.write``: a killed writer leaves only a stale temporary
 file, removed at the next start), names its key and seed in its metadata with a SHA-256 of its arrays,
 and is read only after its header is checked (``header.read_header``). A file that is damaged,
 truncated, foreign (another key or seed) or of another shape is deleted and reported as a miss: it is
@@ -57,16 +58,23 @@ class BlockFiles:
         if not os.access(folder, os.W_OK):
             raise CacheFileError(f"The prompt-cache folder {str(folder)!r} is not writable: choose another.")
         remove_stale_temps(folder)  # the leftovers of writers that were killed
-        self._index: OrderedDict[str, int] = OrderedDict()
+        self._index: OrderedDict[str, tuple[int, str]] = OrderedDict()  # key -> (bytes, parent key)
+        self.children: dict[str, list[str]] = {}  # parent key -> keys of the files that follow it
         found = []
         for entry in os.scandir(folder):
-            if entry.name.endswith(SUFFIX) and entry.is_file(follow_symlinks=False):
+            parent, _, key = entry.name[: -len(SUFFIX)].partition(".")
+            if entry.name.endswith(SUFFIX) and key and entry.is_file(follow_symlinks=False):
                 stat = entry.stat()
-                found.append((stat.st_mtime, entry.name[: -len(SUFFIX)], stat.st_size))
-        for _, key, size in sorted(found):
-            self._index[key] = size
-        self.nbytes = sum(self._index.values())
+                found.append((stat.st_mtime, key, parent, stat.st_size))
+        self.nbytes = 0
+        for _, key, parent, size in sorted(found):
+            self._add(key, parent, size)
         self._evict(0)
+
+    def _add(self, key: str, parent: str, size: int) -> None:
+        self._index[key] = (size, parent)
+        self.children.setdefault(parent, []).append(key)
+        self.nbytes += size
 
     def __len__(self) -> int:
         return len(self._index)
@@ -74,24 +82,35 @@ class BlockFiles:
     def keys(self) -> list[str]:
         return list(self._index)
 
-    def _path(self, key: str) -> Path:
-        return self.folder / (key + SUFFIX)
+    def path(self, parent: str, key: str) -> Path:
+        return self.folder / f"{parent}.{key}{SUFFIX}"
 
-    def has(self, key: str) -> bool:
+    def has(self, key: str, parent: str) -> bool:
         """Whether a file of ``key`` is there (one another process wrote included)."""
         if key in self._index:
             return True
         try:
-            size = self._path(key).stat().st_size
+            size = self.path(parent, key).stat().st_size
         except OSError:
             return False
-        self._index[key] = size
-        self.nbytes += size
+        self._add(key, parent, size)
         return True
 
-    def read(self, key: str, seed: str, tokens: int) -> Block | None:
+    def ids(self, key: str) -> tuple[int, ...] | None:
+        """The token ids of the block of ``key``, from its header only (``None``: unreadable)."""
+        entry = self._index.get(key)
+        try:
+            meta = json.loads(read_header(self.path(entry[1], key))[0].get(_META, "null")) if entry else None
+            ids = meta.get("ids") if isinstance(meta, dict) else None
+        except (CacheFileError, OSError, ValueError):
+            return None
+        return tuple(ids) if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else None
+
+    def read(self, key: str, seed: str, tokens: int | None) -> Block | None:
         """The block of ``key`` if its file is whole and this chain's; else ``None`` (the file is removed)."""
-        path = self._path(key)
+        if key not in self._index:
+            return None
+        path = self.path(self._index[key][1], key)
         try:
             block = self._load(path, key, seed, tokens)
         except (CacheFileError, OSError, ValueError, RuntimeError, KeyError, TypeError):
@@ -106,12 +125,15 @@ class BlockFiles:
             pass
         return block
 
-    def _load(self, path: Path, key: str, seed: str, tokens: int) -> Block | None:
+    def _load(self, path: Path, key: str, seed: str, most: int | None) -> Block | None:
         metadata, _, _ = read_header(path)  # before MLX reads anything
         meta = json.loads(metadata.get(_META, "null"))
         if not isinstance(meta, dict) or meta.get("version") != _VERSION or meta.get("key") != key:
             return None
-        if meta.get("seed") != seed or meta.get("tokens") != tokens or meta.get("kind") not in (PLAIN, QUANTIZED):
+        tokens = meta.get("tokens")
+        if meta.get("seed") != seed or meta.get("kind") not in (PLAIN, QUANTIZED) or not isinstance(tokens, int):
+            return None
+        if tokens < 1 or (most is not None and tokens != most):
             return None
         layers, per_layer = meta.get("layers"), 6 if meta["kind"] == QUANTIZED else 2
         loaded = mx.load(str(path))
@@ -120,25 +142,28 @@ class BlockFiles:
             return None
         if any(a.ndim < 2 or a.shape[-2] != tokens for a in loaded.values()) or digest(loaded) != meta.get("sha256"):
             return None
+        ids = meta.get("ids")
+        if not isinstance(ids, list) or len(ids) != tokens or not all(isinstance(i, int) for i in ids):
+            return None
         arrays = tuple(tuple(loaded[f"{i}.{j}"] for j in range(per_layer)) for i in range(layers))
-        return Block(meta["kind"], arrays, tokens, int(meta.get("bits", 0)), int(meta.get("group", 0)))
+        return Block(meta["kind"], arrays, tokens, int(meta.get("bits", 0)), int(meta.get("group", 0)), tuple(ids),
+                     bool(meta.get("images")))
 
-    def write(self, key: str, seed: str, block: Block) -> None:
+    def write(self, key: str, parent: str, seed: str, block: Block) -> None:
         """Store ``block`` (skipped when it alone exceeds the budget or the disk refuses: only a saving)."""
-        if self.has(key) or block.nbytes > self.max_bytes:
+        if self.has(key, parent) or block.nbytes > self.max_bytes:
             return
         arrays = _arrays(block)
         meta = {"version": _VERSION, "key": key, "seed": seed, "tokens": block.tokens, "kind": block.kind,
                 "bits": block.bits, "group": block.group, "layers": len(block.layers), "sha256": digest(arrays),
-                "written": time.time()}
+                "ids": list(block.ids), "images": block.images, "written": time.time()}
         try:
-            size = write(self._path(key), "a prompt-cache block",
+            size = write(self.path(parent, key), "a prompt-cache block",
                          lambda tmp: mx.save_safetensors(tmp, arrays, metadata={_META: json.dumps(meta)}))
         except CacheFileError:
             return
         self._evict(size)
-        self._index[key] = size
-        self.nbytes += size
+        self._add(key, parent, size)
 
     def _evict(self, incoming: int) -> None:
         while self._index and self.nbytes + incoming > self.max_bytes:
@@ -147,9 +172,15 @@ class BlockFiles:
             self.evictions += 1
 
     def remove(self, key: str) -> None:
-        self.nbytes -= self._index.pop(key, 0)
+        size, parent = self._index.pop(key, (0, ""))
+        self.nbytes -= size
+        siblings = self.children.get(parent, [])
+        if key in siblings:
+            siblings.remove(key)
+            if not siblings:
+                del self.children[parent]
         try:
-            self._path(key).unlink()
+            self.path(parent, key).unlink()
         except OSError:
             pass
 

@@ -30,6 +30,11 @@ def seed_of(parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
+def in_block(images: Sequence[ImageSpan], start: int, end: int) -> list[ImageSpan]:
+    """The images that fill some of the positions ``[start, end)``."""
+    return [span for span in images if span.start < end and span.end > start]
+
+
 def chain(seed: str, tokens: Sequence[int], images: Sequence[ImageSpan], block: int) -> Iterator[str]:
     """The keys of the full blocks of ``tokens``, first to last (lazily: a lookup stops at a miss)."""
     previous = seed.encode("ascii")
@@ -37,23 +42,39 @@ def chain(seed: str, tokens: Sequence[int], images: Sequence[ImageSpan], block: 
         end = start + block
         h = hashlib.blake2b(previous, digest_size=20)
         h.update(array("q", tokens[start:end]).tobytes())
-        for span in images:
-            if span.start < end and span.end > start:  # an image in this block: its pixels shape the KV
-                h.update(json.dumps([span.start, span.end, span.digest, list(span.layout)]).encode("utf-8"))
+        for span in in_block(images, start, end):  # an image in this block: its pixels shape the KV
+            h.update(json.dumps([span.start, span.end, span.digest, list(span.layout)]).encode("utf-8"))
         previous = h.hexdigest().encode("ascii")
         yield previous.decode("ascii")
+
+
+def tail_key(parent: str, ids: Sequence[int]) -> str:
+    """The key of a partial block (fewer tokens than a block) after ``parent``: reached only as the block
+    that follows ``parent`` and starts like a prompt's rest, never by the chain."""
+    h = hashlib.blake2b(parent.encode("ascii") + b"|tail|", digest_size=20)
+    h.update(array("q", ids).tobytes())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
 class Block:
     """One block: per layer its arrays (keys then values; a quantized layer's are 3 each), the token
-    axis second to last; ``kind`` the layers' class, ``bits``/``group`` a quantized one's."""
+    axis second to last; ``kind`` the layers' class, ``bits``/``group`` a quantized one's; ``ids`` its
+    token ids and ``images`` whether an image fills some of them (a block is only taken in part when
+    none does)."""
 
     kind: str
     layers: tuple[tuple[mx.array, ...], ...]
     tokens: int
     bits: int = 0
     group: int = 0
+    ids: tuple[int, ...] = ()
+    images: bool = False
+
+    def head(self, n: int) -> Block:
+        """The first ``n`` positions (views: ``join`` copies them)."""
+        layers = tuple(tuple(a[..., :n, :] for a in arrays) for arrays in self.layers)
+        return Block(self.kind, layers, n, self.bits, self.group, self.ids[:n], self.images)
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +93,7 @@ def kind_of(layers: Sequence[Any]) -> str | None:
     return None
 
 
-def take(layers: Sequence[Any], start: int, end: int) -> Block:
+def take(layers: Sequence[Any], start: int, end: int, ids: Sequence[int] = (), images: bool = False) -> Block:
     """Positions ``[start, end)`` of ``layers`` as a block in buffers of its own (never a view: the
     session writes into its buffers again after a rewind)."""
     kind = kind_of(layers)
@@ -84,7 +105,7 @@ def take(layers: Sequence[Any], start: int, end: int) -> Block:
     mx.eval([a for arrays in out for a in arrays])
     first = layers[0]
     bits, group = (first.bits, first.group_size) if kind == QUANTIZED else (0, 0)
-    return Block(kind, tuple(out), end - start, bits, group)
+    return Block(kind, tuple(out), end - start, bits, group, tuple(ids), images)
 
 
 def join(blocks: Sequence[Block]) -> list[Any]:
@@ -120,4 +141,4 @@ def fits(block: Block, like: Block) -> bool:
     return True
 
 
-__all__ = ["PLAIN", "QUANTIZED", "Block", "chain", "fits", "join", "kind_of", "seed_of", "take"]
+__all__ = ["PLAIN", "QUANTIZED", "Block", "chain", "fits", "in_block", "join", "kind_of", "seed_of", "tail_key", "take"]

@@ -23,7 +23,8 @@ from typing import Any
 from ..errors import InvalidParamsError
 from ..images import ImageSpan
 from .block_files import BlockFiles
-from .blocks import Block, chain, fits, join, kind_of, seed_of, take
+from .blocks import Block, chain, fits, in_block, join, kind_of, seed_of, tail_key, take
+from .planner import common_prefix_length
 
 BLOCK_TOKENS = 256
 DEFAULT_DISK_BYTES = 10 * 2**30
@@ -85,7 +86,8 @@ class PromptCache:
         self.block_tokens = block_tokens
         self.folder = None if folder is None else Path(os.path.expanduser(os.fspath(folder)))
         self._disk = BlockFiles(self.folder, disk_max) if self.folder is not None and disk_max else None
-        self._ram: OrderedDict[str, Block] = OrderedDict()
+        self._ram: OrderedDict[str, tuple[Block, str]] = OrderedDict()  # key -> (block, the key before it)
+        self._children: dict[str, list[str]] = {}  # a key -> the keys in RAM of the blocks that follow it
         self._ram_bytes = 0
         self._lock = threading.RLock()
         self._hits = self._misses = self._ram_evictions = 0
@@ -107,6 +109,7 @@ class PromptCache:
         """Forget every block, in RAM and in the folder (the counters stay)."""
         with self._lock:
             self._ram.clear()
+            self._children.clear()
             self._ram_bytes = 0
             if self._disk is not None:
                 self._disk.clear()
@@ -116,66 +119,135 @@ class PromptCache:
         return SharedPrefixes(self, seed_of({**parts, "block_tokens": self.block_tokens}))
 
     def lookup(self, seed: str, prompt: Sequence[int], images: Sequence[ImageSpan], have: int) -> tuple[int, list[Any]] | None:
-        """The longest run of cached blocks that starts ``prompt`` and leaves at least one token to feed,
-        when it is longer than ``have``: (its length, new cache layers holding it)."""
-        usable = (len(prompt) - 1) // self.block_tokens * self.block_tokens
-        if usable <= have:
+        """The longest cached KV of a prefix of ``prompt`` that leaves at least one token to feed, when it is
+        longer than ``have``: (its length, new cache layers holding it). Whole blocks first, then the part of
+        a cached block that follows the last of them and starts like the rest of the prompt (token-exact)."""
+        limit = len(prompt) - 1
+        if limit <= have:
             return None
         found: list[Block] = []
+        parent = seed
         with self._lock:
-            for key in chain(seed, prompt[:usable], images, self.block_tokens):
-                block = self._get(key, seed)
+            full = limit // self.block_tokens
+            for key in chain(seed, prompt[: full * self.block_tokens], images, self.block_tokens):
+                block = self._get(key, parent, seed)
                 if block is None or (found and not fits(block, found[0])):
-                    self._misses += 1
                     break
                 found.append(block)
+                parent = key
+            self._misses += len(found) < full
             n = len(found) * self.block_tokens
+            tail = self._tail(parent, seed, prompt[n:limit], images, n, found)
+            if tail is not None:
+                found.append(tail)
+                n += tail.tokens
             if n <= have:
                 return None
             self._hits += len(found)
         return n, join(found)
 
-    def _get(self, key: str, seed: str) -> Block | None:
-        block = self._ram.get(key)
-        if block is not None:
-            self._ram.move_to_end(key)
-            return block
-        if self._disk is None or not self._disk.has(key):
+    def _tail(self, parent: str, seed: str, rest: Sequence[int], images: Sequence[ImageSpan], at: int,
+              found: list[Block]) -> Block | None:
+        """The longest head of a cached block that follows ``parent`` and starts like ``rest`` (none where
+        an image is: a block is only taken whole there)."""
+        rest = rest[: self.block_tokens]
+        if not rest or in_block(images, at, at + len(rest)):
             return None
-        block = self._disk.read(key, seed, self.block_tokens)
+        best, most = None, 0
+        for key in self._followers(parent):
+            ids = self._ram[key][0].ids if key in self._ram else self._disk.ids(key) if self._disk else None
+            n = common_prefix_length(ids or (), rest)
+            if n > most:
+                best, most = key, n
+        block = None if best is None else self._get(best, parent, seed, whole=False)
+        if block is None or block.images or len(block.ids) != block.tokens or block.tokens > self.block_tokens:
+            return None
+        return block.head(most) if not found or fits(block, found[0]) else None
+
+    def _followers(self, parent: str) -> list[str]:
+        """The most recent blocks known to follow ``parent`` (RAM and folder), at most 16."""
+        keys = list(self._children.get(parent, ()))
+        if self._disk is not None:
+            keys += [k for k in self._disk.children.get(parent, ()) if k not in self._ram]
+        return keys[-16:]
+
+    def _get(self, key: str, parent: str, seed: str, whole: bool = True) -> Block | None:
+        entry = self._ram.get(key)
+        if entry is not None:
+            self._ram.move_to_end(key)
+            return entry[0]
+        if self._disk is None or not self._disk.has(key, parent):
+            return None
+        block = self._disk.read(key, seed, self.block_tokens if whole else None)
         if block is not None:
-            self._keep(key, block)
+            self._keep(key, parent, block)
         return block
 
     def store(self, seed: str, tokens: Sequence[int], images: Sequence[ImageSpan], layers: Sequence[Any]) -> int:
-        """Keep the full blocks of ``tokens`` (the first positions of ``layers``) that are not cached yet;
-        how many were new. Layers that are not plain or quantized KV alike are not kept."""
-        if kind_of(layers) is None or len(tokens) < self.block_tokens:
+        """Keep the blocks of ``tokens`` (the first positions of ``layers``) that are not cached yet, the
+        last one partial; how many were new. Layers that are not plain or quantized KV alike are not kept."""
+        if kind_of(layers) is None or not tokens:
             return 0
-        new = 0
+        new, parent, size = 0, seed, self.block_tokens
         with self._lock:
-            for i, key in enumerate(chain(seed, tokens, images, self.block_tokens)):
+            for i, key in enumerate(chain(seed, tokens, images, size)):
+                start, previous, parent = i * size, parent, key
                 if key in self._ram:
                     self._ram.move_to_end(key)
                     continue
-                on_disk = self._disk is not None and self._disk.has(key)
-                block = take(layers, i * self.block_tokens, (i + 1) * self.block_tokens)
-                self._keep(key, block)
+                on_disk = self._disk is not None and self._disk.has(key, previous)
+                ids = tokens[start : start + size]
+                block = take(layers, start, start + size, ids, bool(in_block(images, start, start + size)))
+                self._keep(key, previous, block)
                 if self._disk is not None and not on_disk:
-                    self._disk.write(key, seed, block)
+                    self._disk.write(key, previous, seed, block)
                 new += 1
+            new += self._store_tail(seed, parent, tokens, images, layers)
         return new
 
-    def _keep(self, key: str, block: Block) -> None:
+    def _store_tail(self, seed: str, parent: str, tokens: Sequence[int], images: Sequence[ImageSpan],
+                    layers: Sequence[Any]) -> int:
+        """The partial block after the last whole one (so that a prompt that shares only part of it reuses
+        that part); shorter partial blocks of the same start, which it covers, are dropped."""
+        start = len(tokens) // self.block_tokens * self.block_tokens
+        ids = tuple(tokens[start:])
+        key = tail_key(parent, ids)
+        if not ids or key in self._ram or (self._disk is not None and self._disk.has(key, parent)):
+            return 0
+        for other in list(self._children.get(parent, ())):
+            held = self._ram[other][0].ids
+            if len(held) < len(ids) and ids[: len(held)] == held:
+                self._drop(other)
+        block = take(layers, start, len(tokens), ids, bool(in_block(images, start, len(tokens))))
+        self._keep(key, parent, block)
+        if self._disk is not None:
+            self._disk.write(key, parent, seed, block)
+        return 1
+
+    def _drop(self, key: str) -> None:
+        """Out of both tiers (a partial block another one covers)."""
+        block, parent = self._ram.pop(key)
+        self._ram_bytes -= block.nbytes
+        self._children[parent].remove(key)
+        if self._disk is not None:
+            self._disk.remove(key)
+
+    def _keep(self, key: str, parent: str, block: Block) -> None:
         """Into the RAM tier (the least recently used blocks out until it fits; not at all if it cannot)."""
         if block.nbytes > self.ram_max:
             return
         while self._ram and self._ram_bytes + block.nbytes > self.ram_max:
-            _, old = self._ram.popitem(last=False)
+            old_key, (old, old_parent) = self._ram.popitem(last=False)
             self._ram_bytes -= old.nbytes
             self._ram_evictions += 1
-        self._ram[key] = block
+            siblings = self._children.get(old_parent, [])
+            if old_key in siblings:
+                siblings.remove(old_key)
+                if not siblings:
+                    del self._children[old_parent]
+        self._ram[key] = (block, parent)
         self._ram_bytes += block.nbytes
+        self._children.setdefault(parent, []).append(key)
 
 
 @dataclass(frozen=True)
