@@ -155,9 +155,9 @@ def many(lm, conversations, prompts, ram, disk, folder):
           f"{reused / max(1, total):.0%} of prompt tokens reused; evictions RAM {u.ram_evictions}, disk {u.disk_evictions}")
 
 
-def lookup_cost(cached_prompts: int, tokens: int = 2048) -> float:
+def lookup_cost(cached_prompts: int, tokens: int = 2048) -> tuple[float, float]:
     """Seconds per lookup of a 2k-token prompt with ``cached_prompts`` prompts' blocks cached (tiny arrays:
-    the cost of finding blocks, not of copying them)."""
+    the cost of finding blocks, not of copying them): one that is cached, one that is not."""
     from mlx_lm.models.cache import KVCache
 
     pc = PromptCache(block_tokens=256, ram_bytes=2**40)
@@ -169,11 +169,13 @@ def lookup_cost(cached_prompts: int, tokens: int = 2048) -> float:
         shared.insert([p] + list(range(tokens - 1)), [layer])
     probe = [cached_prompts // 2] + list(range(tokens - 1)) + [7]
     shared.fetch(probe)
-    start = time.perf_counter()
-    n = 50
-    for _ in range(n):
-        shared.fetch(probe)
-    return (time.perf_counter() - start) / n
+    costs = []
+    for prompt in (probe, [-1] + probe[1:]):
+        start = time.perf_counter()
+        for _ in range(50):
+            shared.fetch(prompt)
+        costs.append((time.perf_counter() - start) / 50)
+    return costs[0], costs[1]
 
 
 def main() -> None:
@@ -221,9 +223,10 @@ def main() -> None:
         block = 2 * len(lm.model.layers) * 256 * 4 * (lm.config.get("num_key_value_heads", 1)
                                                       * (lm.head_dim or 64))
         many(lm, a.conversations, a.prompts, ram=12 * block, disk=40 * block, folder=Path(tmp) / "many")
-    ten, thousand = lookup_cost(10), lookup_cost(1000)
+    (ten, ten_miss), (thousand, thousand_miss) = lookup_cost(10), lookup_cost(1000)
     print(f"\n## lookup of a 2k-token prompt: {ten * 1e6:.0f} us with 10 prompts cached, {thousand * 1e6:.0f} us "
-          f"with 1,000 ({thousand / ten:.2f}x; flat is 1.0x)")
+          f"with 1,000 ({thousand / ten:.2f}x; flat is 1.0x); one not cached: {ten_miss * 1e6:.0f} us and "
+          f"{thousand_miss * 1e6:.0f} us ({thousand_miss / ten_miss:.2f}x)")
 
 
 if __name__ == "__main__":

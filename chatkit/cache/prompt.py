@@ -166,9 +166,9 @@ class PromptCache:
 
     def _followers(self, parent: str) -> list[str]:
         """The most recent blocks known to follow ``parent`` (RAM and folder), at most 16."""
-        keys = list(self._children.get(parent, ()))
+        keys = self._children.get(parent, [])[-16:]  # (a slice: the cost does not grow with the cache)
         if self._disk is not None:
-            keys += [k for k in self._disk.children.get(parent, ()) if k not in self._ram]
+            keys = keys + [k for k in self._disk.children.get(parent, [])[-16:] if k not in self._ram]
         return keys[-16:]
 
     def _get(self, key: str, parent: str, seed: str, whole: bool = True) -> Block | None:
@@ -214,7 +214,7 @@ class PromptCache:
         key = tail_key(parent, ids)
         if not ids or key in self._ram or (self._disk is not None and self._disk.has(key, parent)):
             return 0
-        for other in list(self._children.get(parent, ())):
+        for other in self._children.get(parent, [])[-16:]:
             held = self._ram[other][0].ids
             if len(held) < len(ids) and ids[: len(held)] == held:
                 self._drop(other)
