@@ -14,6 +14,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # `chatkit chat` keeps prompt-cache blocks in the user cache folder: tests (and the CLIs they start) use a
 # temporary folder of their own instead.
 os.environ.setdefault("CHATKIT_PROMPT_CACHE_DIR", tempfile.mkdtemp(prefix="chatkit-test-prompt-cache-"))
+# Sessions share no process-wide prompt cache unless a test asks for one (tests/test_prompt_cache.py,
+# tests/test_server_prompt_cache.py): the other tests count what a session reuses of its own cache, and
+# every test's sessions over the same tiny model would otherwise share blocks.
+os.environ["CHATKIT_PROMPT_CACHE"] = "off"
+
+
+@pytest.fixture
+def default_prompt_cache_on(monkeypatch):
+    """The process-wide prompt cache on, as it is outside the tests."""
+    monkeypatch.delenv("CHATKIT_PROMPT_CACHE")
 
 settings.register_profile(
     "chatkit",

@@ -191,7 +191,7 @@ def test_batch_engine_runs_adapted_turns_alone(tiny, folders, truth):
     found = {}
     with BatchEngine(lm, max_batch=4) as engine:
         def run(name):
-            found[name] = talk(session_for(lm, adapter=adapters[name], engine=engine, prompt_cache=None))
+            found[name] = talk(session_for(lm, adapter=adapters[name], engine=engine))
 
         threads = [threading.Thread(target=run, args=(name,)) for name in adapters]
         for t in threads:
@@ -199,14 +199,13 @@ def test_batch_engine_runs_adapted_turns_alone(tiny, folders, truth):
         for t in threads:
             t.join()
         assert engine.turns == len(PROMPTS)  # only the base session's turns went through the batch
-        # The engine's shared prefixes (sessions without a prompt cache) are the base model's: an adapted
-        # session never starts from them.
-        assert talk(session_for(lm, engine=engine, prompt_cache=None)) == truth[None]
-        adapted = session_for(lm, adapter=adapters["a"], engine=engine, prompt_cache=None)
+        # The engine's shared prefixes are the base model's: an adapted session never starts from them.
+        assert talk(session_for(lm, engine=engine)) == truth[None]
+        adapted = session_for(lm, adapter=adapters["a"], engine=engine)
         assert talk(adapted, PROMPTS[:1]) == truth["a"][:1] and adapted.last_stats.reused_tokens == 0
         adapted.adapter = None  # now a base session: the engine's (base) prefixes serve it again
         again = ["Tell me about cats, again."]
-        assert talk(adapted, again) == talk(session_for(lm, history=adapted.history[:2], prompt_cache=None), again)
+        assert talk(adapted, again) == talk(session_for(lm, history=adapted.history[:2]), again)
         assert adapted.last_stats.reused_tokens > 0
     assert found == {name: truth[name] for name in adapters}
 

@@ -45,7 +45,7 @@ def params_for(lm, max_tokens, no_eos):
 
 
 def alone(lm, prompt, params, instructions="Be brief."):
-    session = session_for(lm, params=params.copy(), instructions=instructions, prompt_cache=None)
+    session = session_for(lm, params=params.copy(), instructions=instructions)
     with session.stream_respond(prompt) as stream:
         for _ in stream:
             pass
@@ -249,12 +249,12 @@ def test_multi_turn_reuse_through_the_engine_equals_a_fresh_session(lm, engine):
 def test_a_new_session_reuses_the_shared_instructions_prefix(lm):
     instructions = "You are a careful assistant. " + prompt_of(120)
     params = params_for(lm, 8, no_eos=False)
-    with BatchEngine(lm, max_batch=4) as engine:  # sessions without a prompt cache use the engine's prefixes
-        first = session_for(lm, params=params.copy(), instructions=instructions, engine=engine, prompt_cache=None)
+    with BatchEngine(lm, max_batch=4) as engine:
+        first = session_for(lm, params=params.copy(), instructions=instructions, engine=engine)
         first.respond("Hello!")
         assert first.last_stats.reused_tokens == 0
         assert len(engine.prefix_cache) == 1
-        second = session_for(lm, params=params.copy(), instructions=instructions, engine=engine, prompt_cache=None)
+        second = session_for(lm, params=params.copy(), instructions=instructions, engine=engine)
         with second.stream_respond("What is the time?") as stream:
             for _ in stream:
                 pass

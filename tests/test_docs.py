@@ -26,6 +26,7 @@ def test_snippets_run_as_written(path, tmp_path):
     program = "\n".join(f"# --- snippet {i + 1}\n{code}" for i, code in enumerate(blocks))
     (tmp_path / "snippets.py").write_text(program, encoding="utf-8")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    env.pop("CHATKIT_PROMPT_CACHE", None)  # a reader's process: the prompt cache on, as by default
     out = subprocess.run([sys.executable, "snippets.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, f"{path.name}: {out.stderr[-3000:]}"

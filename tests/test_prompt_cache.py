@@ -54,7 +54,7 @@ def without_cache(lm, prompts, **options):
     return [turn(s, p) for p in prompts]
 
 
-def test_a_new_session_takes_the_shared_instructions_from_its_models_cache(lm):
+def test_a_new_session_takes_the_shared_instructions_from_its_models_cache(lm, default_prompt_cache_on):
     first = build(lm)
     turn(first, "Hello!")
     pc = default_prompt_cache(lm)
@@ -71,7 +71,7 @@ def test_a_new_session_takes_the_shared_instructions_from_its_models_cache(lm):
     assert_ledger_matches_cache(second)
 
 
-def test_off_for_one_session(lm):
+def test_off_for_one_session(lm, default_prompt_cache_on):
     pc = PromptCache(block_tokens=16)
     turn(build(lm, pc), "Hello!")
     off = build(lm, None)
@@ -297,6 +297,13 @@ def test_threads_share_one_cache_safely():
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_the_environment_turns_the_default_off(lm, monkeypatch):
+    monkeypatch.setenv("CHATKIT_PROMPT_CACHE", "off")
+    assert default_prompt_cache(lm) is None
+    monkeypatch.delenv("CHATKIT_PROMPT_CACHE")
+    assert default_prompt_cache(lm) is default_prompt_cache(lm) is not None
 
 
 def test_bad_arguments_are_refused(lm):

@@ -522,7 +522,7 @@ def scripted_server(lm, replies, max_tokens=60):
 def tool_session(lm, history, tools=(WEATHER,), max_tokens=8):
     """The ground truth: a fresh in-process session with that history, the client running the tools."""
     builder = ChatSession.builder(lm).instructions(SYSTEM).history(history).tools(list(tools), tool_execution="manual")
-    return builder.generate_params(GenerateParams(max_tokens=max_tokens)).prompt_cache(None).build()
+    return builder.generate_params(GenerateParams(max_tokens=max_tokens)).build()
 
 
 def test_a_tool_call_round_trip_over_two_requests_reuses_the_cache(think):

@@ -56,7 +56,7 @@ def test_new_conversations_sharing_a_system_prompt_report_cached_tokens(lm, api)
         assert text == alone.respond(q)
 
 
-def test_on_by_default_and_in_metrics(lm):
+def test_on_by_default_and_in_metrics(lm, default_prompt_cache_on):
     with start(lm, ServerConfig(model_id="tiny", defaults=PARAMS)) as running:
         cached = [chat_completions(running.url, q)[1] for q in QUESTIONS]
         text = httpx.get(f"{running.url.removesuffix('/v1')}/metrics", timeout=30).text

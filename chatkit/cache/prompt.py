@@ -268,8 +268,11 @@ _DEFAULTS: weakref.WeakKeyDictionary[Any, PromptCache] = weakref.WeakKeyDictiona
 _DEFAULTS_LOCK = threading.Lock()
 
 
-def default_prompt_cache(owner: Any) -> PromptCache:
-    """The process-wide prompt cache of ``owner`` (a loaded model): RAM only, the default budget."""
+def default_prompt_cache(owner: Any) -> PromptCache | None:
+    """The process-wide prompt cache of ``owner`` (a loaded model): RAM only, the default budget; ``None``
+    when ``$CHATKIT_PROMPT_CACHE`` is ``off`` (sessions then use one only when given one)."""
+    if os.environ.get("CHATKIT_PROMPT_CACHE", "").strip().lower() in ("off", "0", "false", "no"):
+        return None
     with _DEFAULTS_LOCK:
         found = _DEFAULTS.get(owner)
         if found is None:
