@@ -352,3 +352,20 @@ def test_kill_9_during_writes_leaves_a_folder_that_loads(tmp_path):
             expected = np.random.default_rng(i).standard_normal((1, 4, 64, 64)).astype(np.float32)
             assert np.array_equal(np.array(found[1][0].keys), expected[..., : found[0], :])
     assert served >= 2
+
+
+@pytest.mark.parametrize("draft", ["model", "prompt_lookup"])
+def test_speculative_sessions_take_blocks_and_answer_alike(lm, draft):
+    from chatkit import SpeculativeConfig
+    from chatkit.testing import tiny_model
+
+    config = SpeculativeConfig(tiny_model("qwen3", "bpe", 1) if draft == "model" else "prompt_lookup", 3)
+    pc = PromptCache(block_tokens=16)
+    turn(build(lm, pc, speculative=config), "Hello!")
+    s = build(lm, pc, speculative=config)
+    prompts = ["Hello there!", "And then?"]
+    ours = [turn(s, prompts[0])]
+    assert s.last_stats.reused_tokens > 0  # a new session's first prompt, from the blocks (the draft filled)
+    ours.append(turn(s, prompts[1]))
+    assert ours == without_cache(lm, prompts)  # greedy speculative equals plain greedy
+    assert_ledger_matches_cache(s)
