@@ -2,6 +2,7 @@
 adapter, KV quantization), in RAM and in a folder, within budgets, safe across restarts and kills."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -369,3 +370,51 @@ def test_speculative_sessions_take_blocks_and_answer_alike(lm, draft):
     ours.append(turn(s, prompts[1]))
     assert ours == without_cache(lm, prompts)  # greedy speculative equals plain greedy
     assert_ledger_matches_cache(s)
+
+
+def test_a_session_pool_takes_blocks_for_a_new_session(lm, tmp_path):
+    from chatkit import SessionPool
+
+    pc = PromptCache(block_tokens=16)
+    pool = SessionPool(lm, folder=tmp_path, max_cache_bytes=1,
+                       configure=lambda b: b.instructions(RULES).generate_params(GREEDY.copy()).prompt_cache(pc))
+    turn(pool.session("a"), "Hello!")
+    pool.enforce_budget()  # "a" is spilled to a file: the blocks stay in the prompt cache
+    b = pool.session("b")
+    assert turn(b, "Good morning.") == without_cache(lm, ["Good morning."])[0]
+    assert b.last_stats.reused_tokens > 16
+
+
+def test_size_flags():
+    import argparse
+
+    from chatkit.cli.args import byte_size
+
+    assert byte_size("2GB") == 2 * 10**9 and byte_size("512MiB") == 512 * 2**20 and byte_size("0") == 0
+    assert byte_size("1.5k") == 1500 and byte_size("4096") == 4096
+    for bad in ("lots", "-1GB", "2XB", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            byte_size(bad)
+
+
+def chat_run(*args, stdin):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "chatkit", *args], input=stdin, capture_output=True, text=True,
+                          timeout=240, env=env)
+
+
+@pytest.mark.slow
+def test_a_restarted_chat_reuses_its_blocks_from_the_folder(tmp_path):
+    system = "You are the demo. " + " ".join(f"Rule {i}: be brief." for i in range(70))
+    flags = ["--system", system, "--prompt-cache", str(tmp_path / "pc"), "--prompt-cache-ram", "64MiB"]
+    first = chat_run(*flags, stdin="Hello!\n/stats\n")
+    assert first.returncode == 0, first.stderr
+    assert list((tmp_path / "pc").glob("*" + SUFFIX))
+    second = chat_run(*flags, stdin="Good morning!\n/stats\n")
+    assert second.returncode == 0, second.stderr
+    reused = int(re.search(r"\((\d+) reused", second.stdout).group(1))
+    assert reused >= 256, second.stdout
+    off = chat_run("--system", system, "--prompt-cache", "off", stdin="Good morning!\n/stats\n")
+    assert re.search(r"\(0 reused", off.stdout), off.stdout
+    bad = chat_run("--prompt-cache", str(tmp_path / "file"), "--prompt-cache-disk", "lots", stdin="")
+    assert bad.returncode == 2 and "--prompt-cache-disk" in bad.stderr
