@@ -418,3 +418,18 @@ def test_a_restarted_chat_reuses_its_blocks_from_the_folder(tmp_path):
     assert re.search(r"\(0 reused", off.stdout), off.stdout
     bad = chat_run("--prompt-cache", str(tmp_path / "file"), "--prompt-cache-disk", "lots", stdin="")
     assert bad.returncode == 2 and "--prompt-cache-disk" in bad.stderr
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_5"])
+def test_caches_that_cannot_be_cut_into_blocks_neither_give_nor_take(arch):
+    from chatkit.testing import tiny_model
+
+    other = tiny_model(arch, "bpe")
+    pc = PromptCache(block_tokens=16)
+    first = build(other, pc)
+    turn(first, "Hello!")
+    assert pc.usage().blocks == 0  # a sliding window / recurrent state: no block to give
+    second = build(other, pc)
+    assert turn(second, "Hello!") == without_cache(other, ["Hello!"])[0]
+    assert second.last_stats.reused_tokens == 0
+    assert turn(first, "Again.") is not None and first.last_stats.reused_tokens > 0  # its own cache still serves
