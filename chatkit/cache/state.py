@@ -153,7 +153,6 @@ class CacheState:
         # own), or a BatchEngine's prefix cache (a turn that started from an empty cache offers its
         # prompt's first ``_share_length`` tokens when it is recorded).
         self.shared: SharedPrefixes | PrefixCache | None = None
-        self.reused = 0  # tokens the last prepare took from ``shared``
         self._share_length = 0
         self._images: tuple[ImageSpan, ...] = ()  # where the prompt being fed has images
 
@@ -279,7 +278,6 @@ class CacheState:
         else:
             self._forget_after(p.keep)
         self._images = tuple(images)
-        self.reused = 0
         if self.ledger.opaque == 0 and self.options.max_kv_size is None:
             p = self._from_shared(prompt, p)
         if self.draft_layers is not None:
@@ -303,7 +301,6 @@ class CacheState:
         n, layers = found
         self.layers, self.checkpoints = layers, []
         self.ledger = Ledger(tuple(prompt[:n]), 0, tuple(s for s in self._images if s.end <= n))
-        self.reused = n
         return Plan(Action.APPEND, n, tuple(prompt[n:]))
 
     def record(self, fed: Sequence[int], *, failed: bool = False) -> None:

@@ -91,7 +91,8 @@ class Repl:
         from ..session.session import ChatSession
 
         a = self.args
-        builder = ChatSession.builder(self.lm).prefill_progress(self._progress).prompt_cache(self.prompt_cache)
+        builder = ChatSession.builder(self.lm).prefill_progress(self._progress)
+        builder = builder.prompt_cache(self.prompt_cache if self.group is None else None)  # (sharded: none)
         builder = builder.adapter(self.adapter, 1.0 if a.adapter_scale is None else a.adapter_scale)
         if a.max_kv_size is not None:
             builder = builder.max_kv_size(a.max_kv_size)

@@ -100,7 +100,8 @@ class ServerState:
         self.lm, self.config = lm, config
         self.models = ServedModels(lm, config.model_id, config.adapters)  # a bad adapter: no app
         self.metrics = Metrics()
-        chosen = default_prompt_cache(lm) if config.prompt_cache == "default" else config.prompt_cache
+        sharded = lm.distributed is not None and lm.distributed.sharded  # (its ranks must prefill alike: none)
+        chosen = None if sharded else default_prompt_cache(lm) if config.prompt_cache == "default" else config.prompt_cache
         if chosen is not None and not isinstance(chosen, PromptCache):
             raise TypeError(f"ServerConfig.prompt_cache takes a chatkit.PromptCache, None or 'default', got {chosen!r}.")
         self.prompt_cache: PromptCache | None = chosen

@@ -356,11 +356,16 @@ def _image_table(lm: LoadedModel, speculative: SpeculativeConfig | None, engine:
 
 
 def _prompt_cache(lm: LoadedModel, chosen: PromptCache | None | str) -> PromptCache | None:
-    """The session's prompt cache: ``"default"`` is the model's process-wide one."""
+    """The session's prompt cache: ``"default"`` is the model's process-wide one; none for a model sharded
+    over processes (every rank must take the same decisions, and each rank's cache could differ)."""
+    sharded = lm.distributed is not None and lm.distributed.sharded
     if chosen == "default":
-        return default_prompt_cache(lm)
+        return None if sharded else default_prompt_cache(lm)
     if chosen is not None and not isinstance(chosen, PromptCache):
         raise InvalidParamsError(f"prompt_cache takes a chatkit.PromptCache or None, got {type(chosen).__name__}.")
+    if chosen is not None and sharded:
+        raise InvalidParamsError("A model sharded over processes cannot use a prompt cache (its ranks must prefill "
+                                 "alike): drop prompt_cache(...) or give None.")
     return chosen
 
 
