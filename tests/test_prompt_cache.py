@@ -433,3 +433,31 @@ def test_caches_that_cannot_be_cut_into_blocks_neither_give_nor_take(arch):
     assert turn(second, "Hello!") == without_cache(other, ["Hello!"])[0]
     assert second.last_stats.reused_tokens == 0
     assert turn(first, "Again.") is not None and first.last_stats.reused_tokens > 0  # its own cache still serves
+
+
+def test_sessions_on_a_batch_engine_take_blocks_and_answer_alike(lm):
+    from chatkit import BatchEngine
+
+    pc = PromptCache(block_tokens=16)
+    prompts = ["Hello there!", "And then?"]
+    expected = without_cache(lm, prompts)
+    with BatchEngine(lm, max_batch=4) as engine:
+        turn(build(lm, pc, engine=engine), "Hello!")
+        sessions = [build(lm, pc, engine=engine) for _ in range(3)]
+        results, first_reuse = [[] for _ in sessions], [0] * len(sessions)
+
+        def run(i):
+            results[i].append(turn(sessions[i], prompts[0]))
+            first_reuse[i] = sessions[i].last_stats.reused_tokens  # a new session's first prompt
+            results[i].append(turn(sessions[i], prompts[1]))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert engine.prefix_cache is None or len(engine.prefix_cache) == 0  # the prompt cache served them
+    assert results == [expected] * 3
+    assert all(n > 16 for n in first_reuse), first_reuse
+    for s in sessions:
+        assert_ledger_matches_cache(s)
