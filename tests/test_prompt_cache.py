@@ -236,6 +236,8 @@ def test_disk_tier_survives_a_restart(lm, tmp_path):
     s = build(lm, restarted)
     assert turn(s, "Hello!") == without_cache(lm, ["Hello!"])[0]
     assert s.last_stats.reused_tokens >= 16 * (len(files) - 2)
+    restarted.clear()  # the folder is emptied, the files another process wrote included
+    assert not list(tmp_path.glob("*" + SUFFIX)) and pc.usage().ram_bytes > 0 and restarted.usage().blocks == 0
 
 
 def test_damaged_truncated_and_foreign_blocks_are_skipped_never_served(lm, tmp_path):

@@ -185,8 +185,15 @@ class BlockFiles:
             pass
 
     def clear(self) -> None:
+        """Every block file of the folder gone (those another process wrote too)."""
         for key in list(self._index):
             self.remove(key)
+        try:
+            for entry in os.scandir(self.folder):
+                if entry.name.endswith(SUFFIX):
+                    os.unlink(entry.path)
+        except OSError:
+            pass
 
 
 __all__ = ["SUFFIX", "BlockFiles", "digest"]
