@@ -139,10 +139,11 @@ def test_kv_quantization_never_shares_blocks_with_another(lm):
     turn(four, "Hi.")
     assert four.last_stats.reused_tokens == 0
     again = build(lm, pc, kv_bits=8)
-    turn(again, "Hi.")
+    got = [turn(again, "Hi.")]
     assert again.last_stats.reused_tokens > 0
     assert_ledger_matches_cache(again)
-    assert turn(again, "More.") is not None
+    got.append(turn(again, "More."))
+    assert got == without_cache(lm, ["Hi.", "More."], kv_bits=8)  # over quantized blocks, as without them
 
 
 def test_a_rotating_cache_is_skipped_cleanly(lm):
