@@ -98,6 +98,11 @@ class ToolExecutionError(ChatKitError):
         self.call = call
 
 
+class MCPServerError(ChatKitError):
+    """An MCP server (``chatkit.MCPServer``) did not start, exited, or stopped answering; the message names
+    it and what to do. The session stays usable: in the tool loop the call's result tells the model."""
+
+
 class DistributedError(ChatKitError):
     """A rank of a model sharded with ``mx.distributed`` died, hung, or ran another turn than rank 0.
 
@@ -165,6 +170,7 @@ __all__ = [
     "InvalidMessageError",
     "InvalidOutputSpecError",
     "InvalidParamsError",
+    "MCPServerError",
     "MissingDependencyError",
     "ModelLoadError",
     "NoCacheAvailableError",
