@@ -17,11 +17,8 @@ from chatkit.testing import Scripted
 from chatkit.tools.mcp import mcp_servers, result_text
 
 import pytest
-
-pytest.importorskip("mcp")
-from mcp.types import CallToolResult, ImageContent, TextContent  # noqa: E402
-
-from test_tools import call  # noqa: E402
+from mcp.types import CallToolResult, ImageContent, TextContent
+from test_tools import call
 
 SERVERS = str(Path(__file__).parent / "helpers" / "mcp_servers.py")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import base64
+import concurrent.futures
 import importlib.util
 import json
 import os
@@ -123,7 +124,7 @@ class MCPServer:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._ensure_loop())
         try:
             return future.result(timeout)
-        except TimeoutError:
+        except concurrent.futures.TimeoutError:  # the builtin TimeoutError from Python 3.11, not before
             future.cancel()
             raise self._hung(what, timeout) from None
 

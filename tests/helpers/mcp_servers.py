@@ -2,7 +2,7 @@
 [http]``. Over stdio by default; with ``http``, streamable HTTP on 127.0.0.1 on a free port, whose URL
 is printed on the first line of stdout.
 
-Kinds: ``calc`` (the demo's ``calculate``, a failing ``fail`` tool, a ``die`` tool that kills the
+Kinds: ``calculate`` (the demo's ``calculate`` alone); ``calc`` (the demo's ``calculate``, a failing ``fail`` tool, a ``die`` tool that kills the
 server, a ``hang`` tool that never returns, ``image`` returning a PNG, ``data`` returning structured
 content only); ``many`` (40 tools ``echo_0`` .. ``echo_39``); ``clash`` (a tool named ``calculate``);
 ``broken`` (exits before speaking MCP)."""
@@ -40,11 +40,14 @@ def _demo_calculate() -> Any:
     return importlib.import_module("chatkit.demo.calculator").calculate
 
 
-def calc_server() -> MCPServer:
-    calculate = _demo_calculate()
+def calculate_server() -> MCPServer:
+    server = MCPServer("calculate")
+    server.add_tool(_demo_calculate())
+    return server
 
-    server = MCPServer("calc")
-    server.add_tool(calculate)
+
+def calc_server() -> MCPServer:
+    server = calculate_server()
 
     @server.tool()
     def fail(reason: str) -> str:
@@ -128,7 +131,7 @@ def main(argv: list[str]) -> None:
     if kind == "broken":
         print("not an MCP server", flush=True)
         sys.exit(2)
-    servers: dict[str, Any] = {"calc": calc_server, "many": many_server, "clash": clash_server}
+    servers: dict[str, Any] = {"calc": calc_server, "calculate": calculate_server, "many": many_server, "clash": clash_server}
     server = servers[kind]()
     logging.disable(logging.CRITICAL)  # the SDK logs each failing tool at length on stderr
     if argv[1:] == ["http"]:
