@@ -17,6 +17,7 @@
     ├── NothingToRegenerateError       no reply to answer again
     ├── ToolLoopLimitError             the model kept calling tools past max_tool_rounds
     ├── ToolExecutionError             a tool call failed and the session raises instead of telling the model
+    ├── MCPServerError                 an MCP server did not start, exited or stopped answering
     ├── DistributedError               a rank of a sharded model died, hung or drifted apart
     ├── CacheError                     about a KV cache
     │   ├── NoCacheAvailableError      there is no cache (yet) to save

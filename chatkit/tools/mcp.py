@@ -25,14 +25,14 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 from ..errors import InvalidParamsError, MCPServerError, MissingDependencyError
-from .schema import Tool, ToolReportedError, as_tool
+from .schema import Tool, ToolReportedError, ToolSource, as_tool
 
 DEFAULT_START_TIMEOUT = 30.0  # seconds to start a server and list its tools when no tool timeout is given
 CLOSE_TIMEOUT = 5.0  # seconds close() waits for the connection (and a stdio server's process) to end
 _LIVE: weakref.WeakSet[MCPServer] = weakref.WeakSet()
 
 
-class MCPServer:
+class MCPServer(ToolSource):
     """An MCP server whose tools a session can use: ``MCPServer(command=["uvx", "some-server"], env=None)``
     starts it as a subprocess speaking over stdio; ``MCPServer(url="http://127.0.0.1:8000/mcp",
     headers=None)`` connects to a streamable HTTP server. Pass it to ``builder.tools([...])`` beside Python
@@ -85,10 +85,10 @@ class MCPServer:
         self.close()
 
     # -- the public, blocking API --------------------------------------------------------------------
-    def tools(self, timeout: float | None = DEFAULT_START_TIMEOUT) -> list[Tool]:
+    def tools(self, timeout: float | None = None) -> list[Tool]:
         """The server's tools as chatkit ``Tool`` s (connecting first), each schema checked as a dict's;
-        ``MCPServerError`` when it does not answer within ``timeout`` seconds."""
-        listed = self._run(self._list(), timeout, "list its tools")
+        ``MCPServerError`` when it does not answer within ``timeout`` seconds (``None``: 30)."""
+        listed = self._run(self._list(), timeout or DEFAULT_START_TIMEOUT, "list its tools")
         return [self._tool(t) for t in listed]
 
     def call_tool(self, name: str, arguments: Mapping[str, Any] | None = None,

@@ -28,6 +28,14 @@ class ToolReportedError(Exception):
     is the call's result, as ``Error: <text>``."""
 
 
+class ToolSource:
+    """What stands for several tools in a tools list (``chatkit.MCPServer``): ``tools(timeout)`` lists them
+    (``timeout``: seconds, ``None``: the source's default)."""
+
+    def tools(self, timeout: float | None = None) -> list[Tool]:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class Tool:
     """One tool: its JSON schema (``{"type": "function", "function": {...}}``) and, when chatkit may
@@ -93,19 +101,13 @@ def as_tools(items: Sequence[Any] | None, timeout: float | None = None) -> list[
         return None
     if isinstance(items, (str, bytes, Mapping)) or callable(items) or not isinstance(items, Iterable):
         raise InvalidParamsError("tools takes a list of functions, JSON schema dicts or MCPServer s.")
-    from .mcp import MCPServer  # the same layer; the mcp SDK itself is imported only when a server starts
-
     tools: list[Tool] = []
     for item in items:
-        tools.extend(_server_tools(item, timeout) if isinstance(item, MCPServer) else [as_tool(item)])
+        tools.extend(item.tools(timeout) if isinstance(item, ToolSource) else [as_tool(item)])
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
         raise InvalidParamsError(f"Tool names must be unique, got {names}.")
     return tools
-
-
-def _server_tools(server: Any, timeout: float | None) -> list[Tool]:
-    return server.tools() if timeout is None else server.tools(timeout)
 
 
 def call_tool(
@@ -193,4 +195,4 @@ def check_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> 
     return f"{where + ': ' if where else ''}{first.message}."
 
 
-__all__ = ["Tool", "ToolReportedError", "as_tool", "as_tools", "call_tool", "check_arguments", "stopped"]
+__all__ = ["Tool", "ToolReportedError", "ToolSource", "as_tool", "as_tools", "call_tool", "check_arguments", "stopped"]
