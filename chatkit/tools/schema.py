@@ -106,7 +106,9 @@ def as_tools(items: Sequence[Any] | None, timeout: float | None = None) -> list[
         tools.extend(item.tools(timeout) if isinstance(item, ToolSource) else [as_tool(item)])
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
-        raise InvalidParamsError(f"Tool names must be unique, got {names}.")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise InvalidParamsError(f"Tool names must be unique, got {names}: {', '.join(map(repr, twice))} given twice "
+                                 "(rename a function, or leave out a tool or an MCP server that has the same name).")
     return tools
 
 
