@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/tools.py [--rounds 12] [--tokens 128] [--history 6]
     .venv/bin/python bench/tools.py --reuse     # cache reuse per vendored template (counts, no timing)
+    .venv/bin/python bench/tools.py --mcp [--quick]   # a tool round through a stdio MCP server vs a function
 
 Two measurements on the benchmark model with Qwen3's template (``bpe-think``), each timed in
 alternating rounds (A/B, then B/A, ...) after a warm-up:
@@ -15,6 +16,12 @@ alternating rounds (A/B, then B/A, ...) after a warm-up:
   reasoning / answer / tool-call segments by mlx-lm's ``TextStateMachine`` against the same stream
   handing the text out uncut. The reply starts in reasoning (the prompt leaves ``<think>`` open), so
   every character goes through the reasoning state's marker trie. Target: with >= 0.98x without.
+
+``--mcp``: a whole tool round (``session.respond``: the reply calling ``calculate``, the call, the answer)
+with the demo's ``calculate`` as a local Python function against the same function served over stdio by
+an MCP server written with the SDK (``tests/helpers/mcp_servers.py``), alternating; and the call alone
+(``call_tool``: its thread, the MCP request and reply). Target: the MCP round adds <= 5 ms.
+``--quick`` runs a few rounds of everything (seconds, for a check that it runs).
 
 ``--reuse``: for each model family of ``tests/helpers/families.py`` (its test tokenizer, its real template, its
 reply format forced), three questions, each answered by a tool call, the tool's result and an answer:
@@ -188,18 +195,84 @@ def reuse_table(exchanges: int = 3) -> None:
         print(f"  {family.name:<22}{cell('tool'):<48}{cell('user')}")
 
 
+def mcp_case(lm):
+    """(description, local round, MCP round, local call, MCP call, the server to close)."""
+    import sys
+    from pathlib import Path
+
+    from chatkit import MCPServer, ToolCall
+    from chatkit.demo import calculate
+    from chatkit.tools import Tool, call_tool
+
+    server = MCPServer(command=[sys.executable, str(Path(__file__).resolve().parent.parent / "tests/helpers/mcp_servers.py"), "calculate"])
+    reply = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "25 + 30"}}\n</tool_call>'
+
+    def session(tools):
+        return ChatSession.builder(lm).tools(tools).build()
+
+    def round_of(s):
+        def run():
+            s.clear()
+            s.generate_params = GenerateParams(max_tokens=40, logits_processors=[Scripted(lm.tokenizer, [reply, "55."])])
+            t0 = time.perf_counter()
+            assert s.respond("What is 25 + 30?") == "55."
+            return time.perf_counter() - t0
+        return run
+
+    served = server.tools()  # the local session gets the served schemas: the two prompts are the same tokens
+    local = session([Tool(t.schema, calculate) for t in served])
+    remote = session([server])
+    call = ToolCall("c1", "calculate", {"expression": "25 + 30"})
+
+    def call_of(s):
+        tools = s._tools
+
+        def run():
+            t0 = time.perf_counter()
+            assert call_tool(tools, call, timeout=10).content == "55"
+            return time.perf_counter() - t0
+        return run
+
+    return "a tool round (call, result, answer)", round_of(local), round_of(remote), call_of(local), call_of(remote), server
+
+
+def mcp_report(lm, rounds: int) -> None:
+    what, local, remote, local_call, remote_call, server = mcp_case(lm)
+    try:
+        for label, a, b, n in ((what, local, remote, rounds), ("the call alone (call_tool)", local_call, remote_call, 10 * rounds)):
+            rows = alternate(a, b, n)
+            added = median([y - x for x, y in rows])
+            print(f"\n{label}, ms (local function | stdio MCP server | added)")
+            for i, (x, y) in enumerate(rows[:12]):
+                print(f"  round {i + 1:<3} {1e3 * x:7.2f} {1e3 * y:7.2f} {1e3 * (y - x):+7.2f}")
+            print(f"  median   {1e3 * median([x for x, _ in rows]):7.2f} {1e3 * median([y for _, y in rows]):7.2f} "
+                  f"{1e3 * added:+7.2f}  (median of the per-round differences)")
+        print(f"target MCP adds <= 5 ms to a round: {'met' if added <= 0.005 else 'NOT met'} ({1e3 * added:.2f} ms per call)")
+    finally:
+        server.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--history", type=int, default=6)
     ap.add_argument("--reuse", action="store_true", help="cache reuse per vendored template (counts only)")
+    ap.add_argument("--mcp", action="store_true", help="a tool round through a stdio MCP server against a local function")
+    ap.add_argument("--quick", action="store_true", help="a few rounds, short replies: seconds, to check it runs")
     args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.tokens, args.history = 2, 16, 1
     if args.reuse:
         reuse_table()
         return
     lm = load_model("bpe-think")
     print(describe(lm))
+    if args.mcp:
+        load = OtherLoad()
+        mcp_report(lm, args.rounds)
+        print(load.report())
+        return
     what, ck, raw = tool_round_case(lm, args.history)
     with_seg, without = decode_case(lm, args.tokens)
     print(wait_until_quiet())

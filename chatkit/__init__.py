@@ -43,6 +43,7 @@ from .errors import (
     InvalidMessageError,
     InvalidOutputSpecError,
     InvalidParamsError,
+    MCPServerError,
     MissingDependencyError,
     ModelLoadError,
     NoCacheAvailableError,
@@ -70,6 +71,7 @@ from .session.saved import inspect as inspect_cache
 from .session.session import ChatSession
 from .session.streams import ResponseStream
 from .session.tool_loop import ToolLoopStream
+from .tools.mcp import MCPServer
 
 __all__ = [
     "Adapter",
@@ -95,6 +97,8 @@ __all__ = [
     "InvalidOutputSpecError",
     "InvalidParamsError",
     "LoadedModel",
+    "MCPServer",
+    "MCPServerError",
     "MissingDependencyError",
     "ModelLoadError",
     "NoCacheAvailableError",

@@ -17,6 +17,7 @@
     ├── NothingToRegenerateError       no reply to answer again
     ├── ToolLoopLimitError             the model kept calling tools past max_tool_rounds
     ├── ToolExecutionError             a tool call failed and the session raises instead of telling the model
+    ├── MCPServerError                 an MCP server did not start, exited or stopped answering
     ├── DistributedError               a rank of a sharded model died, hung or drifted apart
     ├── CacheError                     about a KV cache
     │   ├── NoCacheAvailableError      there is no cache (yet) to save
@@ -98,6 +99,11 @@ class ToolExecutionError(ChatKitError):
         self.call = call
 
 
+class MCPServerError(ChatKitError):
+    """An MCP server (``chatkit.MCPServer``) did not start, exited, or stopped answering; the message names
+    it and what to do. The session stays usable: in the tool loop the call's result tells the model."""
+
+
 class DistributedError(ChatKitError):
     """A rank of a model sharded with ``mx.distributed`` died, hung, or ran another turn than rank 0.
 
@@ -165,6 +171,7 @@ __all__ = [
     "InvalidMessageError",
     "InvalidOutputSpecError",
     "InvalidParamsError",
+    "MCPServerError",
     "MissingDependencyError",
     "ModelLoadError",
     "NoCacheAvailableError",

@@ -12,6 +12,7 @@ PUBLIC = {
     "ChatMessage", "Role", "ToolCall", "GenerateParams", "CacheOptions", "CacheInfo", "SpeculativeConfig",
     "ContextPolicy",  # conversations that outlive the context window
     "load_adapter", "Adapter",  # LoRA/DoRA adapters per session (docs/adapters.md)
+    "MCPServer", "MCPServerError",  # tools from MCP servers (docs/tools.md)
     # persistence
     "inspect_cache", "CacheFileInfo",
     "PromptCache", "PromptCacheUsage",  # KV blocks shared by every session, in RAM and on disk (docs/caching.md)

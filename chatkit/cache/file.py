@@ -37,7 +37,7 @@ from .state import CacheOptions, Checkpoint, layers_fit
 FORMAT_VERSION = 2
 _KEY = "chatkit"  # the metadata entry holding chatkit's JSON
 _SUM_KEY = "chatkit_crc32"  # the CRC-32 of that JSON (an entry of its own: a checksum cannot cover itself)
-CONVERSATION_KEYS = ("instructions", "messages", "generate_params", "context")  # the session's part of the metadata
+CONVERSATION_KEYS = ("instructions", "messages", "generate_params", "context", "mcp_servers")  # the session's part of the metadata
 MAX_TOKENS = 2**31  # MLX indexes a cache's positions with 32-bit ints
 
 
@@ -65,6 +65,7 @@ class CacheFileInfo:
     cache_options: Mapping[str, Any] | None = None
     saved_at: str | None = None
     context: Mapping[str, Any] | None = None  # what a context policy shows the model (session.saved reads it)
+    mcp_servers: tuple[Mapping[str, Any], ...] = ()  # the MCP servers that supplied the tools: {"command": [...]} / {"url": ...}
 
     @property
     def turns(self) -> int:
@@ -250,7 +251,8 @@ def _inspect(target: Path) -> tuple[CacheFileInfo, dict[str, Any] | None]:
         kind="chatkit", format_version=meta["format_version"], tokens=opaque + len(tokens), opaque_tokens=opaque,
         layer_classes=classes[: len(meta["layer_classes"])], fingerprint=meta["fingerprint"],
         instructions=meta["instructions"], messages=tuple(meta["messages"]), generate_params=meta["generate_params"],
-        cache_options=meta["cache_options"], saved_at=meta["saved_at"], context=meta.get("context"), **sizes,
+        cache_options=meta["cache_options"], saved_at=meta["saved_at"], context=meta.get("context"),
+        mcp_servers=tuple(meta.get("mcp_servers") or ()), **sizes,
     )
     return info, meta
 
@@ -324,6 +326,9 @@ def _check_conversation(meta: Mapping[str, Any], where: str) -> None:
     for name in ("generate_params", "context"):
         if meta.get(name) is not None and not isinstance(meta.get(name), dict):
             raise damaged(where, name)
+    servers = meta.get("mcp_servers")
+    if servers is not None and not (isinstance(servers, list) and all(_mcp_record(s) for s in servers)):
+        raise damaged(where, "mcp_servers")
     options = meta.get("cache_options")
     if options is not None:
         if not isinstance(options, dict):
@@ -332,6 +337,14 @@ def _check_conversation(meta: Mapping[str, Any], where: str) -> None:
             CacheOptions(**{k: v for k, v in options.items() if k in CacheOptions.__dataclass_fields__}).validate()
         except ChatKitError as exc:
             raise damaged(where, f"cache_options: {exc}") from None
+
+
+def _mcp_record(record: Any) -> bool:
+    """Whether ``record`` is ``{"command": [str, ...]}`` or ``{"url": str}``."""
+    if not isinstance(record, dict) or len(record) != 1:
+        return False
+    command, url = record.get("command"), record.get("url")
+    return (isinstance(command, list) and bool(command) and all(is_text(c) for c in command)) or is_text(url)
 
 
 def _check_layers_and_checkpoints(meta: Mapping[str, Any], classes: tuple[str, ...], where: str) -> None:

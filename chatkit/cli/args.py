@@ -32,6 +32,7 @@ COMMANDS = """commands:
   /system TEXT   set the system prompt (/system alone removes it)
   /image PATH    attach an image to your next message (a vision-language model)
   /stats         what the last turn cost and what the cache holds
+  /tools         the tools the model may call (Python functions, MCP servers')
   /context       the context window: tokens in use, what was dropped from it, the summary
   /help          this help
   /quit          leave (or Ctrl-D on an empty line); Ctrl-C stops a reply and keeps it as far as it got"""
@@ -243,6 +244,10 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                            "the current folder are found. Repeat for more; with the demo model they join its "
                            "calculate tool. A tool's schema comes from its signature, type hints and docstring "
                            "(an Args: section)")
+    chat.add_argument("--mcp", action="append", metavar="'COMMAND ARGS' | URL",
+                      help="an MCP server whose tools the model may call: a command line starting one over stdio "
+                           "(quoted, e.g. --mcp 'uvx mcp-server-time'), or a streamable HTTP URL "
+                           "(http://host:port/mcp). Repeat for more; /tools lists every tool")
     chat.add_argument("--adapter", metavar="PATH",
                       help="an mlx-lm LoRA/DoRA adapter folder (what mlx_lm.lora writes: adapter_config.json and "
                            "adapters.safetensors) applied to the model for this chat (default: none)")

@@ -33,7 +33,7 @@ from .args import (
 from .compaction import Preparation, compaction_notice, context_report
 from .resume import from_transcript, saved_policy, unreadable_as_file_error
 from .terminal import ReplyKeys, history_path, line_reader
-from .tools import import_tools, join_tools
+from .tools import import_tools, join_tools, mcp_servers, tools_report
 
 
 @dataclass
@@ -122,7 +122,12 @@ class Repl:
 
         if (a.model in (None, "demo") and getattr(self.lm.tokenizer, "has_tool_calling", False)) or self.tuned:
             builtin = demo.tools()  # a demo trained to call its calculator (v2) gets it; --tools join it
-        tools = join_tools(builtin, self.user_tools)
+        servers = mcp_servers(a.mcp or [], resume if resume is not None and not transcript_only else None)
+        for server in getattr(self, "servers", []):
+            server.close()  # a session built again (/load) gets connections of its own
+        self.servers = servers
+        self.tools = [*join_tools(builtin, self.user_tools), *(t for s in servers for t in s.tools())]
+        tools = self.tools
         if tools:
             builder = builder.tools(tools)
         if self.draft is not None:
@@ -368,6 +373,8 @@ class Repl:
             self.say(f"attached {rest} ({self.images[-1].width}x{self.images[-1].height}): it goes with your next message")
         elif name == "/stats":
             self.say(self.stats())
+        elif name == "/tools":
+            self.say(tools_report(self.tools))
         elif name == "/context":
             self.say(context_report(s))
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
+import shlex
 import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import ChatKitError
+from ..tools.mcp import MCPServer
 from ..tools.schema import Tool, as_tool
 from .args import UsageError
 
@@ -115,4 +117,36 @@ def _as_tool(spec: str, function: Any) -> Tool:
         raise UsageError(f"--tools {spec}: {exc}{hint}") from exc
 
 
-__all__ = ["import_tools", "join_tools"]
+def mcp_servers(specs: Sequence[str], resume: str | None = None) -> list[MCPServer]:
+    """The servers ``--mcp`` names (a URL, or a command line, shlex-split), then those a resumed file
+    recorded that no ``--mcp`` gives again; ``UsageError`` naming the flag for one that cannot be used.
+    Nothing starts here: a server starts when its tools are listed."""
+    servers: list[MCPServer] = []
+    for spec in specs:
+        try:
+            servers.append(MCPServer(url=spec) if spec.startswith(("http://", "https://"))
+                           else MCPServer(command=shlex.split(spec)))
+        except (ValueError, ChatKitError) as exc:
+            raise UsageError(f"--mcp {spec!r}: {exc}") from exc
+    if resume is not None:
+        from ..session.saved import inspect as inspect_cache
+
+        given = [s.to_dict() for s in servers]
+        servers += [MCPServer.from_dict(r) for r in inspect_cache(resume).mcp_servers if dict(r) not in given]
+    return servers
+
+
+def tools_report(tools: Sequence[Tool]) -> str:
+    """What ``/tools`` prints: each tool, its first description line and where it comes from."""
+    if not tools:
+        return "no tools (give some with --tools MODULE:FUNCTION or --mcp \"COMMAND ARGS\" / --mcp URL)"
+    lines = []
+    for tool in tools:
+        server = getattr(tool.function, "mcp_server", None)
+        source = f"MCP {server.name}" if isinstance(server, MCPServer) else "Python"
+        about = (tool.schema["function"].get("description") or "").strip().split("\n")[0]
+        lines.append(f"  {tool.name:<16} {about}  [{source}]")
+    return "tools:\n" + "\n".join(lines)
+
+
+__all__ = ["import_tools", "join_tools", "mcp_servers", "tools_report"]

@@ -138,7 +138,8 @@ class ChatSessionBuilder(Generic[S]):
         tool_timeout: float | None = DEFAULT_TOOL_TIMEOUT,
     ) -> ChatSessionBuilder[S]:
         """Tools the model may call: Python functions (sync or async; the schema from the signature,
-        type hints and docstring) or OpenAI-style JSON schema dicts, passed to the template as ``tools``.
+        type hints and docstring) or OpenAI-style JSON schema dicts, passed to the template as ``tools``, and
+        ``chatkit.MCPServer`` s, which stand for their tools (listed here, within ``tool_timeout``).
 
         With ``tool_execution="auto"`` ``respond`` calls them and gives the results back to the model until
         it answers without calls (at most ``max_tool_rounds`` rounds of results, then ``ToolLoopLimitError``);
@@ -162,7 +163,7 @@ class ChatSessionBuilder(Generic[S]):
         """
         options = ToolOptions(tool_execution, max_tool_rounds, errors, strict_tools, tool_timeout)
         options.validate()
-        checked = as_tools(tools)
+        checked = as_tools(tools, options.timeout)  # an MCPServer's tools listed within the tool timeout
         if strict_tools and checked is not None:
             strict_grammar(self._lm.tokenizer, checked)
         self._tools, self._tool_options = checked, options

@@ -64,6 +64,7 @@ class SavedConversation:
     generate_params: GenerateParams | None
     cache_options: Mapping[str, Any] | None
     context: SavedContext = SavedContext()
+    mcp_servers: tuple[Mapping[str, Any], ...] = ()  # ``MCPServer.to_dict`` of the servers that supplied the tools
 
     @classmethod
     def of(cls, info: CacheFileInfo) -> SavedConversation:
@@ -71,7 +72,7 @@ class SavedConversation:
         params = None if info.generate_params is None else GenerateParams.from_dict(info.generate_params)
         messages = tuple(ChatMessage.from_dict(m) for m in info.messages)
         context = SavedContext.from_dict(info.context, len(messages))
-        return cls(info.instructions, messages, params, info.cache_options, context)
+        return cls(info.instructions, messages, params, info.cache_options, context, tuple(info.mcp_servers))
 
 
 def check(info: CacheFileInfo) -> CacheFileInfo:
@@ -131,6 +132,7 @@ def save(
         "messages": [saved_dict(m, pixels=images) for m in conversation.messages],
         "generate_params": params.to_dict(),
         "context": conversation.context.to_dict(),
+        "mcp_servers": [dict(s) for s in conversation.mcp_servers],
     }
     return distributed.agree(lm.distributed, "save the cache", lambda: file.save(
         distributed.shard_path(lm.distributed, path), layers, ledger, fingerprint=identity(lm, adapter),

@@ -25,6 +25,7 @@ from ..model.loaded import LoadedModel
 from ..model.switchable import activate
 from ..params import GenerateParams
 from ..tools import as_tools
+from ..tools.mcp import mcp_servers
 from . import saved
 from .aio import AsyncGuidedStream, AsyncResponseStream
 from .builder import ChatSessionBuilder, SessionSettings
@@ -89,7 +90,7 @@ class ChatSession(SessionCore):
 
     @tools.setter
     def tools(self, value: Sequence[Any] | None) -> None:
-        tools = as_tools(value)
+        tools = as_tools(value, self._tool_options.timeout)
         if self._tool_options.strict and tools is not None:
             strict_grammar(self._lm.tokenizer, tools)  # raises before anything changes
         with self._gate.idle("change the tools"):
@@ -253,7 +254,8 @@ class ChatSession(SessionCore):
                 raise NoCacheAvailableError("There is no KV cache to save yet: run a turn first.")
             c = self._conversation
             context = saved.SavedContext(self._policy, c.window, c.earlier)
-            conversation = saved.SavedConversation(self._instructions, c.messages, self._params, None, context)
+            conversation = saved.SavedConversation(self._instructions, c.messages, self._params, None, context,
+                                                   tuple(mcp_servers(self._tools)))
             return saved.save(path, self._lm, cache.layers, cache.ledger, cache.checkpoints, conversation, cache.options,
                               self._adapter, images=images)
 

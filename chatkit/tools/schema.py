@@ -23,6 +23,19 @@ from .check import check_parameters
 from .run import Stopped, TimedOut, ToolRun
 
 
+class ToolReportedError(Exception):
+    """Raised by a tool function whose tool reported an error (an MCP result with ``isError``): its text
+    is the call's result, as ``Error: <text>``."""
+
+
+class ToolSource:
+    """What stands for several tools in a tools list (``chatkit.MCPServer``): ``tools(timeout)`` lists them
+    (``timeout``: seconds, ``None``: the source's default)."""
+
+    def tools(self, timeout: float | None = None) -> list[Tool]:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class Tool:
     """One tool: its JSON schema (``{"type": "function", "function": {...}}``) and, when chatkit may
@@ -81,16 +94,21 @@ def _json_ready(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def as_tools(items: Sequence[Any] | None) -> list[Tool] | None:
-    """``as_tool`` over a list (``None`` for no tools); names must be unique."""
+def as_tools(items: Sequence[Any] | None, timeout: float | None = None) -> list[Tool] | None:
+    """``as_tool`` over a list (``None`` for no tools), an ``MCPServer`` standing for its tools (listed
+    within ``timeout`` seconds, ``None``: the server's default); names must be unique."""
     if items is None:
         return None
     if isinstance(items, (str, bytes, Mapping)) or callable(items) or not isinstance(items, Iterable):
-        raise InvalidParamsError("tools takes a list of functions or JSON schema dicts.")
-    tools = [as_tool(t) for t in items]
+        raise InvalidParamsError("tools takes a list of functions, JSON schema dicts or MCPServer s.")
+    tools: list[Tool] = []
+    for item in items:
+        tools.extend(item.tools(timeout) if isinstance(item, ToolSource) else [as_tool(item)])
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
-        raise InvalidParamsError(f"Tool names must be unique, got {names}.")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise InvalidParamsError(f"Tool names must be unique, got {names}: {', '.join(map(repr, twice))} given twice "
+                                 "(rename a function, or leave out a tool or an MCP server that has the same name).")
     return tools
 
 
@@ -136,6 +154,8 @@ def call_tool(
                     ": give the builder a larger tool_timeout (None: no limit), or make the tool faster.")
     except Stopped:
         return stopped(call, f"{call.name} was stopped before it returned ({left}): the reply was closed.")
+    except ToolReportedError as exc:  # the tool's own report (an MCP isError result): its text alone
+        return fail(f"{call.name}: {exc}", exc)
     except Exception as exc:  # the tool's own failure is the model's to read
         return fail(f"{call.name} raised {type(exc).__name__}: {exc}", exc)
     except asyncio.CancelledError as exc:  # an async tool cancelled by something of its own
@@ -177,4 +197,4 @@ def check_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> 
     return f"{where + ': ' if where else ''}{first.message}."
 
 
-__all__ = ["Tool", "as_tool", "as_tools", "call_tool", "check_arguments", "stopped"]
+__all__ = ["Tool", "ToolReportedError", "ToolSource", "as_tool", "as_tools", "call_tool", "check_arguments", "stopped"]
