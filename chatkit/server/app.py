@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..errors import ChatKitError
+from ..images import images_refused
 from ..model.loaded import LoadedModel
 from . import anthropic_wire, chat_completions, conversations, messages, page, response_items, responses, trace
 from .errors import UnauthorizedError, UnknownModelError, error_body
@@ -89,7 +90,8 @@ ROOT_ROUTES: list[tuple[str, str, Handler]] = [  # served at the root only; /hea
     ("GET", "/health", health),
     ("GET", "/metrics", metrics),
 ]
-OPEN = {health}  # the handlers that need no API key
+OPEN = {health}
+NO_IMAGES = "This model reads no images: load a vision-language model to send images."  # the handlers that need no API key
 
 
 def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette:
@@ -115,7 +117,11 @@ def _endpoint(state: ServerState, handler: Handler, method: str, route: str, *,
         try:
             if handler not in OPEN:
                 _authorize(request, state.config.api_key, anthropic)
-            response = await handler(state, request)
+            if state.lm.vision is None:  # a text model: no image is decoded at all
+                with images_refused(NO_IMAGES):
+                    response = await handler(state, request)
+            else:
+                response = await handler(state, request)
         except Exception as exc:
             response = _error(exc, anthropic)
         state.metrics.observe_request(method, shown, response.status_code)

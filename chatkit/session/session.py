@@ -349,7 +349,7 @@ class ChatSession(SessionCore):
         this prompt. Every option is checked before anything changes (:class:`TurnOptions`).
         """
         checked = TurnOptions.of(options)
-        message = checked.message(prompt, self._conversation.messages)
+        message = checked.message(prompt, self._conversation.messages, reads_images=self._lm.vision is not None)
         if checked.strict_tools and self._tools is None:
             raise InvalidParamsError("strict_tools=True but the session has no tools: set them with builder.tools([...]).")
         if checked.guided:
