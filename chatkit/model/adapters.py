@@ -164,6 +164,9 @@ def _folder(path: str | os.PathLike[str]) -> Path:
 
 
 def _read(file: Path) -> bytes:
+    if file.exists() and not file.is_file() and not file.is_dir():  # a FIFO or device: reading it would block
+        raise ModelLoadError(f"{str(file)!r} is not a regular file (a pipe, device or socket): an mlx-lm adapter "
+                             f"folder holds the files {CONFIG_FILE} and {WEIGHTS_FILE}.")
     try:
         return file.read_bytes()
     except OSError as exc:

@@ -171,6 +171,8 @@ class ResponseStore:
                 log.warning("ignoring the unreadable stored response %s: %s", path.name, exc)
 
     def _load(self, path: Path) -> None:
+        if not path.is_file():  # a FIFO would block the server's start forever
+            raise ValueError("not a regular file")
         record = json.loads(path.read_text(encoding="utf-8"))
         response, rid = record["response"], record["response"]["id"]
         if rid != path.stem or not isinstance(record["added"], list):
