@@ -153,6 +153,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 500)
     detail = getattr(exc, "detail", "") or "error"
     kind = "not_found_error" if status == 404 else "invalid_request_error"
+    path = request.url.path
+    if any(path == p or path.startswith(p + "/") for p in ("/v1/messages", "/messages")):  # Anthropic's shape
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": f"{detail}: {request.method} {path}"}},
+                            status_code=status)
     return JSONResponse({"error": {"message": f"{detail}: {request.method} {request.url.path}", "type": kind,
                                    "param": None, "code": None}}, status_code=status)
 
