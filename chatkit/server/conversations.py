@@ -7,7 +7,9 @@ A conversation is the tree of stored responses under one first response: chainin
 a branch. The listing gives each conversation once, with its head (its newest response), a title (its
 first user message), when it was last updated and the number of turns up to the head, newest first;
 ``GET /v1/conversations/{id}`` gives the turns of the chain ending at response ``id``: each response
-object with the input items it added."""
+object with the input items it added. A deleted response leaves the rest of its conversation listed and
+openable: the responses after it are listed as a conversation of their own, opened from the first of
+them (``gap``: true, earlier turns were deleted)."""
 
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ async def list_all(state: ServerState, request: Request) -> Response:
 async def retrieve(state: ServerState, request: Request) -> Response:
     """The turns of the chain ending at response ``id``; 404 when this server holds no such response."""
     rid = request.path_params["rid"]
-    turns = [{"input": input_items(added), "response": response} for response, added in state.responses.turns(rid)]
-    return JSONResponse({"object": "conversation.turns", "head": rid, "data": turns})
+    held = state.responses.turns(rid)
+    turns = [{"input": input_items(added), "response": response} for response, added in held]
+    gap = held[0][0].get("previous_response_id") is not None  # earlier responses were deleted
+    return JSONResponse({"object": "conversation.turns", "head": rid, "gap": gap, "data": turns})
 
 
 def input_items(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:

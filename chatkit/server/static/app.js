@@ -19,7 +19,7 @@ const CALCULATE = {
   },
 };
 
-const state = { turns: [], busy: false, controller: null };
+const state = { turns: [], busy: false, controller: null, gap: false };
 
 // -- talking to the server ------------------------------------------------------------------------
 function headers() {
@@ -83,6 +83,7 @@ async function openConversation(head, quiet = false) {
   try {
     const chain = await (await api(`conversations/${encodeURIComponent(head)}`)).json();
     state.turns = chain.data;
+    state.gap = Boolean(chain.gap);  // earlier responses of the conversation were deleted
     render();
     showStats(state.turns.at(-1)?.response?.usage, null);
     loadConversations();
@@ -114,6 +115,7 @@ function render() {
   const box = $("messages");
   box.replaceChildren();
   const lastUser = lastUserTurn();
+  if (state.gap && state.turns.length) box.append(element("div", "status gap", "Earlier turns of this conversation were deleted."));
   state.turns.forEach((turn, index) => {
     for (const item of turn.input) box.append(inputView(item, index));
     const reply = element("div", "message assistant");
@@ -387,6 +389,7 @@ function showError(error) {
 function newChat() {
   if (state.busy) return;
   state.turns = [];
+  state.gap = false;
   setHead();
   render();
   showStats(null, null);
