@@ -20,13 +20,27 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..messages import ChatMessage, Role
+from .errors import BadRequestError
+from .response_items import _limit
 from .state import ServerState
 from .wire import arguments_text
 
 
 async def list_all(state: ServerState, request: Request) -> Response:
-    """The stored conversations, newest first."""
-    return JSONResponse({"object": "list", "data": state.responses.conversations()})
+    """A page of the stored conversations, newest first: ``limit`` (1 to 100, default 20) after the
+    conversation ``after`` (an id of the list), as ``input_items`` pages (``first_id``, ``last_id``, ``has_more``)."""
+    limit = _limit(request.query_params.get("limit"))
+    listed = state.responses.conversations()
+    after = request.query_params.get("after")
+    if after is not None:
+        ids = [c["id"] for c in listed]
+        if after not in ids:
+            raise BadRequestError(f"after: {after!r} is not a stored conversation's id (it may have been deleted): "
+                                  "list from the start.", param="after")
+        listed = listed[ids.index(after) + 1:]
+    page = listed[:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(listed) > limit})
 
 
 async def retrieve(state: ServerState, request: Request) -> Response:

@@ -48,3 +48,20 @@ def test_deleting_the_middle_or_the_root_of_a_chain_keeps_the_rest_listed_and_op
     with start(tiny("qwen3", "bpe", 0), config) as running:  # the same from the store
         assert listed(running) == before
         assert opened(running, d) == ([c, d], True)
+
+
+@pytest.mark.slow
+def test_conversations_are_listed_a_page_at_a_time_newest_first(tiny):
+    """Issue 51, item 5: ``GET /v1/conversations`` pages with ``limit`` and ``after``."""
+    with start(tiny("qwen3", "bpe", 0), ServerConfig(defaults=PARAMS)) as running:
+        made = [respond(running, f"conversation {i}") for i in range(25)][::-1]  # newest first
+        first = httpx.get(f"{running.url}/conversations").json()
+        assert [c["id"] for c in first["data"]] == made[:20] and first["has_more"]
+        assert first["first_id"] == made[0] and first["last_id"] == made[19]
+        rest = httpx.get(f"{running.url}/conversations", params={"after": first["last_id"], "limit": 10}).json()
+        assert [c["id"] for c in rest["data"]] == made[20:] and not rest["has_more"]
+        small = httpx.get(f"{running.url}/conversations", params={"limit": 3}).json()
+        assert [c["id"] for c in small["data"]] == made[:3]
+        for query, param in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"after": "resp_nope"}, "after")):
+            r = httpx.get(f"{running.url}/conversations", params=query)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param
