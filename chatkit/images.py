@@ -4,6 +4,11 @@ An image is read once, when a message takes it: a path, bytes, a data URL, a PIL
 (H x W x 3 or 4, or H x W) becomes an :class:`Image`, RGB pixels and the SHA-256 of them (with the size),
 so the same picture given as a file or as bytes is the same image to the cache. An unreadable or
 oversized image is refused here, before anything else happens.
+
+Encoded images (a path, bytes, a data URL) are decoded only if they are PNG, JPEG, WebP or GIF: their
+magic bytes are checked before Pillow sees them and Pillow is told to try those formats alone, so no
+other decoder (Pillow's EPS plugin runs Ghostscript on client bytes) and no subprocess is ever reached.
+Inside :func:`images_refused` (a server serving a text model) every image is refused before decoding.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import binascii
 import hashlib
 import io
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +28,19 @@ from .errors import InvalidMessageError, MissingDependencyError
 
 MAX_IMAGE_PIXELS = 50_000_000  # larger images are refused (decompression bombs, runaway memory)
 MAX_IMAGE_BYTES = 64 * 1024 * 1024
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # the only formats chatkit decodes (Pillow's names)
+_REFUSED: ContextVar[str | None] = ContextVar("chatkit_images_refused", default=None)
+
+
+@contextmanager
+def images_refused(reason: str) -> Iterator[None]:
+    """Within the block, :func:`as_image` refuses every image with ``reason`` before reading a byte of it
+    (a server serving a model that reads no images)."""
+    token = _REFUSED.set(reason)
+    try:
+        yield
+    finally:
+        _REFUSED.reset(token)
 
 
 @dataclass(frozen=True)
@@ -83,6 +104,9 @@ def as_image(value: Any) -> Image:
     ``InvalidMessageError`` if it cannot be read or is too large."""
     if isinstance(value, Image):
         return value
+    refused = _REFUSED.get()
+    if refused is not None:
+        raise InvalidMessageError(refused)
     pil = _pil()
     if isinstance(value, pil.Image):
         return _from_pil(value)
@@ -121,20 +145,37 @@ def _from_pil(img: Any) -> Image:
     return Image(digest, width, height, rgb)
 
 
+def _format(data: bytes) -> str | None:
+    """The allowed format ``data`` starts as (its magic bytes), ``None`` for any other."""
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "PNG"
+    if data.startswith(b"\xff\xd8\xff"):
+        return "JPEG"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "WEBP"
+    if data[:6] in (b"GIF87a", b"GIF89a"):
+        return "GIF"
+    return None
+
+
 def _decode(data: bytes, what: str) -> Image:
     pil = _pil()
     if len(data) > MAX_IMAGE_BYTES:
         raise InvalidMessageError(f"{what} hold {len(data):,} bytes, more than {MAX_IMAGE_BYTES:,}: use a smaller image.")
+    kind = _format(data)
+    if kind is None:  # checked here so that Pillow never picks a plugin (EPS runs Ghostscript) for these bytes
+        raise InvalidMessageError(f"Could not read {what} as an image: it is not a PNG, JPEG, WebP or GIF image "
+                                  "(the only formats chatkit reads).")
     try:
-        with pil.open(io.BytesIO(data)) as img:
+        with pil.open(io.BytesIO(data), formats=[kind]) as img:
             if img.size[0] * img.size[1] > MAX_IMAGE_PIXELS:
                 return _from_pil(img)  # refuses it before decoding the pixels
             img.load()
             return _from_pil(img)
     except InvalidMessageError:
         raise
-    except Exception as exc:  # PIL raises several kinds (UnidentifiedImageError, OSError, DecompressionBomb...)
-        raise InvalidMessageError(f"Could not read {what} as an image: {exc}.") from None
+    except Exception:  # PIL raises several kinds; their text quotes server internals (buffer addresses, paths)
+        raise InvalidMessageError(f"Could not read {what} as an image: its {kind} data is damaged or cut short.") from None
 
 
 def _from_path(path: str) -> Image:
@@ -169,4 +210,5 @@ def _from_array(value: Any) -> Image:
     return _from_pil(_pil().fromarray(np.ascontiguousarray(array)))
 
 
-__all__ = ["MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "Image", "ImageSpan", "as_image", "from_part", "image_part"]
+__all__ = ["IMAGE_FORMATS", "MAX_IMAGE_BYTES", "MAX_IMAGE_PIXELS", "Image", "ImageSpan", "as_image", "from_part",
+           "image_part", "images_refused"]

@@ -34,7 +34,7 @@ def test_the_page_and_its_files_are_served_without_the_api_key(demo):
         assert httpx.get(f"{root(running)}/static/nothing.js").status_code == 404
         # the API behind it still wants the key, the listing included
         assert httpx.get(f"{running.url}/conversations").status_code == 401
-        assert httpx.get(f"{running.url}/conversations", headers=KEY).json() == {"object": "list", "data": []}
+        assert httpx.get(f"{running.url}/conversations", headers=KEY).json()["data"] == []
 
 
 def respond(running, text, previous=None, **kw):

@@ -7,6 +7,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -130,7 +131,10 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     if parallel < 1 or args.queue < 0 or args.max_cache_mb < 0 or args.max_conversations < 1 or args.batch < 0:
         raise UsageError("--parallel and --max-conversations must be >= 1, --queue, --max-cache-mb and "
                          "--batch >= 0.")
+    if args.model is not None and not args.model.strip():
+        raise UsageError("--model '' names no model: give a model id or folder, or leave --model out to serve the demo.")
     check_exposure(args.host, args.api_key, args.allow_unauthenticated)
+    args.host = check_host(args.host, args.port)
     store = check_store(args.store) if args.store is not None else None
     return ServerConfig(
         model_id=args.model or "demo", store=store,
@@ -186,6 +190,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_host(host: str, port: int) -> str:
+    """``host`` as the server binds it (``[::1]``, an IPv6 address in brackets as URLs write it, is ``::1``);
+    ``UsageError`` for a name that resolves to no address (found before the model loads)."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise UsageError(f"--host {host}: not an address of this machine ({getattr(exc, 'strerror', None) or exc}); "
+                         "use an IP address such as 127.0.0.1 or ::1, or a host name that resolves.") from None
+    return bare
+
+
 def check_exposure(host: str, api_key: str | None, allow_unauthenticated: bool) -> None:
     """``UsageError`` for an empty key, and for a non-loopback ``host`` without a key unless allowed."""
     if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
@@ -217,5 +233,5 @@ def check_store(path: str) -> str:
     return str(folder)
 
 
-__all__ = ["adapter_flags", "check_exposure", "check_store", "is_loopback", "load_adapters", "main", "parser",
+__all__ = ["adapter_flags", "check_exposure", "check_host", "check_store", "is_loopback", "load_adapters", "main", "parser",
            "server_config"]

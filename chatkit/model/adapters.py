@@ -65,9 +65,14 @@ class Adapter:
 
 def check_scale(scale: Any, what: str = "adapter scale") -> float:
     """``scale`` as a float, or ``InvalidParamsError`` (not a number, a bool, NaN or infinite)."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise InvalidParamsError(f"{what}={scale!r}: must be a finite number.")
-    return float(scale)
+    try:  # float() of a huge int raises OverflowError (and its repr may be too long to print)
+        value = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else math.nan
+    except OverflowError:
+        value = math.inf
+    if not math.isfinite(value):
+        shown = "a huge int" if isinstance(scale, int) and value == math.inf else repr(scale)[:40]
+        raise InvalidParamsError(f"{what}={shown}: must be a finite number.")
+    return value
 
 
 def load_adapter(path: str | os.PathLike[str], lm: Any = None) -> Adapter:
@@ -81,6 +86,9 @@ def load_adapter(path: str | os.PathLike[str], lm: Any = None) -> Adapter:
         config = json.loads(config_bytes)
     except ValueError as exc:
         raise ModelLoadError(f"{str(folder / CONFIG_FILE)!r} is not valid JSON ({exc}): rewrite it or train again.") from None
+    except RecursionError:
+        raise ModelLoadError(f"{str(folder / CONFIG_FILE)!r} is nested too deeply to be an adapter config: rewrite it "
+                             "or train again.") from None
     kind, rank, scale = _settings(config, folder)
     weights_bytes = _read(folder / WEIGHTS_FILE)
     try:
@@ -164,6 +172,9 @@ def _folder(path: str | os.PathLike[str]) -> Path:
 
 
 def _read(file: Path) -> bytes:
+    if file.exists() and not file.is_file() and not file.is_dir():  # a FIFO or device: reading it would block
+        raise ModelLoadError(f"{str(file)!r} is not a regular file (a pipe, device or socket): an mlx-lm adapter "
+                             f"folder holds the files {CONFIG_FILE} and {WEIGHTS_FILE}.")
     try:
         return file.read_bytes()
     except OSError as exc:
@@ -190,9 +201,11 @@ def _settings(config: Any, folder: Path) -> tuple[str, int, float]:
     rank, scale = params.get("rank"), params.get("scale")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ModelLoadError(f"{where}: lora_parameters.rank={rank!r} must be an int >= 1.")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ModelLoadError(f"{where}: lora_parameters.scale={scale!r} must be a finite number.")
-    return str(kind), rank, float(scale)
+    try:
+        scale = check_scale(scale, "lora_parameters.scale")
+    except InvalidParamsError as exc:
+        raise ModelLoadError(f"{where}: {exc}") from None
+    return str(kind), rank, scale
 
 
 def _check_weights(weights: Mapping[str, mx.array], kind: str, rank: int, folder: Path) -> tuple[str, ...]:

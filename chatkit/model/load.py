@@ -82,8 +82,10 @@ def _source_text(path_or_repo: str | os.PathLike[str]) -> str:
 
 def _folder(source: str) -> str:
     """``source``'s local folder: itself, or the Hub repo's snapshot, fetched with mlx-lm's own file
-    patterns (what ``mlx_lm.load`` fetches), so that a vision-language repo is recognised by its config."""
+    patterns (what ``mlx_lm.load`` fetches), so that a vision-language repo is recognised by its config.
+    ``ModelLoadError`` for a folder holding a pipe, device or socket (reading one blocks forever)."""
     if os.path.isdir(source):
+        _regular_files(source)
         return source
     from mlx_lm.utils import _download  # mlx_lm.load's own download step
 
@@ -92,6 +94,14 @@ def _folder(source: str) -> str:
     except Exception as exc:  # hub errors of every kind
         raise ModelLoadError(f"Could not load model {source!r}: {exc} (check the repo id, or pass a local "
                              "folder (offline? set HF_HUB_OFFLINE=1 and use a path)).") from exc
+
+
+def _regular_files(folder: str) -> None:
+    for entry in Path(folder).iterdir():
+        if entry.exists() and not entry.is_file() and not entry.is_dir():
+            raise ModelLoadError(f"{str(entry)!r} in the model folder is not a regular file (a pipe, device, "
+                                 "or socket): a model folder holds config.json, weights and "
+                                 "tokenizer files.")
 
 
 def _mlx_load(folder: str, source: str, tokenizer_config: dict[str, Any]) -> tuple[Any, Any, Any]:

@@ -34,7 +34,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 def parse_messages(body: Any, defaults: GenerateParams, *, counting: bool = False) -> TurnRequest:
     """A ``POST /v1/messages`` body (``counting``: a ``/v1/messages/count_tokens`` body, no ``max_tokens``)."""
     body = read_object(body)
-    read_metadata(body)
+    _metadata(body)
     tools, choice = read_tools(body)  # choice: TurnRequest's tool_choice, tool_name, parallel_tool_calls
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -61,12 +61,23 @@ def parse_messages(body: Any, defaults: GenerateParams, *, counting: bool = Fals
                        tools=tools, model=read_model(body), **choice)
 
 
+def _metadata(body: Mapping[str, Any]) -> None:
+    """Anthropic's ``metadata``: an object whose ``user_id`` is a string or null (null pairs are absent)."""
+    metadata = body.get("metadata")
+    if isinstance(metadata, Mapping):
+        user = metadata.get("user_id")
+        if user is not None and not isinstance(user, str):
+            raise BadRequestError("metadata.user_id must be a string or null.", param="metadata.user_id")
+        metadata = {k: v for k, v in metadata.items() if v is not None}
+    read_metadata({"metadata": metadata})
+
+
 def read_system(system: Any) -> str | None:
     """``system``: a string or a list of text blocks (joined with blank lines)."""
     if system is None or isinstance(system, str):
         return system or None
     if isinstance(system, list):
-        return "\n\n".join(_text_block(b, f"system[{i}]") for i, b in enumerate(system)) or None
+        return "\n\n".join(_text_block(b, f"system[{i}]", "system") for i, b in enumerate(system)) or None
     raise BadRequestError("system must be a string or a list of text blocks.", param="system")
 
 
@@ -188,6 +199,9 @@ def _assistant(blocks: list[Any], where: str) -> ChatMessage:
             thoughts.append(block["thinking"])
         elif kind == "tool_use":
             calls.append(_tool_use(block, at))
+            if any(c.id == calls[-1].id for c in calls[:-1]):
+                raise BadRequestError(f"{at}.id: tool_use id {calls[-1].id!r} is used by another tool_use block of "
+                                      "this message: give each call its own id.", param=f"{at}.id")
         else:
             raise BadRequestError(f"{at}: an assistant message holds text, thinking and tool_use blocks, got "
                                   f"{kind!r}.", param=at)
@@ -251,9 +265,10 @@ def _texts(content: Any, at: str) -> str:
     return "".join(_text_block(b, f"{at}[{k}]") for k, b in enumerate(content))
 
 
-def _text_block(block: Any, at: str) -> str:
+def _text_block(block: Any, at: str, holder: str = "tool results") -> str:
     if _kind(block, at) != "text" or not isinstance(block.get("text"), str):
-        what = "images in tool results are not supported: send text" if block.get("type") == "image" \
+        where = "the system prompt: send it in a user message" if holder == "system" else f"{holder}: send text"
+        what = f"images are not supported in {where}" if block.get("type") == "image" \
             else "expected a text block {\"type\": \"text\", \"text\": ...}"
         raise BadRequestError(f"{at}: {what}.", param=at)
     return str(block["text"])

@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from ..errors import ChatKitError
+from ..images import images_refused
 from ..model.loaded import LoadedModel
 from . import anthropic_wire, chat_completions, conversations, messages, page, response_items, responses, trace
 from .errors import UnauthorizedError, UnknownModelError, error_body
@@ -90,7 +91,8 @@ ROOT_ROUTES: list[tuple[str, str, Handler]] = [  # served at the root only; /hea
     ("GET", "/health", health),
     ("GET", "/metrics", metrics),
 ]
-OPEN = {health}  # the handlers that need no API key
+OPEN = {health}
+NO_IMAGES = "This model reads no images: load a vision-language model to send images."  # the handlers that need no API key
 
 
 def create_app(lm: LoadedModel, config: ServerConfig | None = None) -> Starlette:
@@ -116,7 +118,11 @@ def _endpoint(state: ServerState, handler: Handler, method: str, route: str, *,
         try:
             if handler not in OPEN:
                 _authorize(request, state.config.api_key, anthropic)
-            response = await handler(state, request)
+            if state.lm.vision is None:  # a text model: no image is decoded at all
+                with images_refused(NO_IMAGES):
+                    response = await handler(state, request)
+            else:
+                response = await handler(state, request)
         except Exception as exc:
             response = _error(exc, anthropic)
         state.metrics.observe_request(method, shown, response.status_code)
@@ -148,6 +154,10 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 500)
     detail = getattr(exc, "detail", "") or "error"
     kind = "not_found_error" if status == 404 else "invalid_request_error"
+    path = request.url.path
+    if any(path == p or path.startswith(p + "/") for p in ("/v1/messages", "/messages")):  # Anthropic's shape
+        return JSONResponse({"type": "error", "error": {"type": kind, "message": f"{detail}: {request.method} {path}"}},
+                            status_code=status)
     return JSONResponse({"error": {"message": f"{detail}: {request.method} {request.url.path}", "type": kind,
                                    "param": None, "code": None}}, status_code=status)
 

@@ -10,10 +10,10 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from . import trace
-from .errors import BadRequestError
+from .errors import BadRequestError, ClientGoneError
 
 MAX_DEPTH = 100  # levels of JSON nesting in a request (a tool schema nested about 45 levels deep fits)
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's limits
@@ -22,7 +22,11 @@ METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 async def read_body(request: Request) -> Any:
     """The request's body as JSON; a 400 when it is not JSON or is nested too deeply to read."""
     try:
-        body = json.loads(await request.body())
+        raw = await request.body()
+    except ClientDisconnect:  # the client hung up while sending: its doing, not the server's
+        raise ClientGoneError("The client closed the connection before it had sent the request's body.") from None
+    try:
+        body = json.loads(raw)
         trace.stamp("body")
         return body
     except ValueError as exc:

@@ -7,7 +7,9 @@ A conversation is the tree of stored responses under one first response: chainin
 a branch. The listing gives each conversation once, with its head (its newest response), a title (its
 first user message), when it was last updated and the number of turns up to the head, newest first;
 ``GET /v1/conversations/{id}`` gives the turns of the chain ending at response ``id``: each response
-object with the input items it added."""
+object with the input items it added. A deleted response leaves the rest of its conversation listed and
+openable: the responses after it are listed as a conversation of their own, opened from the first of
+them (``gap``: true, earlier turns were deleted)."""
 
 from __future__ import annotations
 
@@ -18,20 +20,36 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from ..messages import ChatMessage, Role
+from .errors import BadRequestError
+from .response_items import _limit
 from .state import ServerState
 from .wire import arguments_text
 
 
 async def list_all(state: ServerState, request: Request) -> Response:
-    """The stored conversations, newest first."""
-    return JSONResponse({"object": "list", "data": state.responses.conversations()})
+    """A page of the stored conversations, newest first: ``limit`` (1 to 100, default 20) after the
+    conversation ``after`` (an id of the list), as ``input_items`` pages (``first_id``, ``last_id``, ``has_more``)."""
+    limit = _limit(request.query_params.get("limit"))
+    listed = state.responses.conversations()
+    after = request.query_params.get("after")
+    if after is not None:
+        ids = [c["id"] for c in listed]
+        if after not in ids:
+            raise BadRequestError(f"after: {after!r} is not a stored conversation's id (it may have been deleted): "
+                                  "list from the start.", param="after")
+        listed = listed[ids.index(after) + 1:]
+    page = listed[:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(listed) > limit})
 
 
 async def retrieve(state: ServerState, request: Request) -> Response:
     """The turns of the chain ending at response ``id``; 404 when this server holds no such response."""
     rid = request.path_params["rid"]
-    turns = [{"input": input_items(added), "response": response} for response, added in state.responses.turns(rid)]
-    return JSONResponse({"object": "conversation.turns", "head": rid, "data": turns})
+    held = state.responses.turns(rid)
+    turns = [{"input": input_items(added), "response": response} for response, added in held]
+    gap = held[0][0].get("previous_response_id") is not None  # earlier responses were deleted
+    return JSONResponse({"object": "conversation.turns", "head": rid, "gap": gap, "data": turns})
 
 
 def input_items(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:

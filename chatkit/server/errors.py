@@ -43,7 +43,11 @@ class UnauthorizedError(ChatKitError):
     """The request lacks the bearer token the server was started with (HTTP 401)."""
 
 
-SERVER_ERRORS = (BadRequestError, UnknownResponseError, UnknownModelError, OverloadedError, UnauthorizedError)
+class ClientGoneError(ChatKitError):
+    """The client hung up before its request was read whole (counted as HTTP 499, the client's doing)."""
+
+
+SERVER_ERRORS = (ClientGoneError, BadRequestError, UnknownResponseError, UnknownModelError, OverloadedError, UnauthorizedError)
 
 
 def status_of(exc: BaseException) -> tuple[int, str, str | None]:
@@ -58,6 +62,8 @@ def status_of(exc: BaseException) -> tuple[int, str, str | None]:
         return 404, "invalid_request_error", "model_not_found"
     if isinstance(exc, OverloadedError):
         return 503, "server_overloaded", "overloaded"
+    if isinstance(exc, ClientGoneError):
+        return 499, "invalid_request_error", "client_closed_request"
     if isinstance(exc, UnauthorizedError):
         return 401, "authentication_error", "invalid_api_key"
     if isinstance(exc, (InvalidMessageError, InvalidParamsError, InvalidOutputSpecError, TemplateError)):
@@ -74,6 +80,8 @@ def http_message(exc: BaseException) -> str:
                 "or start a new conversation.")
     if isinstance(exc, SERVER_ERRORS):  # worded for HTTP already (and may quote what the client sent)
         return str(exc)
+    if param_of(exc) is not None:  # "GenerateParams.top_k=...: why": the request's parameter of that name
+        return str(exc).removeprefix("GenerateParams.")
     if isinstance(exc, ChatKitError):
         return without_python_advice(str(exc))
     return "Internal server error: see the server's log."
@@ -99,13 +107,26 @@ def without_python_advice(text: str) -> str:
     return head.rstrip(" .:;,(") + " (the server's log has the details)."
 
 
+def param_of(exc: BaseException) -> str | None:
+    """The request parameter ``exc`` names: its ``param``, or the generation setting (same name on the
+    wire: ``top_k``, ``logit_bias``...) a ``GenerateParams`` check refused (those found only with the model)."""
+    param = getattr(exc, "param", None)
+    if param is None and isinstance(exc, InvalidParamsError):
+        found = GENERATE_PARAM.match(str(exc))
+        return found.group(1) if found else None
+    return param if isinstance(param, str) else None
+
+
+GENERATE_PARAM = re.compile(r"GenerateParams\.(\w+)=")
+
+
 def error_body(exc: BaseException) -> tuple[int, dict[str, Any]]:
     """The status and OpenAI-style body ``{"error": {message, type, param, code}}`` for ``exc``.
     Errors that are not chatkit's get a generic message: never a stack trace."""
     status, kind, code = status_of(exc)
     message = http_message(exc)
-    return status, {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None), "code": code}}
+    return status, {"error": {"message": message, "type": kind, "param": param_of(exc), "code": code}}
 
 
-__all__ = ["BadRequestError", "OverloadedError", "UnauthorizedError", "UnknownModelError", "UnknownResponseError", "error_body", "http_message", "status_of",
+__all__ = ["BadRequestError", "ClientGoneError", "OverloadedError", "UnauthorizedError", "UnknownModelError", "UnknownResponseError", "error_body", "http_message", "status_of",
            "without_python_advice"]

@@ -25,6 +25,8 @@ def read(folder: Path) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
     """(conversations, tools, adapters) of ``folder``'s manifest; nothing when there is none, or a
     damaged one (logged: those conversations start over)."""
     try:
+        if (folder / MANIFEST).exists() and not (folder / MANIFEST).is_file():  # a FIFO would block the start
+            raise ValueError("not a regular file")
         manifest = json.loads((folder / MANIFEST).read_text())
         return list(manifest["conversations"]), dict(manifest.get("tools") or {}), dict(manifest.get("adapters") or {})
     except FileNotFoundError:

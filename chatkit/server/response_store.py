@@ -62,7 +62,8 @@ class ResponseStore:
 
     def delete(self, rid: str) -> None:
         """Forget response ``rid`` for good (its file removed, the removal synced): responses that
-        chain on it stay, but a chain through it no longer resolves (404). ``UnknownResponseError`` if
+        chain on it stay, listed and opened from the response after it (``conversations``, ``turns``),
+        but ``previous_response_id`` through it no longer resolves (404). ``UnknownResponseError`` if
         there is none; ``ChatKitError`` (and it is still stored) if its file cannot be removed."""
         self._check(rid)
         if self._folder is not None:
@@ -119,7 +120,9 @@ class ResponseStore:
                 chain.append(current)
                 current = self._responses[current].get("previous_response_id")
             if current is not None and current not in roots:
-                continue  # a chain whose start is gone: left out
+                if current in self._responses:
+                    continue  # a loop of damaged files: left out
+                current = None  # the response before was deleted: the conversation is listed from here on
             top, base = (roots[current], depth[current]) if current is not None else (chain[-1], 0)
             for i, r in enumerate(reversed(chain)):
                 roots[r], depth[r] = top, base + i + 1
@@ -130,14 +133,14 @@ class ResponseStore:
                 for top, head in reversed(heads.items())]
 
     def turns(self, rid: str) -> list[tuple[dict[str, Any], tuple[ChatMessage, ...]]]:
-        """Each response of the chain ending at ``rid``, first to last, with the messages its input added."""
-        self.transcript(rid)  # unknown ids and loops refused
-        chain: list[str] = []
-        current: str | None = rid
-        while current is not None:
-            chain.append(current)
-            current = self._responses[current].get("previous_response_id")
-        return [(self._responses[r], self._messages[r][:-1]) for r in reversed(chain)]
+        """Each response of the chain ending at ``rid``, first to last, with the messages its input added:
+        back to the first response or to one deleted (the first turn's ``previous_response_id`` then names
+        a response no longer held: a gap)."""
+        self._check(rid)
+        chain = self.held_chain(rid)
+        if self._responses[chain[0]].get("previous_response_id") in chain:
+            raise UnknownResponseError("The stored responses form a loop: start a new conversation.")
+        return [(self._responses[r], self._messages[r][:-1]) for r in chain]
 
     def _title(self, rid: str) -> str:
         users = [m.content for m in self._messages[rid] if m.role is Role.USER]
@@ -171,6 +174,8 @@ class ResponseStore:
                 log.warning("ignoring the unreadable stored response %s: %s", path.name, exc)
 
     def _load(self, path: Path) -> None:
+        if not path.is_file():  # a FIFO would block the server's start forever
+            raise ValueError("not a regular file")
         record = json.loads(path.read_text(encoding="utf-8"))
         response, rid = record["response"], record["response"]["id"]
         if rid != path.stem or not isinstance(record["added"], list):

@@ -64,8 +64,13 @@ def new_id(prefix: str) -> str:
 
 def guided_available() -> bool:
     """Whether guided generation (``chatkit.guided``) can run here: the ``guided`` extra (llguidance)
-    is installed. ``response_format``, ``text.format`` and strict tools need it."""
-    return all(importlib.util.find_spec(name) is not None for name in ("llguidance", "pydantic"))
+    is installed and imports (an install that is found but broken counts as missing). ``response_format``,
+    ``text.format`` and strict tools need it."""
+    try:
+        importlib.import_module("chatkit.guided")
+    except Exception:  # ImportError, or whatever a broken native extension raises
+        return False
+    return True
 
 
 def require_guided(param: str, what: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,7 +31,8 @@ SUMMARY_PROMPT = (
 )
 
 Render = Callable[["Window", Sequence[ChatMessage]], list[int]]  # a window over messages -> prompt ids
-Summarize = Callable[[str | None, Sequence[ChatMessage]], str]  # (summary so far, dropped) -> new summary
+Summarize = Callable[[str | None, Sequence[ChatMessage]], "str | None"]  # (so far, dropped) -> new (None: none)
+SUMMARY_TIMEOUT = 120.0  # seconds a summarizer callable may take before the policy's fallback applies
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,7 @@ class ContextPolicy:
     prompt: str | None = None
     high_water: float = 0.8
     fallback: str = "rolling"
+    summary_timeout: float = SUMMARY_TIMEOUT
 
     @classmethod
     def error(cls) -> ContextPolicy:
@@ -66,14 +69,18 @@ class ContextPolicy:
     def summarize(
         cls, low_water: float = 0.5, summarizer: Any = None, prompt: str | None = None, *, keep_first: int = 0,
         reserve: int | None = None, high_water: float = 0.8, fallback: str = "rolling",
+        summary_timeout: float = SUMMARY_TIMEOUT,
     ) -> ContextPolicy:
         """As :meth:`rolling`, but the dropped exchanges are folded into a running summary shown to the
         model after the instructions. ``summarizer``: ``None`` (the session's own model writes it), another
         ``chatkit.LoadedModel``, or a callable ``list[ChatMessage] -> str``; ``prompt``: what the model is
         asked (default :data:`SUMMARY_PROMPT`). Past ``high_water`` of the window the next compaction can be
         prepared between turns (``session.prepare_compaction()``); a turn that comes while it is being
-        prepared waits for it (``fallback="wait"``) or drops without a new summary (``"rolling"``)."""
-        return cls("summarize", low_water, keep_first, reserve, summarizer, prompt, high_water, fallback).checked()
+        prepared waits for it (``fallback="wait"``) or drops without a new summary (``"rolling"``). A
+        summarizer callable that has not returned after ``summary_timeout`` seconds is abandoned: with
+        ``"rolling"`` the exchanges drop without a new summary, with ``"wait"`` the turn raises ``SummaryError``."""
+        return cls("summarize", low_water, keep_first, reserve, summarizer, prompt, high_water, fallback,
+                   summary_timeout).checked()
 
     def room(self, max_tokens: int) -> int:
         """The tokens a reply needs after its prompt: ``reserve``, else the reply's ``max_tokens``."""
@@ -95,6 +102,9 @@ class ContextPolicy:
             raise InvalidParamsError(f"reserve={self.reserve!r}: use None (max_tokens) or an int >= 1 (tokens).")
         if self.fallback not in ("rolling", "wait"):
             raise InvalidParamsError(f"fallback={self.fallback!r}: use 'rolling' or 'wait'.")
+        if isinstance(self.summary_timeout, bool) or not isinstance(self.summary_timeout, (int, float)) \
+                or not 0 < self.summary_timeout < math.inf:
+            raise InvalidParamsError(f"summary_timeout={self.summary_timeout!r}: use a number of seconds > 0.")
         if self.prompt is not None and (not isinstance(self.prompt, str) or not self.prompt.strip()):
             raise InvalidParamsError("prompt= is the summarizer's instruction: a non-empty str, or None.")
         if self.summarizer is not None and not callable(self.summarizer) and not hasattr(self.summarizer, "tokenizer"):
@@ -104,12 +114,17 @@ class ContextPolicy:
     def to_dict(self) -> dict[str, Any]:
         """The policy as JSON (a summarizer object is not saved: a restored session summarizes with its model)."""
         return {"mode": self.mode, "low_water": self.low_water, "keep_first": self.keep_first, "reserve": self.reserve,
-                "prompt": self.prompt, "high_water": self.high_water, "fallback": self.fallback}
+                "prompt": self.prompt, "high_water": self.high_water, "fallback": self.fallback,
+                "summary_timeout": self.summary_timeout}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ContextPolicy:
-        known = {k: data[k] for k in ("mode", "low_water", "keep_first", "reserve", "prompt", "high_water", "fallback")
-                 if k in data}
+        """The policy :meth:`to_dict` wrote; ``InvalidParamsError`` for anything else."""
+        if not isinstance(data, Mapping):
+            raise InvalidParamsError(f"ContextPolicy.from_dict takes a dict (ContextPolicy.to_dict()), got "
+                                     f"{type(data).__name__}.")
+        known = {k: data[k] for k in ("mode", "low_water", "keep_first", "reserve", "prompt", "high_water", "fallback",
+                                      "summary_timeout") if k in data}
         return cls(**known).checked()
 
 
@@ -214,7 +229,8 @@ class Fitter:
             chosen = starts[-1] if starts else max(window.start, head)
         summary = window.summary
         if self.policy.mode == "summarize" and self.summarize is not None and chosen > max(window.start, head):
-            summary = self.summarize(window.summary, messages[max(window.start, head) : chosen])
+            written = self.summarize(window.summary, messages[max(window.start, head) : chosen])
+            summary = window.summary if written is None else written  # None: timed out, dropped without a new one
         new, prompt = self._within(Window(head, chosen, summary), messages, [s for s in starts if s > chosen], opaque)
         if new.visible(messages) == window.visible(messages) and new.summary == window.summary:
             return Fit(window, before)  # nothing could be dropped, and it fits: the reply gets less room
@@ -284,9 +300,9 @@ def summarizer_for(policy: ContextPolicy, lm: Any, size: int | None, new_session
         return None
     given = policy.summarizer
     if given is not None and not hasattr(given, "tokenizer"):  # a callable
-        def call(previous: str | None, dropped: Sequence[ChatMessage]) -> str:
+        def call(previous: str | None, dropped: Sequence[ChatMessage]) -> str | None:
             shown = [ChatMessage.system(f"{SUMMARY_HEADER}\n{previous}")] if previous else []
-            return _summary_text(lambda: given([*shown, *dropped]))
+            return _timed(lambda: _summary_text(lambda: given([*shown, *dropped])), policy)
         return call
     model = given if given is not None else lm
 
@@ -344,6 +360,30 @@ def _summary_text(write: Callable[[], Any]) -> str:
         raise SummaryError(f"The context policy's summarizer returned {type(text).__name__} {text!r:.60}, not text: "
                            "return a non-empty str.")
     return text.strip()
+
+
+def _timed(write: Callable[[], str], policy: ContextPolicy) -> str | None:
+    """``write()`` on a thread of its own, waited for ``policy.summary_timeout`` seconds; then abandoned (a
+    callable cannot be stopped): ``None`` (drop without a new summary) or, with ``fallback="wait"``, ``SummaryError``."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["text"] = write()
+        except BaseException as exc:  # handed to the waiting turn
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="chatkit-summarizer", daemon=True)
+    thread.start()
+    thread.join(policy.summary_timeout)
+    if thread.is_alive():
+        if policy.fallback == "rolling":
+            return None
+        raise SummaryError(f"The context policy's summarizer did not return within {policy.summary_timeout} s "
+                           "(summary_timeout): nothing changed. Fix the summarizer, or raise summary_timeout.")
+    if "error" in box:
+        raise box["error"]
+    return str(box["text"])
 
 
 def system_text(instructions: str | None, summary: str | None) -> str | None:

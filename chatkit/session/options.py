@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, TypedDict
 
 from ..errors import InvalidMessageError, InvalidOutputSpecError, InvalidParamsError
+from ..images import images_refused
 from ..messages import ChatMessage, MessageLike, Role, ToolCall, as_message
 from .conversation import pending_calls
 
@@ -81,9 +82,14 @@ class TurnOptions:
                 "Drop one of them."
             )
 
-    def message(self, prompt: str | MessageLike, history: Sequence[ChatMessage] = ()) -> ChatMessage:
+    def message(self, prompt: str | MessageLike, history: Sequence[ChatMessage] = (), *,
+                reads_images: bool = True) -> ChatMessage:
         """The message ``prompt`` sends after ``history``: ``InvalidMessageError`` for an empty prompt, one
-        from the assistant, or a tool result that answers no pending call."""
+        from the assistant, or a tool result that answers no pending call; with ``reads_images=False`` (a
+        text model) for any image, before it is decoded."""
+        if not reads_images:
+            with images_refused("This model reads no images: load a vision-language model to send images."):
+                return self.message(prompt, history)
         if isinstance(prompt, str):
             message = ChatMessage(Role.parse(self.role), prompt, tool_call_id=self.tool_call_id,
                                   images=tuple(self._images()))

@@ -18,8 +18,8 @@ from typing_extensions import Unpack
 from ..cache.state import CacheInfo, CacheOptions, CacheState
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig, check_cache_options
-from ..errors import InvalidParamsError, NoCacheAvailableError
-from ..messages import ChatMessage, MessageLike, Role, ToolCall, check_instructions
+from ..errors import InvalidMessageError, InvalidParamsError, NoCacheAvailableError
+from ..messages import ChatMessage, MessageLike, Role, ToolCall, as_message, check_instructions
 from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
 from ..model.switchable import activate
@@ -153,11 +153,16 @@ class ChatSession(SessionCore):
         return self._conversation.cache.ledger.opaque + len(self._rendered_ids(self._conversation.window, self.history))
 
     def count_tokens(self, prompt: str | MessageLike | Sequence[MessageLike]) -> int:
-        """How many tokens ``prompt`` (a message, or several) would add to the next prompt:
-        ``token_count + count_tokens(m)`` is the next turn's prompt if it does not compact."""
-        items = [prompt] if isinstance(prompt, (str, ChatMessage, Mapping)) else list(prompt)
+        """How many tokens ``prompt`` (a message, or a list of messages of any role: a history) would add
+        to the next prompt: ``token_count + count_tokens(m)`` is the next turn's prompt if it does not compact."""
         history = self._conversation.messages
-        messages = [TurnOptions().message(m, history) for m in items]
+        if isinstance(prompt, (str, ChatMessage, Mapping)):
+            messages = [TurnOptions().message(prompt, history, reads_images=self._lm.vision is not None)]
+        elif isinstance(prompt, (list, tuple)):
+            messages = [ChatMessage.user(m) if isinstance(m, str) else as_message(m) for m in prompt]
+        else:
+            raise InvalidMessageError(f"count_tokens() takes a prompt, a message or a list of messages, got "
+                                      f"{type(prompt).__name__}.")
         full = self._rendered_ids(self._conversation.window, [*history, *messages], add_generation_prompt=True)
         return self._conversation.cache.ledger.opaque + len(full) - self.token_count
 
@@ -352,7 +357,7 @@ class ChatSession(SessionCore):
         this prompt. Every option is checked before anything changes (:class:`TurnOptions`).
         """
         checked = TurnOptions.of(options)
-        message = checked.message(prompt, self._conversation.messages)
+        message = checked.message(prompt, self._conversation.messages, reads_images=self._lm.vision is not None)
         if checked.strict_tools and self._tools is None:
             raise InvalidParamsError("strict_tools=True but the session has no tools: set them with builder.tools([...]).")
         if checked.guided:

@@ -32,6 +32,8 @@ def read_template(source: str | os.PathLike[str]) -> str:
     else:
         raise TemplateError(f"A chat template is a str or a path, got {type(source).__name__}.")
     try:
+        if path.exists() and not path.is_file():  # a FIFO or device: reading it would block
+            raise OSError(f"{str(path)!r} is not a regular file")
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeError) as exc:  # UnicodeError: a path that is not UTF-8, or a file that is not
         raise TemplateError(

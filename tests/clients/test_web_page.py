@@ -257,3 +257,46 @@ def test_a_conversation_is_found_again_after_a_reload_and_a_restart(browser, ser
     assert "Lisbon" in shown(browser)[-1][1]
     reused = int(stat(browser, "reused").split()[0])
     assert reused > 0  # the conversation's cache came back from the store with it
+
+
+def test_a_conversation_whose_first_turn_was_deleted_still_opens(browser, server):
+    """Issue 51, item 3: the page lists and opens what is left of a conversation after one of its
+    responses was deleted, saying that earlier turns were deleted."""
+    open_page(browser, server.url)
+    send(browser, "Remember the word tulip.")
+    first = head(browser)
+    send(browser, "Which word?")
+    rid = head(browser)
+    assert httpx.delete(f"{server.url}/v1/responses/{first}", timeout=30).status_code == 200
+    open_page(browser, server.url)
+    wait(browser, lambda: browser.find_elements(By.CSS_SELECTOR, "#conversations li"))
+    entry = browser.find_elements(By.CSS_SELECTOR, "#conversations li")[0]
+    assert entry.find_element(By.CSS_SELECTOR, ".title").text == "Which word?"
+    entry.click()
+    wait(browser, lambda: head(browser) == rid)
+    assert browser.find_element(By.CSS_SELECTOR, "#messages .gap").text == "Earlier turns of this conversation were deleted."
+    assert [kind for kind, _ in shown(browser)] == ["assistant", "user", "assistant"]  # the note, then the turn
+
+
+def test_the_conversation_list_loads_more_as_it_scrolls(browser, server):
+    """Issue 51, item 5: the page shows the first page of conversations and the next as the list scrolls."""
+    for i in range(24):
+        r = httpx.post(f"{server.url}/v1/responses", json={"input": f"Topic {i}", "max_output_tokens": 1}, timeout=60)
+        assert r.status_code == 200, r.text
+    total, after = 0, None
+    while True:
+        page = httpx.get(f"{server.url}/v1/conversations", params={"limit": 100, **({"after": after} if after else {})},
+                         timeout=30).json()
+        total, after = total + len(page["data"]), page["last_id"]
+        if not page["has_more"]:
+            break
+    open_page(browser, server.url)
+    entries = lambda: browser.find_elements(By.CSS_SELECTOR, "#conversations li")  # noqa: E731
+    wait(browser, lambda: len(entries()) >= 20)
+    assert len(entries()) < total
+    while len(entries()) < total:
+        shown_before = len(entries())
+        browser.execute_script("const s = document.getElementById('sidebar'); s.scrollTop = s.scrollHeight;")
+        wait(browser, lambda n=shown_before: len(entries()) > n, timeout=10)  # the next page, once scrolled
+    assert len(entries()) == total
+    assert entries()[0].find_element(By.CSS_SELECTOR, ".title").text == "Topic 23"

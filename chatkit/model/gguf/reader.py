@@ -32,6 +32,8 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 def is_gguf(path: str | Path) -> bool:
     """Whether ``path`` is a file that starts with the GGUF magic bytes."""
     try:
+        if not os.path.isfile(path):  # a FIFO or device: opening it would block
+            return False
         with open(path, "rb") as f:
             return f.read(4) == MAGIC
     except OSError:

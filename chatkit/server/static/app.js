@@ -1,7 +1,7 @@
 // chatkit's chat page: plain JavaScript over the server's own APIs, also an example of using them.
 //   POST v1/responses (stream, store, previous_response_id)  a turn, streamed as server-sent events
 //   GET  v1/responses/{id}                                    a stored response (after Stop)
-//   GET  v1/conversations, v1/conversations/{id}              the stored conversations, a chain's turns
+//   GET  v1/conversations?after=, v1/conversations/{id}       the stored conversations (paged), a chain's turns
 // A conversation here is a list of turns, one per stored response: {input: [items], response}. The
 // last turn's response id is the head that the next request chains on; regenerate and edit resend a
 // turn's input from the turn before it (a branch), undo drops the last exchange. Model text only ever
@@ -19,7 +19,7 @@ const CALCULATE = {
   },
 };
 
-const state = { turns: [], busy: false, controller: null };
+const state = { turns: [], busy: false, controller: null, gap: false };
 
 // -- talking to the server ------------------------------------------------------------------------
 function headers() {
@@ -60,13 +60,23 @@ async function* events(response) {
 }
 
 // -- the conversation list ------------------------------------------------------------------------
-async function loadConversations() {
+// The list comes a page at a time (newest first); the next page when the sidebar is scrolled near its end.
+const listing = { after: null, more: false, loading: false };
+
+async function loadConversations(more = false) {
+  if (more && (!listing.more || listing.loading)) return;
+  listing.loading = true;
   let list;
   try {
-    list = await (await api("conversations")).json();
+    const query = more ? `?after=${encodeURIComponent(listing.after)}` : "";
+    list = await (await api(`conversations${query}`)).json();
   } catch (error) {
     return showError(error);
+  } finally {
+    listing.loading = false;
   }
+  listing.after = list.last_id ?? listing.after;
+  listing.more = Boolean(list.has_more);
   const items = list.data.map((c) => {
     const li = element("li", c.id === state.turns[0]?.response?.id ? "current" : "");
     const when = new Date(c.updated_at * 1000).toLocaleString();
@@ -75,7 +85,15 @@ async function loadConversations() {
     li.addEventListener("click", () => openConversation(c.head));
     return li;
   });
-  $("conversations").replaceChildren(...items);
+  if (more) $("conversations").append(...items);
+  else $("conversations").replaceChildren(...items);
+  const sidebar = $("sidebar");
+  if (listing.more && sidebar.scrollHeight <= sidebar.clientHeight + 40) loadConversations(true);  // not full yet
+}
+
+function onSidebarScroll() {
+  const sidebar = $("sidebar");
+  if (sidebar.scrollTop + sidebar.clientHeight >= sidebar.scrollHeight - 40) loadConversations(true);
 }
 
 async function openConversation(head, quiet = false) {
@@ -83,6 +101,7 @@ async function openConversation(head, quiet = false) {
   try {
     const chain = await (await api(`conversations/${encodeURIComponent(head)}`)).json();
     state.turns = chain.data;
+    state.gap = Boolean(chain.gap);  // earlier responses of the conversation were deleted
     render();
     showStats(state.turns.at(-1)?.response?.usage, null);
     loadConversations();
@@ -114,6 +133,7 @@ function render() {
   const box = $("messages");
   box.replaceChildren();
   const lastUser = lastUserTurn();
+  if (state.gap && state.turns.length) box.append(element("div", "status gap", "Earlier turns of this conversation were deleted."));
   state.turns.forEach((turn, index) => {
     for (const item of turn.input) box.append(inputView(item, index));
     const reply = element("div", "message assistant");
@@ -387,6 +407,7 @@ function showError(error) {
 function newChat() {
   if (state.busy) return;
   state.turns = [];
+  state.gap = false;
   setHead();
   render();
   showStats(null, null);
@@ -400,6 +421,7 @@ $("prompt").addEventListener("keydown", (event) => {
 $("stop").addEventListener("click", () => state.controller?.abort());
 $("undo").addEventListener("click", undo);
 $("new-chat").addEventListener("click", newChat);
+$("sidebar").addEventListener("scroll", onSidebarScroll);
 $("key-form").addEventListener("submit", (event) => {
   event.preventDefault();
   localStorage.setItem("chatkit.apiKey", $("api-key").value);
