@@ -36,7 +36,7 @@ from chatkit.testing.templates import QWEN3
 from chatkit.text.reply import Piece, Segmenter
 
 import mlx.core as mx
-from _common import OtherLoad, clone, describe, load_model, median, wait_until_quiet
+from _common import OtherLoad, add_quick, clone, describe, load_model, median, quick, wait_until_quiet
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
@@ -194,7 +194,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--history", type=int, default=6)
     ap.add_argument("--reuse", action="store_true", help="cache reuse per vendored template (counts only)")
+    add_quick(ap)
     args = ap.parse_args()
+    if quick(args):
+        args.rounds, args.tokens, args.history = 2, 16, 2
     if args.reuse:
         reuse_table()
         return
