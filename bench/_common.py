@@ -27,10 +27,28 @@ MODEL_CONFIG = dict(
 )
 
 
+# --quick (every script has it): the tests' tiny model, no waiting for a quiet CPU, a few rounds. It checks
+# that a script runs end to end in seconds (tests/test_bench.py runs them all); its numbers mean nothing.
+QUICK = False
+
+
+def add_quick(ap) -> None:
+    """Give an ``argparse.ArgumentParser`` the ``--quick`` flag (read it back with :func:`quick`)."""
+    ap.add_argument("--quick", action="store_true",
+                    help="seconds on the tests' tiny model: checks the script end to end (numbers mean nothing)")
+
+
+def quick(args) -> bool:
+    """Switch to quick mode when ``args.quick``; returns it."""
+    global QUICK
+    QUICK = bool(getattr(args, "quick", False))
+    return QUICK
+
+
 def load_model(tokenizer: str = "bpe", seed: int = 0):
     from chatkit.testing import tiny_model
 
-    return tiny_model("qwen3", tokenizer, seed, **MODEL_CONFIG)
+    return tiny_model("qwen3", tokenizer, seed, **({} if QUICK else MODEL_CONFIG))
 
 
 def cpu_model() -> str:
@@ -114,6 +132,8 @@ def cpu_busy(seconds: float = 1.0) -> float:
 def wait_until_quiet(max_wait: float = 300.0, threshold: float = 0.15) -> str:
     """Wait (up to ``max_wait`` s) until the other processes leave the CPU mostly idle: on a 2-core
     machine anything else running skews every number. Returns a line for the report."""
+    if QUICK:
+        return "(--quick: not waiting for a quiet CPU)"
     start = time.time()
     busy = cpu_busy()
     while busy > threshold and time.time() - start < max_wait:

@@ -25,7 +25,7 @@ from chatkit import ChatSession, GenerateParams
 from chatkit.model.switchable import activate, applying
 from chatkit.testing import random_adapter
 
-from _common import describe, load_model, median, wait_until_quiet
+from _common import add_quick, describe, load_model, median, quick, wait_until_quiet
 
 PROMPT = "Tell me everything you know about the history of the bicycle, in detail."
 
@@ -68,7 +68,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rank", type=int, default=8)
     ap.add_argument("--no-wait", action="store_true", help="do not wait for the CPU to quiet down")
+    add_quick(ap)
     args = ap.parse_args()
+    if quick(args):
+        args.rounds, args.tokens = 1, 8
     lm = load_model()
     with tempfile.TemporaryDirectory() as tmp:
         a = lm.adapter(random_adapter(f"{tmp}/a", lm, seed=1, rank=args.rank))

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -56,7 +57,7 @@ from pathlib import Path
 from chatkit import BatchEngine, ChatSession, GenerateParams, SpeculativeConfig
 
 import mlx.core as mx
-from _common import OtherLoad, cache_state, clone, describe, load_model, median, wait_until_quiet
+from _common import OtherLoad, add_quick, cache_state, clone, describe, load_model, median, quick, wait_until_quiet
 from mlx_lm.generate import BatchGenerator, batch_generate, generate_step, generation_stream, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
@@ -373,7 +374,12 @@ def main() -> None:
     ap.add_argument("--lookup-tokens", type=int, default=96)
     ap.add_argument("--lookup-reps", type=int, default=3, help="rounds of part 3 (medians)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.txt"))
+    add_quick(ap)
     args = ap.parse_args()
+    if quick(args):  # every part, small; bench/results/batch.txt stays as it is
+        args.sessions, args.tokens, args.ttft_reps, args.lookup = "1,2", 8, 2, True
+        args.lookup_sessions, args.lookup_tokens, args.lookup_reps = 2, 16, 1
+        args.out = str(Path(tempfile.mkdtemp()) / "batch.txt")
     lm = load_model()
     lines = [describe(lm), f"load    : {wait_until_quiet(args.max_wait)}"]
     print("\n".join(lines), flush=True)

@@ -57,7 +57,7 @@ from chatkit.cache.planner import common_prefix_length
 from chatkit.session.context import SUMMARY_HEADER
 
 import mlx.core as mx
-from _common import OtherLoad, cache_state, clone, describe, load_model, median, wait_until_quiet
+from _common import OtherLoad, add_quick, cache_state, clone, describe, load_model, median, quick, wait_until_quiet
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 from turns import Scripted, first_token_time, sentence_text
@@ -400,7 +400,11 @@ def arguments():
     ap.add_argument("--real", action="store_true", help="only the SmolLM2 part (a fact told at turn 2, asked later)")
     ap.add_argument("--real-turns", type=int, default=60, help="--real: turns (the fact is asked at 1/3, 2/3, the end)")
     ap.add_argument("--real-window", type=int, default=1024, help="--real: the context window")
+    add_quick(ap)
     args = ap.parse_args()
+    if quick(args):
+        args.turns, args.window, args.model_turns, args.erase_turns, args.same_turns = 16, 512, 10, 3, 2
+        args.bound_reps, args.memory_turns = 1, 3
     args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     if not args.runs or any(r not in RUNS for r in args.runs):
         ap.error(f"--runs takes names from {', '.join(RUNS)}")

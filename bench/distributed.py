@@ -31,7 +31,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
-def worker(out: Path, rounds: int, tokens: int, prompt_tokens: int) -> None:
+def worker(out: Path, rounds: int, tokens: int, prompt_tokens: int, quick: bool = False) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import chatkit
     from chatkit import ChatSession, GenerateParams
@@ -40,7 +40,7 @@ def worker(out: Path, rounds: int, tokens: int, prompt_tokens: int) -> None:
     import mlx.core as mx
     from _common import MODEL_CONFIG, median, n_params
 
-    path = tiny_model_path("qwen3", "bpe", 0, **MODEL_CONFIG)
+    path = tiny_model_path("qwen3", "bpe", 0, **({} if quick else MODEL_CONFIG))
     sharded = int(os.environ.get("MLX_WORLD", "1")) > 1
     # A generous bound: on a busy machine two ranks sharing its cores can be very slow (not hung).
     lm = chatkit.load(path, distributed="tensor" if sharded else None, distributed_timeout=1800.0)
@@ -107,21 +107,25 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--worker", metavar="OUT", help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true", help="seconds on the tests' tiny model: checks the script end to end")
     args = p.parse_args()
+    if args.quick and not args.worker:
+        args.rounds, args.tokens, args.prompt = 1, 8, 64
     if args.worker:
-        worker(Path(args.worker), args.rounds, args.tokens, args.prompt)
+        worker(Path(args.worker), args.rounds, args.tokens, args.prompt, args.quick)
         return
 
     sys.path.insert(0, str(HERE))
-    from _common import _cpu_times, describe, load_model, wait_until_quiet
+    from _common import _cpu_times, describe, load_model, quick, wait_until_quiet
 
+    quick(args)
     print(describe(load_model()))
     print(wait_until_quiet(max_wait=60))
     busy0, wall0, kids0 = _cpu_times()[0], time.time(), os.times()
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
     me = [sys.executable, str(Path(__file__).resolve()), "--rounds", str(args.rounds), "--tokens", str(args.tokens),
-          "--prompt", str(args.prompt), "--worker"]
+          "--prompt", str(args.prompt), *(["--quick"] if args.quick else []), "--worker"]
     from chatkit.testing.launch import ring_launch
 
     launch = [*ring_launch(), "--env", "MLX_WORLD=2",

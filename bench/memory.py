@@ -22,7 +22,7 @@ import threading
 from chatkit import BatchEngine, ChatSession, GenerateParams
 
 import mlx.core as mx
-from _common import describe, load_model
+from _common import add_quick, describe, load_model, quick
 from mlx.utils import tree_flatten
 
 TURNS = 100
@@ -34,7 +34,11 @@ def main() -> None:
     ap.add_argument("--batch-sessions", type=int, default=16)
     ap.add_argument("--history", type=int, default=2000)
     ap.add_argument("--skip-turns", action="store_true", help="only part 2")
+    add_quick(ap)
     args = ap.parse_args()
+    if quick(args):
+        global TURNS
+        TURNS, args.batch_sessions, args.history = 12, 2, 200
     lm = load_model()
     print(describe(lm))
     if not args.skip_turns:

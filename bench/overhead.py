@@ -32,7 +32,18 @@ from chatkit import ChatSession, GenerateParams
 from chatkit.testing import tiny_model
 
 import mlx.core as mx
-from _common import OtherLoad, cache_state, clone, describe, load_model, median, n_params, wait_until_quiet
+from _common import (
+    OtherLoad,
+    add_quick,
+    cache_state,
+    clone,
+    describe,
+    load_model,
+    median,
+    n_params,
+    quick,
+    wait_until_quiet,
+)
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
@@ -163,7 +174,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=14)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--profile", action="store_true", help="cProfile chatkit's decode loop")
+    add_quick(ap)
     args = ap.parse_args()
+    if quick(args):
+        args.rounds, args.tokens = 1, 16
     N = args.tokens
 
     lm = load_model("bpe")

@@ -32,7 +32,7 @@ import chatkit
 from chatkit import ChatSession, GenerateParams
 
 import mlx.core as mx
-from _common import OtherLoad, cache_state, clone, cpu_model, median, wait_until_quiet
+from _common import OtherLoad, add_quick, cache_state, clone, cpu_model, median, quick, wait_until_quiet
 from mlx_lm.generate import generate_step, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_logits_processors
@@ -231,13 +231,16 @@ def main() -> int:
     ap.add_argument("--parts", default="12345")
     ap.add_argument("--overhead-tokens", type=int, default=64)
     ap.add_argument("--max-wait", type=float, default=300, help="seconds to wait for an idle CPU")
+    add_quick(ap)
     args = ap.parse_args()
+    if quick(args):  # parts 2-4 on the bundled demo model (parts 1 and 5 need SmolLM2's file)
+        args.parts, args.turns, args.reps, args.overhead_tokens = "234", 3, 1, 8
     quiet = wait_until_quiet(args.max_wait)
     load = OtherLoad()
     report = [f"machine: {cpu_model()}; mlx {mx.__version__}; {quiet}"]
     if "1" in args.parts:
         report += variants(args.reps)
-    lm = chatkit.load("smollm2", dequantize=True)
+    lm = chatkit.load("demo") if args.quick else chatkit.load("smollm2", dequantize=True)
     if "2" in args.parts or "3" in args.parts:
         rows, session = turns(lm, args.turns, args.reps)
         report += rows

@@ -40,7 +40,7 @@ from chatkit import ChatSession, GenerateParams, Role, inspect_cache
 from chatkit.cache import file as cache_file
 from chatkit.testing import tiny_model
 
-from _common import MODEL_CONFIG, OtherLoad, describe, median, wait_until_quiet
+from _common import MODEL_CONFIG, OtherLoad, add_quick, describe, median, quick, wait_until_quiet
 
 INSTRUCTIONS = (
     "You are the archivist of a mountain castle. Answer questions about its history, its people and "
@@ -135,10 +135,13 @@ def main() -> int:
     ap.add_argument("--keep", help="also leave the cache file at this path")
     ap.add_argument("--max-wait", type=float, default=300.0,
                     help="seconds to wait at most for other processes to leave the CPU idle")
+    add_quick(ap)
     args = ap.parse_args()
+    if quick(args):
+        args.reps, args.prefill_reps, args.turns = 1, 1, 2
 
     # The benchmarks' model (same weights), with a context window of 8,192 instead of 4,096 tokens.
-    lm = tiny_model("qwen3", "bpe", 0, **MODEL_CONFIG, max_position_embeddings=8192)
+    lm = tiny_model("qwen3", "bpe", 0, **({} if args.quick else MODEL_CONFIG), max_position_embeddings=8192)
     print(describe(lm))
     print(f"load    : {wait_until_quiet(args.max_wait)}")
     other = OtherLoad()
@@ -297,7 +300,7 @@ def main() -> int:
     print(other.report())
     failed = [r for r in rows if r[3] == "FAIL"]
     print(f"\n{'all targets met' if not failed else str(len(failed)) + ' target(s) NOT met'}")
-    return 1 if failed else 0
+    return 1 if failed and not args.quick else 0  # --quick checks that the script runs, not the targets
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ played with the header ``X-Chatkit-Trace: 1``, on which the server stamps each s
 its turns after the first (a continued conversation, the case that matters), beside the in-process
 session's render, prefill and total.
 
-``--quick``: 6 turns, 1 round (unless ``--turns`` / ``--rounds`` say otherwise), no re-prefill, no
+``--quick``: the tests' tiny model (unless ``--model``), 6 turns, 1 round (unless ``--turns`` / ``--rounds``
+say otherwise), no re-prefill, no
 mlx_lm.server, no waiting for a quiet machine (to check that the script runs, or to compare two
 versions of chatkit serve on a busy machine; its figures are not worth reporting).
 
@@ -380,7 +381,7 @@ def main() -> None:
     ap.add_argument("--think", type=float, default=0.0, help="seconds more after an HTTP client's turn")
     ap.add_argument("--api", default="chat,responses,messages",
                     help="the APIs chatkit serve is played over: chat, responses, messages (comma-separated)")
-    ap.add_argument("--model", choices=("bench", "demo", "tiny"), default="bench")
+    ap.add_argument("--model", choices=("bench", "demo", "tiny"), help="default bench; --quick: tiny")
     ap.add_argument("--trace-turns", type=int, help="turns of the traced conversation (stage table; default 8, --quick: 4)")
     ap.add_argument("--max-wait", type=float, default=300.0,
                     help="seconds to wait for a quiet machine before the rounds (default 300; --quick: 0)")
@@ -391,6 +392,7 @@ def main() -> None:
         ap.error(f"--api: a comma-separated list of {', '.join(APIS)}")
     a.settle = a.settle if a.settle is not None else (0.05 if a.quick else 0.25)
     a.trace_turns = a.trace_turns or (4 if a.quick else 8)
+    a.model = a.model or ("tiny" if a.quick else "bench")
     a.turns = a.turns or (6 if a.quick else 20)
     a.rounds = a.rounds or (1 if a.quick else 3)
 

@@ -43,7 +43,7 @@ from chatkit.testing.templates import QWEN3
 from chatkit.text.reply import Piece, Segmenter
 
 import mlx.core as mx
-from _common import OtherLoad, clone, describe, load_model, median, wait_until_quiet
+from _common import OtherLoad, add_quick, clone, describe, load_model, median, quick, wait_until_quiet
 from mlx_lm.generate import generate_step
 from mlx_lm.sample_utils import make_sampler
 
@@ -259,10 +259,10 @@ def main() -> None:
     ap.add_argument("--history", type=int, default=6)
     ap.add_argument("--reuse", action="store_true", help="cache reuse per vendored template (counts only)")
     ap.add_argument("--mcp", action="store_true", help="a tool round through a stdio MCP server against a local function")
-    ap.add_argument("--quick", action="store_true", help="a few rounds, short replies: seconds, to check it runs")
+    add_quick(ap)
     args = ap.parse_args()
-    if args.quick:
-        args.rounds, args.tokens, args.history = 2, 16, 1
+    if quick(args):
+        args.rounds, args.tokens, args.history = 2, 16, 2
     if args.reuse:
         reuse_table()
         return

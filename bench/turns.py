@@ -54,7 +54,7 @@ from chatkit import ChatSession, GenerateParams
 from chatkit.cache.planner import common_prefix_length
 
 import mlx.core as mx
-from _common import OtherLoad, cache_state, clone, describe, load_model, median, wait_until_quiet
+from _common import OtherLoad, add_quick, cache_state, clone, describe, load_model, median, quick, wait_until_quiet
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -296,7 +296,9 @@ def thinking(args, context_tokens: int = 0) -> list[dict]:
         with session.stream_respond(message) as stream:
             for _ in stream:
                 pass
-        assert stream.text.startswith("<think>\n") and "\n</think>\n\n" in stream.text
+        # The answer holds no reasoning: the stream's reasoning field has the think block's text.
+        assert stream.reasoning.strip() == think.removeprefix("<think>\n").removesuffix("\n</think>\n\n").strip()
+        assert "<think>" not in stream.text and "</think>" not in stream.text
         assert stream.finish_reason == "stop" and len(stream.tokens) == len(forced) + THINK_ANSWER_TOKENS + 1
         stats = session.last_stats
         ledger = cache_state(session).ledger.tokens
@@ -391,9 +393,12 @@ def main() -> None:
                     help="also run the thinking conversation after a system prompt of this many tokens (0: skip)")
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--prompt-work-only", action="store_true", help="only part 3 (render + tokenize per turn)")
+    add_quick(ap)
     args = ap.parse_args()
+    if quick(args):  # no plot: docs/turns.png stays as it is
+        args.turns, args.reps, args.full_reps, args.think_context, args.no_plot = 3, 1, 1, 300, True
     if args.prompt_work_only:
-        prompt_work()
+        prompt_work(**QUICK_WORK if args.quick else {})
         return
     if args.turns < 2:
         ap.error("--turns must be at least 2 (the figures are averaged over turns 2..N)")
@@ -441,7 +446,7 @@ def main() -> None:
 
     print()
     print("chatkit's work per turn before prefilling, as the history grows (median of 9 turns each):")
-    prompt_work()
+    prompt_work(**QUICK_WORK if args.quick else {})
 
     print(load.report())
     if not args.no_plot:
@@ -452,6 +457,9 @@ def main() -> None:
         shutil.copyfile(out, docs)
         print(f"\nplot: {out.relative_to(ROOT)} (copied to {docs.relative_to(ROOT)})")
     print(f"total time {time.perf_counter() - t_start:.0f} s")
+
+
+QUICK_WORK = dict(sizes=(1000,), turns=2)
 
 
 def prompt_work(sizes=(2000, 8000, 32000), turns: int = 9) -> None:

@@ -84,3 +84,23 @@ def assert_ledger_matches_cache(session):
     offset = layer_offset(state.layers)
     if offset is not None:
         assert offset == len(state.ledger)
+
+
+# pytest-timeout: pyproject.toml's default (300 s) is for the fast tier; a test of an opt-in tier without its
+# own @pytest.mark.timeout gets this many seconds (its module's fixtures, set up in its first test, included:
+# training a pair, fetching and converting SmolLM2, starting servers, on a loaded machine).
+TIER_TIMEOUTS = {"real_model": 1200, "scripts": 1200, "clients": 900, "lint": 900, "slow": 900}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """tests/clients/ is the `clients` tier (real subprocess servers, the browser): opt-in, like `slow`.
+    Opt-in tiers get their longer timeouts (TIER_TIMEOUTS)."""
+    clients = config.rootpath / "tests" / "clients"
+    for item in items:
+        if clients in item.path.parents:
+            item.add_marker(pytest.mark.clients)
+        if item.get_closest_marker("timeout") is None:
+            limits = [t for name, t in TIER_TIMEOUTS.items() if item.get_closest_marker(name)]
+            if limits:
+                item.add_marker(pytest.mark.timeout(max(limits)))

@@ -343,6 +343,7 @@ def test_the_next_turn_waits_for_a_dropped_stream_to_commit(tiny):
     assert_ledger_matches_cache(session)
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_stream_kept_after_its_event_loop_ended_does_not_block_exit(tmp_path):
     import subprocess
     import sys

@@ -91,6 +91,7 @@ def run_here(*args, stdin=""):
     return subprocess.CompletedProcess(["chatkit", *args], code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.slow  # a subprocess
 def test_repl_conversation_with_ctrl_c_save_undo_and_load(model_dir, tmp_path):
     saved, after_undo = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
     child = spawn("chat", "--model", model_dir, "--max-tokens", "3000", tmp_path=tmp_path)
@@ -126,6 +127,7 @@ def test_repl_conversation_with_ctrl_c_save_undo_and_load(model_dir, tmp_path):
     assert out.returncode == 0 and "turns: 1, messages: 2" in out.stdout and "Tell me a long story" in out.stdout
 
 
+@pytest.mark.slow  # a subprocess
 def test_ctrl_c_during_the_first_reply_while_mlx_compiles_its_kernels(tmp_path):
     """MLX's CPU backend compiles fused kernels with g++ in a child process during the first reply.
     A Ctrl-C that reached that child as SIGINT killed it: "Could not load C++ shared library", turn lost."""
@@ -153,6 +155,7 @@ def test_ctrl_c_during_the_first_reply_while_mlx_compiles_its_kernels(tmp_path):
     assert list(kernels.glob("mlx/*/cpu/*.so")), "the first reply compiled kernels in this run"
 
 
+@pytest.mark.slow  # a subprocess
 def test_line_editing_history_search_paste_and_ctrl_d(tmp_path):
     data = tmp_path / "data"
     env = {"CHATKIT_HISTORY_FILE": None, "XDG_DATA_HOME": str(data)}  # the user's data folder
@@ -182,6 +185,7 @@ def test_line_editing_history_search_paste_and_ctrl_d(tmp_path):
     again.expect(pexpect.EOF)
 
 
+@pytest.mark.slow  # a subprocess
 def test_commands_without_a_terminal_and_errors(model_dir, tmp_path):
     script = "\n".join(["Hello", "/retry", "/system Be brief.", "/clear", "/undo", "/help", "/nope", "/quit"]) + "\n"
     out = run("--model", model_dir, "--max-tokens", "5", stdin=script)
@@ -192,6 +196,7 @@ def test_commands_without_a_terminal_and_errors(model_dir, tmp_path):
     assert bad.returncode == 1 and bad.stderr.startswith("error:") and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow  # a subprocess
 def test_save_into_a_missing_folder_is_refused_at_start(tmp_path):
     target = tmp_path / "no" / "such" / "chat.safetensors"
     out = run("--save", str(target), stdin="My name is Ada.\n")
@@ -207,6 +212,7 @@ def test_save_into_a_missing_folder_is_refused_at_start(tmp_path):
     assert "saved" in session.stdout and (tmp_path / "ok.safetensors").is_file()
 
 
+@pytest.mark.slow  # a subprocess
 def test_resume_applies_the_flags_given_with_it(tmp_path):
     saved = tmp_path / "chat.safetensors"
     first = run("--save", str(saved), stdin="My name is Ada.\n")
@@ -231,6 +237,7 @@ def test_resume_applies_the_flags_given_with_it(tmp_path):
     assert "proposed tokens accepted" in draft.stdout and not LIBRARY_NAMES.search(draft.stderr)
 
 
+@pytest.mark.slow  # a subprocess
 def test_cache_flags_follow_one_rule_and_errors_name_flags(tmp_path):
     quantized = run("--kv-bits", "4", stdin="My name is Ada.\nWhat is my name?\n/stats\n")
     assert quantized.returncode == 0, quantized.stderr  # a group size dividing the demo's head size (32)
@@ -259,6 +266,7 @@ def test_cache_flags_follow_one_rule_and_errors_name_flags(tmp_path):
         assert "proposed tokens accepted" in out.stdout, (flags, out.stdout)
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_message_longer_than_the_context_window(tmp_path):
     alone = run(stdin=" ".join(["word"] * 1100) + "\nMy name is Ada.\n")
     assert alone.returncode == 0 and "Nice to meet you, Ada." in alone.stdout  # and the chat goes on
@@ -276,6 +284,7 @@ def test_a_message_longer_than_the_context_window(tmp_path):
     assert "· context compacted: dropped 2 earlier messages" in rolling.stderr
 
 
+@pytest.mark.slow  # a subprocess
 def test_stats_report_what_the_cache_holds(tmp_path):
     out = run(stdin="My name is Ada.\n/stats\nWhat is 7 + 5?\n/undo\n/stats\n/clear\n/stats\n")
     first, undone, cleared = out.stdout.split("conversation:")[1:]
@@ -289,6 +298,7 @@ def test_stats_report_what_the_cache_holds(tmp_path):
     assert "cache: 50 tokens" in rotating.stdout and "window of the last 50 tokens" in rotating.stdout
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_chat_past_its_window_goes_on_and_says_what_it_dropped(tmp_path):
     """The default policy (rolling) keeps a chat going past its window (here --max-kv-size's): a notice
     line when a turn compacts, /context showing the window, the tokens in use and what was dropped."""
@@ -383,6 +393,7 @@ def test_the_repl_prepares_the_next_compaction_while_the_user_types():
     assert repl.last.stats is not None and "Traceback" not in shown
 
 
+@pytest.mark.slow  # a subprocess
 def test_version_help_and_inspect(tmp_path):
     version = run_here("--version")
     assert version.returncode == 0 and re.match(r"chatkit \d+\.\d+\.\d+ \(mlx .*, mlx-lm .*\)", version.stdout)
@@ -509,6 +520,7 @@ def test_tools_flag_names_what_cannot_be_imported():
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_demo_in_a_terminal_with_names_and_numbers_it_never_trained_on(tmp_path):
     """What a new user types first: held-out names (scripts/train_demo.py never shows them), a sum
     through the calculator tool the chat gives the demo, a question about what was never told."""

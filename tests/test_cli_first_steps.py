@@ -209,6 +209,7 @@ def test_a_draft_model_works_with_kv_bits(capsys, monkeypatch):
     assert "QuantizedKVCache" in repl.stats()
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_prompt_in_a_terminal_is_the_readmes(tmp_path):
     """README's transcript shows ``you> `` before what the user types: so does the REPL."""
     import os

@@ -189,6 +189,7 @@ def test_context_window_is_what_it_was_trained_on(lm):
     assert session.respond("What is 6 * 7?") == "6 * 7 = 42."
 
 
+@pytest.mark.slow  # a subprocess
 def test_quantized_cache_needs_a_group_size_that_tiles_a_head(lm):
     with pytest.raises(chatkit.InvalidParamsError, match="head size \\(32\\).*group size of 32"):
         ChatSession.builder(lm).kv_bits(8).build()
@@ -210,6 +211,7 @@ def test_quantized_cache_needs_a_group_size_that_tiles_a_head(lm):
     assert cli.returncode == 2 and "--kv-group-size 32" in cli.stderr and "Traceback" not in cli.stderr
 
 
+@pytest.mark.slow  # a subprocess
 def test_demo_module_after_a_plain_import():
     code = "import chatkit; print(chatkit.load('demo').config['model_type'], chatkit.demo.draft_path().name)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -223,6 +225,7 @@ def test_load_by_name():
     assert session.respond("What is 2 + 2?") == "2 + 2 = 4."
 
 
+@pytest.mark.slow  # a subprocess
 def test_command_line_chats_with_the_demo_model_by_default():
     out = subprocess.run(
         [sys.executable, "-m", "chatkit"], input="My name is Ada.\nWhat is 2 + 2?\nWhat is my name?\n/quit\n",
@@ -232,6 +235,7 @@ def test_command_line_chats_with_the_demo_model_by_default():
     assert "2 + 2 = 4." in out.stdout and "Your name is Ada." in out.stdout
 
 
+@pytest.mark.slow  # a subprocess
 def test_command_line_draft_save_resume_and_prefill_progress(tmp_path):
     saved = tmp_path / "chat.safetensors"
 

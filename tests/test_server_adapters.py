@@ -227,6 +227,7 @@ def test_chat_refuses_a_bad_adapter_before_it_chats(tmp_path, capsys):
     assert caught.value.code == 2 and "--adapter-scale: nan is not a finite number" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a subprocess
 def test_chat_with_an_adapter_answers_as_a_session_with_it(lm, folders, tmp_path):
     model, saved = str(tiny_model_path(arch="qwen3", tokenizer="bpe")), tmp_path / "chat.safetensors"
     params = GenerateParams(max_tokens=8, temperature=0.0)

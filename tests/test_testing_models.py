@@ -154,6 +154,7 @@ def test_same_seed_same_weights_other_seed_other_weights():
             assert not mx.array_equal(a[name], c[name]), name
 
 
+@pytest.mark.slow  # a subprocess
 def test_files_are_identical_in_another_process():
     combos = [("gemma3_text", "spm", 3), ("qwen3", "bpe-think", 0)]
     code = (

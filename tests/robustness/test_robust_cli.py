@@ -87,6 +87,7 @@ def test_the_serve_command_exits_2_without_a_traceback(tmp_path):
 PROMPT = "\x1b[?2004h"  # prompt_toolkit turns bracketed paste on as it starts reading a line
 
 
+@pytest.mark.slow  # a subprocess
 def test_the_repl_never_waits_for_cursor_position_reports(tmp_path):
     """pexpect's terminal never answers ``ESC [6n``: prompt_toolkit waited a second for the answer after
     each line (a line typed meanwhile was held), then printed a warning. The REPL does not ask."""
@@ -116,6 +117,7 @@ def model_dir():
     return str(tiny_model_path(arch="qwen3", tokenizer="bpe"))
 
 
+@pytest.mark.slow  # a subprocess
 def test_a_line_typed_with_enter_during_a_reply_is_read_at_the_next_prompt(model_dir, tmp_path):
     """Typed ahead while a reply streams, ``/stats`` and Enter: the next prompt takes the line as it
     was typed (before, the Enter was lost and the line waited at the prompt)."""
