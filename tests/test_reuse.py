@@ -6,6 +6,7 @@ from chatkit import (
     GenerateParams,
     NothingToRegenerateError,
     NothingToUndoError,
+    PromptCache,
     SessionBusyError,
 )
 from chatkit.testing import Scripted
@@ -185,8 +186,16 @@ class Conversation(RuleBasedStateMachine):
         # ChatML templates render tools, tool calls and tool results: there the machine also holds tool turns.
         self.tools = self.tok.startswith("bpe")
         self.options = {"tools": [WEATHER]} if self.tools else {}
-        self.session = session_for(self.lm, params=GenerateParams(max_tokens=8), **self.options)
+        # With ``shared`` every session of the machine (forks and fresh ground truths aside) shares one
+        # prompt cache of small blocks, so that blocks cross sessions as they do outside the tests.
+        self.shared = PromptCache(block_tokens=16) if self.shared_blocks else None
+        self.session = self.new_session()
         self.turns = 0
+
+    shared_blocks = False
+
+    def new_session(self):
+        return session_for(self.lm, params=GenerateParams(max_tokens=8), prompt_cache=self.shared, **self.options)
 
     def turn(self, prompt, break_after=None):
         s = self.session
@@ -202,8 +211,10 @@ class Conversation(RuleBasedStateMachine):
         assert got == expected[: len(got)]
         stats = s.last_stats
         extends = len(ledger.tokens) < len(prompt_ids) and tuple(prompt_ids[: len(ledger.tokens)]) == ledger.tokens
-        if extends:
+        if extends and self.shared is None:
             assert stats.prefilled_tokens == len(prompt_ids) - len(ledger.tokens), "only the new tokens"
+        elif extends:  # the prompt cache may hold more of the prompt than the session's own cache
+            assert stats.prefilled_tokens <= len(prompt_ids) - len(ledger.tokens), "at most the new tokens"
         self.turns += 1
 
     @rule(prompt=st.sampled_from(["Hi", "What now?", "Tell me a story", "ok", "¿Qué tal? 😀"]))
@@ -274,6 +285,14 @@ class Conversation(RuleBasedStateMachine):
     def fork(self):
         self.session = self.session.fork()
 
+    @precondition(lambda self: self.shared is not None)
+    @rule()
+    def new_conversation(self):
+        """A new session with the same instructions: it starts from the shared blocks (if any)."""
+        instructions = self.session.instructions
+        self.session = self.new_session()
+        self.session.instructions = instructions
+
     @rule()
     def clear(self):
         self.session.clear()
@@ -282,10 +301,16 @@ class Conversation(RuleBasedStateMachine):
     def change_params(self, n):
         self.session.generate_params.max_tokens = n
 
+    def teardown(self):
+        if self.shared is not None:
+            SHARED_HITS.append(self.shared.usage().hits)
+
     @invariant()
     def ledger_matches_cache(self):
         assert_ledger_matches_cache(self.session)
 
+
+SHARED_HITS: list[int] = []  # blocks the shared-cache machines served, one entry per run
 
 COMBO_MACHINES = [("qwen3", "bpe"), ("llama", "spm"), ("gemma3_text", "gemma"), (HYBRID, "bpe-think")]
 
@@ -296,6 +321,18 @@ def test_equivalence_state_machine(arch, tok):
 
     machine = type(f"Conversation_{arch}_{tok}", (Conversation,), {"arch": arch, "tok": tok})
     run_state_machine_as_test(machine, settings=settings(max_examples=6, stateful_step_count=8))
+
+
+@pytest.mark.parametrize("arch,tok", [("qwen3", "bpe"), ("llama", "spm")])
+def test_equivalence_state_machine_with_a_shared_prompt_cache(arch, tok):
+    """The same machine, its sessions sharing a prompt cache (off by default in the tests): replies over
+    blocks another session computed equal a fresh session's."""
+    from hypothesis import settings
+
+    machine = type(f"Shared_{arch}_{tok}", (Conversation,), {"arch": arch, "tok": tok, "shared_blocks": True})
+    SHARED_HITS.clear()
+    run_state_machine_as_test(machine, settings=settings(max_examples=6, stateful_step_count=8))
+    assert sum(SHARED_HITS) > 0, "the runs never took a block from the shared cache"
 
 
 def test_kv_group_size_is_checked_against_the_models_own_head_size(tiny):
