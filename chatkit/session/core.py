@@ -12,6 +12,7 @@ from typing import Any
 
 from typing_extensions import Self
 
+from ..cache.shift import shift_problem
 from ..cache.state import CacheOptions, CacheState
 from ..decode import ProgressCallback, TokenSource
 from ..decode.batch import BatchEngine, check_engine
@@ -87,6 +88,7 @@ class SessionCore:
         if not isinstance(context_policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(context_policy).__name__}.")
         self._policy = context_policy.checked()
+        self._ropes = self._shift_ropes(self._policy, cache_options)
         self._progress = prefill_progress
         self._gate = TurnGate()
         self._preparer = Preparer()
@@ -141,6 +143,7 @@ class SessionCore:
                 settle=self._settle, progress=self._progress, detokenizer=_tokenizer.new_detokenizer(tokenizer),
                 eos_token_ids=frozenset(tokenizer.eos_token_ids), constraints=constraints,
                 prepared=prepared.compacted if prepared is not None else None, adapter=self._adapter,
+                ropes=self._ropes if self._policy.shift else None,
             )
             if prepared is not None and turn.fit is not None and turn.fit.window == prepared.compacted:
                 self._conversation.cache = prepared.cache  # its compacted context is prefilled already
@@ -268,7 +271,8 @@ class SessionCore:
     def _can_prepare(self) -> bool:
         """Preparations are for policies that compact, in one process (sharded ranks must run in step)."""
         group = self._lm.distributed
-        return self._policy.mode != "error" and not (group is not None and group.sharded) and self._images is None
+        return (self._policy.mode != "error" and not self._policy.shift and not (group is not None and group.sharded)
+                and self._images is None)
 
     def _prepare_compaction(self) -> bool:
         """See ``ChatSession.prepare_compaction``."""
@@ -309,6 +313,18 @@ class SessionCore:
         finally:
             self._preparer.finish(prepared)
 
+    def _shift_ropes(self, policy: ContextPolicy, options: CacheOptions) -> list[Any] | None:
+        """Each cache layer's rotation when ``policy`` shifts (``None`` when it does not); a
+        ``InvalidParamsError`` naming why when this session cannot shift its cache."""
+        if not policy.shift:
+            return None
+        why = shift_obstacle(self._lm, options, self._speculative, self._engine)
+        ropes = shift_problem(self._lm.model) if why is None else why
+        if isinstance(ropes, str):
+            raise InvalidParamsError(f"ContextPolicy.rolling(shift=True) cannot work here: {ropes}. "
+                                     "Use ContextPolicy.rolling() (it re-prefills the kept context instead).")
+        return ropes
+
     @property
     def _draft_model(self) -> Any:
         draft = self._speculative.draft_model if self._speculative is not None else None
@@ -347,6 +363,22 @@ def _image_table(lm: LoadedModel, speculative: SpeculativeConfig | None, engine:
     if speculative is not None or engine is not None:
         raise InvalidParamsError("A vision-language model runs its sessions alone: no speculative decoding or batch engine.")
     return ImageTable(lm.vision)
+
+
+def shift_obstacle(lm: LoadedModel, options: CacheOptions, speculative: SpeculativeConfig | None,
+                   engine: BatchEngine | None) -> str | None:
+    """Why a session's settings rule out a context shift (before the model's own layers are looked at)."""
+    if lm.vision is not None:
+        return "a vision-language model places its tokens with multimodal (M-RoPE) positions"
+    if lm.distributed is not None and lm.distributed.sharded:
+        return "a sharded model's ranks would have to shift in step"
+    if options.kv_bits is not None:
+        return f"a quantized KV cache (kv_bits={options.kv_bits}) cannot be re-rotated without requantizing it"
+    if options.max_kv_size is not None:
+        return f"a rotating cache (max_kv_size={options.max_kv_size}) evicts tokens by itself"
+    if speculative is not None or engine is not None:
+        return "a draft model's or batch engine's cache would have to shift too"
+    return None
 
 
 def _bad_adapter() -> ActiveAdapter:

@@ -126,7 +126,8 @@ class ChatSession(SessionCore):
     def context_policy(self, policy: ContextPolicy) -> None:
         if not isinstance(policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(policy).__name__}.")
-        self._policy = policy.checked()
+        ropes = self._shift_ropes(policy.checked(), self._conversation.cache.options)
+        self._policy, self._ropes = policy, ropes
 
     @property
     def context(self) -> list[ChatMessage]:
