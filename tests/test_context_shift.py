@@ -182,3 +182,19 @@ def test_shift_is_a_rolling_setting_and_round_trips():
     policy = ContextPolicy.rolling(shift=True)
     assert ContextPolicy.from_dict(policy.to_dict()) == policy
     assert "shift" not in ContextPolicy.rolling().to_dict()
+
+
+def test_a_kv_budget_makes_the_window_the_tokens_that_fit(lm):
+    per_token = lm.kv_bytes_per_token()
+    assert lm.kv_bytes_per_token(8) < per_token  # quantized KV takes fewer bytes
+    session = session_over(lm, ContextPolicy.rolling(shift=True), max_kv_bytes=per_token * 200 + 5)
+    assert session.kv_bytes_per_token == per_token and session.context_window == 200
+    for prompt in PROMPTS[:16]:
+        session.respond(prompt)
+        assert session.last_stats.prompt_tokens + PARAMS.max_tokens <= 200
+        assert session.cache_info().nbytes <= per_token * 200 + 256 * per_token  # (mlx-lm grows buffers by 256)
+    assert session.dropped_messages
+    roomy = session_over(lm, ContextPolicy.rolling(), max_kv_bytes=per_token * 10**6)
+    assert roomy.context_window == lm.context_length  # never more than the model's
+    with pytest.raises(InvalidParamsError, match="max_kv_bytes"):
+        session_over(lm, ContextPolicy.rolling(), max_kv_bytes=per_token * 20)

@@ -61,6 +61,7 @@ class SessionCore:
         engine: BatchEngine | None = None,
         context_policy: ContextPolicy = ContextPolicy(),
         adapter: ActiveAdapter | None = None,
+        max_kv_bytes: int | None = None,
     ) -> None:
         """Prefer :meth:`builder`, which also restores saved caches; every argument is checked here."""
         if not isinstance(lm, LoadedModel):
@@ -88,10 +89,8 @@ class SessionCore:
         if not isinstance(context_policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(context_policy).__name__}.")
         self._policy = context_policy.checked()
-        self._ropes = self._shift_ropes(self._policy, cache_options)
-        self._progress = prefill_progress
-        self._gate = TurnGate()
-        self._preparer = Preparer()
+        self._ropes, self._budget = self._shift_ropes(self._policy, cache_options), self._kv_budget(max_kv_bytes, cache_options)
+        self._progress, self._gate, self._preparer = prefill_progress, TurnGate(), Preparer()
         self._between_turns: Callable[[Callable[[], None]], None] | None = None  # runs work between turns (a pool's)
         self._last_stats: TurnStats | None = None
         self._guided: tuple[ChatMessage, dict[str, Any]] | None = None  # the last guided prompt and its spec
@@ -139,7 +138,7 @@ class SessionCore:
             tokenizer = self._lm.tokenizer
             turn = Turn.prepare(
                 self._prompting(), self._fitter(params, summaries=not self._preparer.running), self._conversation,
-                base, message, params, context_length=self._lm.context_length, source=self._source,
+                base, message, params, context_length=self._context_length, source=self._source,
                 settle=self._settle, progress=self._progress, detokenizer=_tokenizer.new_detokenizer(tokenizer),
                 eos_token_ids=frozenset(tokenizer.eos_token_ids), constraints=constraints,
                 prepared=prepared.compacted if prepared is not None else None, adapter=self._adapter,
@@ -219,7 +218,7 @@ class SessionCore:
         def render(window: Window, messages: Sequence[ChatMessage]) -> list[int]:
             return self._rendered_ids(window, messages, params, add_generation_prompt=True)
 
-        size = window_size(self._lm.context_length, self._conversation.cache.options.max_kv_size)
+        size = window_size(self._context_length, self._conversation.cache.options.max_kv_size)
         summarize = summarizer_for(self._policy, self._lm, size, self._summary_session) if summaries else None
         return Fitter(self._policy, size, render, lambda text: len(self._lm.tokenizer.encode(text)), summarize)
 
@@ -312,6 +311,31 @@ class SessionCore:
             return prepared is not None
         finally:
             self._preparer.finish(prepared)
+
+    @property
+    def _context_length(self) -> int | None:
+        """The window a prompt and its reply must fit: the model's, or the tokens the KV budget holds."""
+        return window_size(self._lm.context_length, self._budget)
+
+    def _kv_budget(self, max_kv_bytes: int | None, options: CacheOptions) -> int | None:
+        """The tokens ``max_kv_bytes`` of KV cache hold (``None``: no budget); ``InvalidParamsError`` when
+        they are too few for the instructions, a short prompt and the reply's room."""
+        if max_kv_bytes is None:
+            return None
+        if isinstance(max_kv_bytes, bool) or not isinstance(max_kv_bytes, int) or max_kv_bytes < 1:
+            raise InvalidParamsError(f"max_kv_bytes={max_kv_bytes!r}: use an int of bytes >= 1, or None.")
+        per_token = self._lm.kv_bytes_per_token(options.kv_bits, options.kv_group_size)
+        if per_token == 0:
+            return None  # no cache that grows with the context
+        tokens = max_kv_bytes // per_token
+        needed = len(self._rendered_ids(Window(), [ChatMessage.user("Hi")], add_generation_prompt=True)) + \
+            self._policy.room(self._params.max_tokens)
+        if tokens < needed:
+            raise InvalidParamsError(
+                f"max_kv_bytes={max_kv_bytes} holds {tokens} tokens of this model's KV cache ({per_token} bytes "
+                f"each), fewer than the instructions, a short prompt and its reply's room need ({needed}): give "
+                f"at least {needed * per_token} bytes, or shorter instructions or a smaller max_tokens.")
+        return tokens
 
     def _shift_ropes(self, policy: ContextPolicy, options: CacheOptions) -> list[Any] | None:
         """Each cache layer's rotation when ``policy`` shifts (``None`` when it does not); a
