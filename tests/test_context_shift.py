@@ -198,3 +198,12 @@ def test_a_kv_budget_makes_the_window_the_tokens_that_fit(lm):
     assert roomy.context_window == lm.context_length  # never more than the model's
     with pytest.raises(InvalidParamsError, match="max_kv_bytes"):
         session_over(lm, ContextPolicy.rolling(), max_kv_bytes=per_token * 20)
+
+
+def test_chat_takes_a_kv_budget_as_a_size():
+    from chatkit.cli.args import parse_size, parser
+
+    assert [parse_size(x) for x in ("2GB", "512MiB", "1.5G", "1000")] == [2 * 10**9, 2**29, 15 * 10**8, 1000]
+    assert parser().parse_args(["chat", "--max-kv-bytes", "2GB"]).max_kv_bytes == 2 * 10**9
+    with pytest.raises(SystemExit):
+        parser().parse_args(["chat", "--max-kv-bytes", "lots"])

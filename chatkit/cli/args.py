@@ -82,6 +82,23 @@ def _int_at_least(low: int, rule: str, high: int | None = None) -> Callable[[str
     return parse
 
 
+_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """A size in bytes: ``2GB``, ``512MiB``, ``1.5G``, ``1000000`` (argparse type: a bad one is a usage error)."""
+    number = text.strip().upper().rstrip("IBKMG")
+    unit = text.strip().upper()[len(number):]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use e.g. 2GB, 512MB, 1.5GiB or a number of bytes") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a size of at least 1 byte")
+    return int(value)
+
+
 def _num_draft(text: str) -> int | str:
     return "auto" if text == "auto" else _int_at_least(1, "use 'auto' or 1 to 64", high=64)(text)
 
@@ -219,6 +236,9 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                       help=f"keep at most the last N tokens in the KV cache (a rotating cache), N >= {MIN_KV_SIZE} "
                            "(default: no limit). The model then forgets what scrolled out of it. Cannot be combined "
                            "with --kv-bits or with a --draft model (--draft prompt_lookup works)")
+    chat.add_argument("--max-kv-bytes", type=parse_size, metavar="SIZE",
+                      help="a memory budget for the conversation's KV cache (e.g. 2GB): the window becomes the "
+                           "tokens that fit, and the context policy works at that window")
     chat.add_argument("--kv-bits", type=int, choices=KV_BITS, metavar="B",
                       help="quantize the KV cache to B bits: one of 2, 3, 4, 5, 6, 8 (default: not quantized)")
     chat.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, metavar="N",
