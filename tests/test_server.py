@@ -900,3 +900,21 @@ def test_a_re_sent_chat_past_the_window_goes_on_on_its_pooled_session(lm):
     with start(small, ServerConfig(defaults=params, context_policy=chatkit.ContextPolicy.error())) as running:
         status, data = post(running, "/chat/completions", {"messages": messages[:-1]})
     assert status == 413 and data["error"]["code"] == "context_length_exceeded"
+
+
+def test_serve_takes_a_kv_budget_per_conversation(lm):
+    """--max-kv-bytes: each conversation's window is the tokens its budget holds (a 413 past it with the
+    error policy, as past the model's own window); a budget too small for one exchange is a 400."""
+    from chatkit.cli.serve import parser, server_config
+
+    assert server_config(parser().parse_args(["--max-kv-bytes", "2GB"])).max_kv_bytes == 2 * 10**9
+    per_token = lm.kv_bytes_per_token()
+    config = ServerConfig(defaults=PARAMS, max_kv_bytes=per_token * 120, context_policy=chatkit.ContextPolicy.error())
+    with start(lm, config) as running:
+        status, _ = post(running, "/chat/completions", {"messages": [user("Hi")]})
+        assert status == 200
+        status, data = post(running, "/chat/completions", {"messages": [user(" ".join(LONG[:20]))]})
+        assert status == 413 and data["error"]["code"] == "context_length_exceeded" and "120" in data["error"]["message"]
+    with start(lm, ServerConfig(defaults=PARAMS, max_kv_bytes=per_token * 4)) as running:
+        status, data = post(running, "/chat/completions", {"messages": [user("Hi")]})
+    assert status == 400 and "max_kv_bytes" in data["error"]["message"]

@@ -39,6 +39,8 @@ __all__ = [
     "fixed_shapes",
     "held_tokens",
     "kinds_that_cannot_rewind",
+    "kv_arrays",
+    "kv_layer",
     "layer_offset",
     "load_prompt_cache",
     "make_prompt_cache",
@@ -126,6 +128,20 @@ def fixed_shapes(layer: Any) -> list[Any] | None:
         return None  # an attention layer that holds nothing yet
     flat: list[tuple[str, Any]] = tree_flatten(layer.state)  # type: ignore[assignment]
     return [(name, tuple(v.shape) if isinstance(v, mx.array) else v) for name, v in flat]
+
+
+def kv_arrays(layer: Any) -> tuple[mx.array, mx.array, int] | None:
+    """A plain KV layer's (keys, values, offset), cut to the tokens it holds; ``None`` for other layers
+    (quantized, rotating, recurrent) or an empty one."""
+    if type(layer) is not KVCache or layer.keys is None:
+        return None
+    n = layer.offset
+    return layer.keys[..., :n, :], layer.values[..., :n, :], n
+
+
+def kv_layer(keys: mx.array, values: mx.array) -> Any:
+    """A plain KV layer holding ``keys`` and ``values`` (every position of them)."""
+    return KVCache.from_state((keys, values, int(keys.shape[2])))
 
 
 def kinds_that_cannot_rewind(model: Any) -> list[str]:

@@ -116,6 +116,7 @@ def save(
         "format_version": FORMAT_VERSION,
         "fingerprint": dict(fingerprint),
         "ledger": {"tokens": list(ledger.tokens), "opaque": ledger.opaque,
+                   **({"shifted": ledger.shifted} if ledger.shifted else {}),
                    **({"images": [[s.start, s.end, s.digest, list(s.layout)] for s in ledger.images]}
                       if ledger.images else {})},
         **{key: conversation.get(key) for key in CONVERSATION_KEYS},
@@ -183,7 +184,7 @@ def load(path: str | os.PathLike[str], *, verify: bool = True) -> LoadedCache:
         _verify_tensors(layers, meta["checksum"]["state"], where)
     _check_states(layers, where)
     images = tuple(ImageSpan(a, b, d, tuple(g)) for a, b, d, g in meta["ledger"].get("images", ()))
-    ledger = Ledger(tuple(meta["ledger"]["tokens"]), meta["ledger"]["opaque"], images)
+    ledger = Ledger(tuple(meta["ledger"]["tokens"]), meta["ledger"]["opaque"], images, meta["ledger"].get("shifted", 0))
     n = len(meta["layer_classes"])
     layers, extra = layers[:n], layers[n:]
     try:

@@ -20,13 +20,16 @@ class Ledger:
     opaque: int = 0
     images: tuple[ImageSpan, ...] = ()
     """The images whose features fill some of ``tokens`` (their placeholder ids are alike for every image)."""
+    shifted: int = 0
+    """Tokens a context shift dropped from inside the cache since it was filled: non-zero, the kept KV is
+    inexact (it was computed attending to them)."""
 
     def __len__(self) -> int:
         return self.opaque + len(self.tokens)
 
     @classmethod
     def from_offset(cls, fed: Sequence[int], offset: int, opaque: int = 0,
-                    images: Sequence[ImageSpan] = ()) -> Ledger | None:
+                    images: Sequence[ImageSpan] = (), shifted: int = 0) -> Ledger | None:
         """The ledger of a cache at ``offset`` after ``fed`` went in after the opaque prefix.
 
         mlx-lm leaves the cache holding a prefix of what was fed (all of it, or one token less after a
@@ -36,11 +39,11 @@ class Ledger:
         held = offset - opaque
         if held < 0 or held > len(fed):
             return None
-        return cls(tuple(fed[:held]), opaque, tuple(s for s in images if s.end <= held))
+        return cls(tuple(fed[:held]), opaque, tuple(s for s in images if s.end <= held), shifted)
 
     def cut(self, keep: int) -> Ledger:
         """The first ``keep`` tokens (and the images wholly inside them)."""
-        return Ledger(self.tokens[:keep], self.opaque, tuple(s for s in self.images if s.end <= keep))
+        return Ledger(self.tokens[:keep], self.opaque, tuple(s for s in self.images if s.end <= keep), self.shifted)
 
 
 __all__ = ["Ledger"]

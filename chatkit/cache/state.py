@@ -27,6 +27,7 @@ from .ledger import Ledger
 from .planner import Action, Plan, common_prefix_length, plan
 from .prefix import PrefixCache
 from .prompt import SharedPrefixes
+from .shift import plan_shift, shift_layers
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,24 @@ class CacheState:
             self._restore(usable[-1])
         # else: leave it; the next turn's plan decides
 
+    def shift(self, prompt: Sequence[int], delta: int, ropes: Sequence[Any]) -> bool:
+        """Context shift: drop the ``delta`` ledger tokens after the common prefix with ``prompt`` from the
+        layers themselves (the later keys re-rotated by each layer's ``ropes``), when what is left is a
+        longer prefix of ``prompt``; ``False`` (nothing changes) when it would not be, or the cache cannot
+        (an opaque prefix, images, a draft cache, a layer that is not a plain KV cache)."""
+        if self.layers is None or self.ledger.opaque or self.ledger.images or self.draft_layers is not None:
+            return False
+        start = plan_shift(self.ledger.tokens, prompt, delta)
+        if start is None or layer_offset(self.layers) != len(self.ledger.tokens):
+            return False
+        layers = shift_layers(self.layers, ropes, start, delta)
+        if layers is None:
+            return False
+        t = self.ledger.tokens
+        self.layers, self.checkpoints = layers, []
+        self.ledger = Ledger(t[:start] + t[start + delta :], shifted=self.ledger.shifted + delta)
+        return True
+
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers) if self.layers else 0
 
@@ -318,14 +337,16 @@ class CacheState:
         end = self.ledger.opaque + len(sequence)
         if failed and offset is not None and offset > end and can_trim(self.layers) and self._trim_to(len(sequence)):
             offset = end
-        ledger = None if offset is None else Ledger.from_offset(sequence, offset, self.ledger.opaque, self._images)
+        ledger = None if offset is None else Ledger.from_offset(sequence, offset, self.ledger.opaque, self._images,
+                                                                     self.ledger.shifted)
         if ledger is None:
             self.reset()  # the cache no longer matches anything we can name: rebuild next turn
             return
         self.ledger = ledger
         share, self._share_length = self._share_length, 0
         if isinstance(self.shared, SharedPrefixes):
-            if ledger.opaque == 0 and not failed:
+            # A shifted cache's kept KV attended to tokens it no longer holds: never another session's.
+            if ledger.opaque == 0 and ledger.shifted == 0 and not failed:
                 self.shared.insert(ledger.tokens, self.layers, ledger.images)
         elif share and self.shared is not None and len(ledger.tokens) >= share and ledger.opaque == 0:
             self.shared.insert(ledger.tokens[:share], self.layers)

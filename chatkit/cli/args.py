@@ -271,6 +271,9 @@ def _add_chat(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
                       help=f"keep at most the last N tokens in the KV cache (a rotating cache), N >= {MIN_KV_SIZE} "
                            "(default: no limit). The model then forgets what scrolled out of it. Cannot be combined "
                            "with --kv-bits or with a --draft model (--draft prompt_lookup works)")
+    chat.add_argument("--max-kv-bytes", type=byte_size, metavar="SIZE",
+                      help="a memory budget for the conversation's KV cache (e.g. 2GB): the window becomes the "
+                           "tokens that fit, and the context policy works at that window")
     chat.add_argument("--kv-bits", type=int, choices=KV_BITS, metavar="B",
                       help="quantize the KV cache to B bits: one of 2, 3, 4, 5, 6, 8 (default: not quantized)")
     chat.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, metavar="N",

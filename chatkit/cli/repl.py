@@ -96,6 +96,8 @@ class Repl:
         builder = builder.adapter(self.adapter, 1.0 if a.adapter_scale is None else a.adapter_scale)
         if a.max_kv_size is not None:
             builder = builder.max_kv_size(a.max_kv_size)
+        if getattr(a, "max_kv_bytes", None) is not None:
+            builder = builder.max_kv_bytes(a.max_kv_bytes)
         if a.kv_bits is not None:
             builder = builder.kv_bits(a.kv_bits, group_size=kv_group_size(a, self.lm.head_dim))
         explicit = explicit_settings(a)

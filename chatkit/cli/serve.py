@@ -27,6 +27,7 @@ from .args import (
     add_model_flags,
     add_prompt_cache_flags,
     add_sampling_flags,
+    byte_size,
     context_policy,
     load_draft,
     load_model,
@@ -82,6 +83,9 @@ def parser() -> argparse.ArgumentParser:
     add_sampling_flags(p, max_tokens=SERVE_MAX_TOKENS, otherwise="for requests that set none")
     add_context_flag(p)
     add_prompt_cache_flags(p, folder="DIR/prompt-cache with --store DIR, else RAM only")
+    p.add_argument("--max-kv-bytes", type=byte_size, metavar="SIZE",
+                   help="a memory budget for each conversation's KV cache (e.g. 2GB): its window becomes the tokens "
+                        "that fit, and the context policy works at that window")
     p.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH",
                    help="serve an mlx-lm LoRA/DoRA adapter folder over the model as the model id MODEL:NAME "
                         "(MODEL: the --model id that /v1/models lists); requests select it with their model "
@@ -142,7 +146,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_conversations=args.max_conversations, parallel=parallel, queue=args.queue,
         api_key=args.api_key, defaults=defaults, batch=args.batch > 0, context_policy=context_policy(args.context_policy),
         adapters=adapter_flags(args.adapter),
-        prompt_cache=prompt_cache(args, Path(store) / "prompt-cache" if store is not None else None),
+        max_kv_bytes=args.max_kv_bytes, prompt_cache=prompt_cache(args, Path(store) / "prompt-cache" if store is not None else None),
     )
 
 

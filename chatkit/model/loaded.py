@@ -65,6 +65,27 @@ class LoadedModel:
         hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
         return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
 
+    def kv_bytes_per_token(self, kv_bits: int | None = None, kv_group_size: int = 64) -> int:
+        """Bytes one more token takes in this model's KV cache (every attention layer's keys and values;
+        with ``kv_bits``, quantized to that many bits in groups of ``kv_group_size`` with a scale and a
+        bias each). Recurrent state, whose size does not grow with the context, is not counted."""
+        return _kv_bytes_per_token(self._kv_widths, kv_bits, kv_group_size)
+
+    @cached_property
+    def _kv_widths(self) -> tuple[tuple[int, int], ...]:
+        """(values per token, bytes per value) of every attention layer's keys and of its values."""
+        from mlx_lm.models.cache import make_prompt_cache
+
+        cache = make_prompt_cache(self.model)
+        self.model(mx.array([[0]]), cache=cache)  # one token shows the shapes the model writes
+        widths = []
+        for layer in cache:
+            for name in ("keys", "values"):
+                a = getattr(layer, name, None)
+                if isinstance(a, mx.array) and a.ndim == 4:
+                    widths.append((a.shape[1] * a.shape[3], a.dtype.size))
+        return tuple(widths)
+
     @cached_property
     def vocab_size(self) -> int:
         """How many logits the model produces per token (token ids are below this)."""
@@ -119,6 +140,12 @@ class LoadedModel:
         active = ActiveAdapter(adapter, scale)
         config = {**self.config, "chatkit_fused_adapter": active.key}
         return LoadedModel(fused(self.model, active), self.tokenizer, config, self.source, self.distributed)
+
+
+def _kv_bytes_per_token(widths: tuple[tuple[int, int], ...], kv_bits: int | None, group: int) -> int:
+    if kv_bits is None:
+        return sum(n * size for n, size in widths)
+    return sum(-(-n * kv_bits // 8) + 2 * -(-n // group) * size for n, size in widths)
 
 
 def _digest(value: Any) -> str:

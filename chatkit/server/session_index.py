@@ -73,13 +73,12 @@ class SessionIndex:
         context_policy: ContextPolicy | None = None,
         adapters: Mapping[str, Adapter] | None = None,
         prompt_cache: PromptCache | None | str = "default",  # "default": the model's process-wide one
+        max_kv_bytes: int | None = None,  # each conversation's KV budget (its window: the tokens that fit)
     ) -> None:
-        self._lm, self._prompt_cache = lm, prompt_cache
+        self._lm, self._prompt_cache, self._max_kv_bytes = lm, prompt_cache, max_kv_bytes
         self._policy = context_policy if context_policy is not None else ContextPolicy()
         self._engine = engine
-        self._defaults = defaults or GenerateParams()
-        self._speculative = speculative
-        self._persist = persist
+        self._defaults, self._speculative, self._persist = defaults or GenerateParams(), speculative, persist
         self._folder = Path(folder)
         self.pool = SessionPool(lm, folder=self._folder / "caches", max_cache_bytes=max_cache_bytes, engine=engine)
         self._max = max_conversations
@@ -345,6 +344,7 @@ class SessionIndex:
         builder = ChatSession.builder(self._lm).generate_params(self._defaults.copy()).engine(self._engine)
         builder = builder if self._prompt_cache == "default" else builder.prompt_cache(self._prompt_cache)  # type: ignore[arg-type]
         builder = builder.context_policy(self._policy).adapter(self._adapters[adapter] if adapter else None)
+        builder = builder.max_kv_bytes(self._max_kv_bytes) if self._max_kv_bytes is not None else builder
         builder = builder.cache(restore) if restore is not None else builder.instructions(instructions).history(history)
         if tools:  # the client runs the tools: a reply that calls them ends the turn
             builder = builder.tools([dict(t) for t in tools], tool_execution="manual")
@@ -354,7 +354,7 @@ class SessionIndex:
         """A session with tools opens its turn only as its stream is read, after the response's status
         went out: check the prompt fits the context window now, so that it is a 413 (the turn checks again).
         With a policy that compacts, what must fit is the instructions and the exchange ``message`` is part of."""
-        limit = self._lm.context_length
+        limit = session.context_window  # the model's, or the tokens --max-kv-bytes holds
         if limit is None:
             return
         if session.context_policy.mode != "error":

@@ -61,6 +61,9 @@ class ServerConfig:
     speculative: SpeculativeConfig | None = None
     context_policy: ContextPolicy = field(default_factory=ContextPolicy.rolling)
     adapters: Mapping[str, Adapter | str | os.PathLike[str]] = field(default_factory=dict)
+    max_kv_bytes: int | None = None
+    """Each conversation's KV budget (``chatkit serve --max-kv-bytes``): its window becomes the tokens that
+    fit, and the context policy works at that window."""
     prompt_cache: PromptCache | None | str = "default"
     """KV blocks shared by every conversation (``chatkit serve --prompt-cache``): ``"default"``, the model's
     process-wide prompt cache (RAM only); ``None``: off."""
@@ -126,7 +129,7 @@ class ServerState:
                 lm, folder=root, max_cache_bytes=config.max_cache_bytes, max_conversations=config.max_conversations,
                 defaults=config.defaults, speculative=config.speculative, persist=config.store is not None,
                 engine=engine, context_policy=config.context_policy, adapters=self.models.adapters,
-                prompt_cache=self.prompt_cache,
+                prompt_cache=self.prompt_cache, max_kv_bytes=config.max_kv_bytes,
             )
             self.responses = ResponseStore(root / "responses" if config.store is not None else None)
             self.limiter = Limiter(config.parallel, config.queue)

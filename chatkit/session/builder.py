@@ -55,6 +55,7 @@ class SessionSettings:
     earlier: tuple[tuple[int, Window], ...] = ()
     adapter: ActiveAdapter | None = None  # the LoRA adapter applied to the model, checked and installed
     prompt_cache: PromptCache | None | str = "default"  # "default": the model's process-wide one
+    max_kv_bytes: int | None = None  # the KV cache's budget: the window becomes the tokens that fit
 
 
 def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
@@ -102,6 +103,7 @@ class ChatSessionBuilder(Generic[S]):
         self._speculative: SpeculativeConfig | None = None
         self._allow_special = False
         self._engine: Any = None
+        self._max_kv_bytes: int | None = None
         self._context_policy: ContextPolicy | None = None  # None: the default, or a restored file's
         self._adapter: ActiveAdapter | None = None
         self._prompt_cache: PromptCache | None | str = "default"
@@ -172,6 +174,14 @@ class ChatSessionBuilder(Generic[S]):
     def max_kv_size(self, tokens: int | None) -> ChatSessionBuilder[S]:
         """Keep at most this many tokens in a rotating KV cache."""
         self._cache_options["max_kv_size"] = tokens
+        return self
+
+    def max_kv_bytes(self, n: int | None) -> ChatSessionBuilder[S]:
+        """A memory budget for this session's KV cache, in bytes: its window becomes the tokens that fit
+        (``kv_bytes_per_token``, never more than the model's), and the context policy works at that window."""
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise InvalidParamsError(f"max_kv_bytes({n!r}): use an int of bytes >= 1, or None.")
+        self._max_kv_bytes = n
         return self
 
     def kv_bits(self, bits: int | None, *, group_size: int = 64, start: int = 0) -> ChatSessionBuilder[S]:
@@ -284,7 +294,7 @@ class ChatSessionBuilder(Generic[S]):
         settings = SessionSettings(
             self._lm, instructions, tuple(history), params, self._template, self._tools, self._tool_options, options,
             self._progress, self._speculative, self._allow_special, self._engine, self._context_policy or ContextPolicy(),
-            adapter=self._adapter, prompt_cache=self._prompt_cache,
+            adapter=self._adapter, prompt_cache=self._prompt_cache, max_kv_bytes=self._max_kv_bytes,
         )
         return self._factory(settings if self._restore is None else self._restored(settings))
 

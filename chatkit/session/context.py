@@ -50,6 +50,7 @@ class ContextPolicy:
     high_water: float = 0.8
     fallback: str = "rolling"
     summary_timeout: float = SUMMARY_TIMEOUT
+    shift: bool = False
 
     @classmethod
     def error(cls) -> ContextPolicy:
@@ -58,12 +59,14 @@ class ContextPolicy:
 
     @classmethod
     def rolling(cls, low_water: float = 0.5, keep_first: int = 0, reserve: int | None = None, *,
-                high_water: float = 0.8) -> ContextPolicy:
+                high_water: float = 0.8, shift: bool = False) -> ContextPolicy:
         """When the prompt plus the reply's room (``max_tokens``, or ``reserve`` tokens) would not fit, the
         oldest whole exchanges after the first ``keep_first`` leave what the model sees, until the prompt
         takes at most ``low_water`` of the window. The history keeps them. Past ``high_water`` the next
-        compaction can be prepared between turns (``session.prepare_compaction()``)."""
-        return cls("rolling", low_water, keep_first, reserve, high_water=high_water).checked()
+        compaction can be prepared between turns (``session.prepare_compaction()``). ``shift=True``: the
+        dropped exchanges leave the KV cache itself (the kept keys re-rotated to their new positions), so
+        the turn prefills only its new message; inexact by nature (see docs/context.md)."""
+        return cls("rolling", low_water, keep_first, reserve, high_water=high_water, shift=shift).checked()
 
     @classmethod
     def summarize(
@@ -100,6 +103,8 @@ class ContextPolicy:
         if self.reserve is not None and (isinstance(self.reserve, bool) or not isinstance(self.reserve, int)
                                          or self.reserve < 1):
             raise InvalidParamsError(f"reserve={self.reserve!r}: use None (max_tokens) or an int >= 1 (tokens).")
+        if not isinstance(self.shift, bool) or self.shift and self.mode != "rolling":
+            raise InvalidParamsError(f"shift={self.shift!r}: a bool, True only with ContextPolicy.rolling().")
         if self.fallback not in ("rolling", "wait"):
             raise InvalidParamsError(f"fallback={self.fallback!r}: use 'rolling' or 'wait'.")
         if isinstance(self.summary_timeout, bool) or not isinstance(self.summary_timeout, (int, float)) \
@@ -115,7 +120,7 @@ class ContextPolicy:
         """The policy as JSON (a summarizer object is not saved: a restored session summarizes with its model)."""
         return {"mode": self.mode, "low_water": self.low_water, "keep_first": self.keep_first, "reserve": self.reserve,
                 "prompt": self.prompt, "high_water": self.high_water, "fallback": self.fallback,
-                "summary_timeout": self.summary_timeout}
+                "summary_timeout": self.summary_timeout, **({"shift": True} if self.shift else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ContextPolicy:
@@ -124,7 +129,7 @@ class ContextPolicy:
             raise InvalidParamsError(f"ContextPolicy.from_dict takes a dict (ContextPolicy.to_dict()), got "
                                      f"{type(data).__name__}.")
         known = {k: data[k] for k in ("mode", "low_water", "keep_first", "reserve", "prompt", "high_water", "fallback",
-                                      "summary_timeout") if k in data}
+                                      "summary_timeout", "shift") if k in data}
         return cls(**known).checked()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ..cache.planner import common_prefix_length
 from ..cache.state import CacheState
 from ..errors import ChatKitError, NothingToRegenerateError, NothingToUndoError
 from ..messages import ChatMessage, Role, ToolCall
@@ -52,11 +53,16 @@ class Conversation:
         undone, and the cache rewinds to the longest prefix of the rendering (``ids_of``) it can come back
         to (or is dropped)."""
         self._messages = tuple(messages)
+        undone = self.window
         while self.earlier and self.earlier[-1][0] >= len(messages):
             self.window = self.earlier[-1][1]
             self.earlier = self.earlier[:-1]
         try:
             ids = ids_of(self.window, self._messages)
+            if undone != self.window and self.cache.ledger.shifted:
+                # A shifted cache holds the kept tokens where the dropped ones were: keep only what comes
+                # before the first of them (the same ids there would be keys computed in another context).
+                ids = ids[: common_prefix_length(ids, ids_of(undone, self._messages))]
         except ChatKitError:
             ids = []  # cannot render what is left: the cache rewinds as far as it can
         self.cache.rewind(ids)

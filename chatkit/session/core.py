@@ -13,6 +13,7 @@ from typing import Any
 from typing_extensions import Self
 
 from ..cache.prompt import PromptCache, default_prompt_cache
+from ..cache.shift import shift_problem
 from ..cache.state import CacheOptions, CacheState
 from ..decode import ProgressCallback, TokenSource
 from ..decode.batch import BatchEngine, check_engine
@@ -62,6 +63,7 @@ class SessionCore:
         context_policy: ContextPolicy = ContextPolicy(),
         adapter: ActiveAdapter | None = None,
         prompt_cache: PromptCache | None | str = "default",
+        max_kv_bytes: int | None = None,
     ) -> None:
         """Prefer :meth:`builder`, which also restores saved caches; every argument is checked here."""
         if not isinstance(lm, LoadedModel):
@@ -79,9 +81,8 @@ class SessionCore:
         self._strict = StrictCalls(lm.tokenizer)
         if tool_options.strict and self._tools is not None:
             self._strict.grammar(self._tools)  # a format or schema that cannot be constrained raises here
-        self._speculative, self._engine = speculative, engine
+        self._speculative, self._engine, self._prompt_cache = speculative, engine, _prompt_cache(lm, prompt_cache)
         self._adapter = adapter if adapter is None or isinstance(adapter, ActiveAdapter) else _bad_adapter()
-        self._prompt_cache = _prompt_cache(lm, prompt_cache)
         self._source: TokenSource = (
             engine.source(speculative) if engine is not None else source_for(lm.model, lm.distributed, speculative)
         )
@@ -89,6 +90,7 @@ class SessionCore:
         if not isinstance(context_policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(context_policy).__name__}.")
         self._policy = context_policy.checked()
+        self._ropes, self._budget = self._shift_ropes(self._policy, cache_options), self._kv_budget(max_kv_bytes, cache_options)
         self._progress, self._gate, self._preparer = prefill_progress, TurnGate(), Preparer()
         self._between_turns: Callable[[Callable[[], None]], None] | None = None  # runs work between turns (a pool's)
         self._last_stats: TurnStats | None = None
@@ -137,10 +139,11 @@ class SessionCore:
             tokenizer = self._lm.tokenizer
             turn = Turn.prepare(
                 self._prompting(), self._fitter(params, summaries=not self._preparer.running), self._conversation,
-                base, message, params, context_length=self._lm.context_length, source=self._source,
+                base, message, params, context_length=self._context_length, source=self._source,
                 settle=self._settle, progress=self._progress, detokenizer=_tokenizer.new_detokenizer(tokenizer),
                 eos_token_ids=frozenset(tokenizer.eos_token_ids), constraints=constraints,
                 prepared=prepared.compacted if prepared is not None else None, adapter=self._adapter,
+                ropes=self._ropes if self._policy.shift else None,
             )
             if prepared is not None and turn.fit is not None and turn.fit.window == prepared.compacted:
                 self._conversation.cache = prepared.cache  # its compacted context is prefilled already
@@ -216,7 +219,7 @@ class SessionCore:
         def render(window: Window, messages: Sequence[ChatMessage]) -> list[int]:
             return self._rendered_ids(window, messages, params, add_generation_prompt=True)
 
-        size = window_size(self._lm.context_length, self._conversation.cache.options.max_kv_size)
+        size = window_size(self._context_length, self._conversation.cache.options.max_kv_size)
         summarize = summarizer_for(self._policy, self._lm, size, self._summary_session) if summaries else None
         return Fitter(self._policy, size, render, lambda text: len(self._lm.tokenizer.encode(text)), summarize)
 
@@ -268,7 +271,8 @@ class SessionCore:
     def _can_prepare(self) -> bool:
         """Preparations are for policies that compact, in one process (sharded ranks must run in step)."""
         group = self._lm.distributed
-        return self._policy.mode != "error" and not (group is not None and group.sharded) and self._images is None
+        return (self._policy.mode != "error" and not self._policy.shift and not (group is not None and group.sharded)
+                and self._images is None)
 
     def _prepare_compaction(self) -> bool:
         """See ``ChatSession.prepare_compaction``."""
@@ -308,6 +312,43 @@ class SessionCore:
             return prepared is not None
         finally:
             self._preparer.finish(prepared)
+
+    @property
+    def _context_length(self) -> int | None:
+        """The window a prompt and its reply must fit: the model's, or the tokens the KV budget holds."""
+        return window_size(self._lm.context_length, self._budget)
+
+    def _kv_budget(self, max_kv_bytes: int | None, options: CacheOptions) -> int | None:
+        """The tokens ``max_kv_bytes`` of KV cache hold (``None``: no budget); ``InvalidParamsError`` when
+        they are too few for the instructions, a short prompt and the reply's room."""
+        if max_kv_bytes is None:
+            return None
+        if isinstance(max_kv_bytes, bool) or not isinstance(max_kv_bytes, int) or max_kv_bytes < 1:
+            raise InvalidParamsError(f"max_kv_bytes={max_kv_bytes!r}: use an int of bytes >= 1, or None.")
+        per_token = self._lm.kv_bytes_per_token(options.kv_bits, options.kv_group_size)
+        if per_token == 0:
+            return None  # no cache that grows with the context
+        tokens = max_kv_bytes // per_token
+        needed = len(self._rendered_ids(Window(), [ChatMessage.user("Hi")], add_generation_prompt=True)) + \
+            self._policy.room(self._params.max_tokens)
+        if tokens < needed:
+            raise InvalidParamsError(
+                f"max_kv_bytes={max_kv_bytes} holds {tokens} tokens of this model's KV cache ({per_token} bytes "
+                f"each), fewer than the instructions, a short prompt and its reply's room need ({needed}): give "
+                f"at least {needed * per_token} bytes, or shorter instructions or a smaller max_tokens.")
+        return tokens
+
+    def _shift_ropes(self, policy: ContextPolicy, options: CacheOptions) -> list[Any] | None:
+        """Each cache layer's rotation when ``policy`` shifts (``None`` when it does not); a
+        ``InvalidParamsError`` naming why when this session cannot shift its cache."""
+        if not policy.shift:
+            return None
+        why = shift_obstacle(self._lm, options, self._speculative, self._engine)
+        ropes = shift_problem(self._lm.model) if why is None else why
+        if isinstance(ropes, str):
+            raise InvalidParamsError(f"ContextPolicy.rolling(shift=True) cannot work here: {ropes}. "
+                                     "Use ContextPolicy.rolling() (it re-prefills the kept context instead).")
+        return ropes
 
     @property
     def _draft_model(self) -> Any:
@@ -367,6 +408,22 @@ def _prompt_cache(lm: LoadedModel, chosen: PromptCache | None | str) -> PromptCa
         raise InvalidParamsError("A model sharded over processes cannot use a prompt cache (its ranks must prefill "
                                  "alike): drop prompt_cache(...) or give None.")
     return chosen
+
+
+def shift_obstacle(lm: LoadedModel, options: CacheOptions, speculative: SpeculativeConfig | None,
+                   engine: BatchEngine | None) -> str | None:
+    """Why a session's settings rule out a context shift (before the model's own layers are looked at)."""
+    if lm.vision is not None:
+        return "a vision-language model places its tokens with multimodal (M-RoPE) positions"
+    if lm.distributed is not None and lm.distributed.sharded:
+        return "a sharded model's ranks would have to shift in step"
+    if options.kv_bits is not None:
+        return f"a quantized KV cache (kv_bits={options.kv_bits}) cannot be re-rotated without requantizing it"
+    if options.max_kv_size is not None:
+        return f"a rotating cache (max_kv_size={options.max_kv_size}) evicts tokens by itself"
+    if speculative is not None or engine is not None:
+        return "a draft model's or batch engine's cache would have to shift too"
+    return None
 
 
 def _bad_adapter() -> ActiveAdapter:

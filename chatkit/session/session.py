@@ -127,7 +127,8 @@ class ChatSession(SessionCore):
     def context_policy(self, policy: ContextPolicy) -> None:
         if not isinstance(policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(policy).__name__}.")
-        self._policy = policy.checked()
+        ropes = self._shift_ropes(policy.checked(), self._conversation.cache.options)
+        self._policy, self._ropes = policy, ropes
 
     @property
     def context(self) -> list[ChatMessage]:
@@ -144,8 +145,15 @@ class ChatSession(SessionCore):
 
     @property
     def context_window(self) -> int | None:
-        """The window prompts must fit, in tokens: the model's, or ``max_kv_size`` when that is smaller."""
-        return window_size(self._lm.context_length, self.cache_options.max_kv_size)
+        """The window prompts must fit, in tokens: the model's, or ``max_kv_size`` or the tokens
+        ``max_kv_bytes`` holds when smaller."""
+        return window_size(self._context_length, self.cache_options.max_kv_size)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one more token takes in this session's KV cache (counting ``kv_bits``)."""
+        options = self.cache_options
+        return self._lm.kv_bytes_per_token(options.kv_bits, options.kv_group_size)
 
     @property
     def token_count(self) -> int:

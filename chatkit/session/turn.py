@@ -111,6 +111,8 @@ class Turn:
     adapter: ActiveAdapter | None = None  # the session's adapter: part of what shapes this turn's KV
     vision: ImageTable | None = None  # a vision-language model's images (encoded once per session)
     images: tuple[ImageSpan, ...] = ()  # where the prompt's images are
+    ropes: Sequence[Any] | None = None  # each cache layer's rotation when the policy shifts the cache
+    shifted: int = 0  # tokens a context shift dropped from the cache for this turn
 
     @classmethod
     def prepare(
@@ -160,6 +162,9 @@ class Turn:
         cache = self.conversation.cache
         if self.vision is not None:  # before anything changes: pixels a restored session does not have
             self.vision.check(self.images, cache.preview(self.prompt, self.images))
+        if self.ropes is not None and self.fit is not None and self.fit.compacted and \
+                cache.shift(self.prompt, self.fit.dropped_tokens, self.ropes):
+            self.shifted = self.fit.dropped_tokens
         self.plan = cache.prepare(self.prompt, self.images)
         embeddings, model = None, None
         if self.vision is not None:
