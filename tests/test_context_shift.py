@@ -207,3 +207,18 @@ def test_chat_takes_a_kv_budget_as_a_size():
     assert parser().parse_args(["chat", "--max-kv-bytes", "2GB"]).max_kv_bytes == 2 * 10**9
     with pytest.raises(SystemExit):
         parser().parse_args(["chat", "--max-kv-bytes", "lots"])
+
+
+def test_a_shifted_cache_gives_no_blocks_to_the_prompt_cache(lm):
+    """Kept KV attended to tokens a shift dropped: another session must never start from it."""
+    from chatkit import PromptCache
+
+    pc = PromptCache(block_tokens=16)
+    session = session_over(lm, ContextPolicy.rolling(shift=True), prompt_cache=pc)
+    grew_after_shift = []
+    for prompt in PROMPTS[:24]:
+        before = pc.usage().blocks
+        session.respond(prompt)
+        if cache_state(session).ledger.shifted:
+            grew_after_shift.append(pc.usage().blocks - before)
+    assert grew_after_shift and not any(grew_after_shift) and pc.usage().blocks > 0
