@@ -378,7 +378,7 @@ def _timed(write: Callable[[], str], policy: ContextPolicy) -> str | None:
         except BaseException as exc:  # handed to the waiting turn
             box["error"] = exc
 
-    thread = threading.Thread(target=run, name="chatkit-summarizer", daemon=True)
+    thread = threading.Thread(target=run, name=f"{threading.current_thread().name}/summarizer", daemon=True)  # whose
     thread.start()
     thread.join(policy.summary_timeout)
     if thread.is_alive():
