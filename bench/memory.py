@@ -61,12 +61,16 @@ def long_conversation(lm) -> None:
         mx.clear_cache()  # drop MLX's buffer cache: measure what is really held
         active = mx.get_active_memory()
         info = session.cache_info()
-        cache = info.nbytes + info.checkpoint_bytes
+        # the session's KV cache, and the copies of its blocks in the model's prompt cache (on by default,
+        # within its own RAM budget: docs/caching.md)
+        shared = session.prompt_cache.usage().ram_bytes if session.prompt_cache is not None else 0
+        cache = info.nbytes + info.checkpoint_bytes + shared
         other = active - weights - cache
         others.append(other)
         if turn == 1 or turn % 10 == 0:
             rows.append((turn, info.tokens, active / MB, cache / MB, other / MB, session.last_stats.peak_memory_bytes / MB))
     print(f"\nweights: {weights / MB:.1f} MiB; after each turn, MiB:")
+    print("(kv cache: the session's and its blocks' copies in the prompt cache)")
     print(f"{'turn':>5} {'tokens':>7} {'active':>8} {'kv cache':>9} {'other':>7} {'turn peak':>10}")
     for turn, tokens, active, cache, other, peak in rows:
         print(f"{turn:>5} {tokens:>7} {active:>8.1f} {cache:>9.1f} {other:>7.2f} {peak:>10.1f}")
@@ -75,9 +79,11 @@ def long_conversation(lm) -> None:
           f"max {max(others[9:]) / MB:.2f} MiB, spread {spread:.2f} MiB")
     before = mx.get_active_memory()
     session.release_cache()
+    if session.prompt_cache is not None:
+        session.prompt_cache.clear()  # its blocks are the prompt cache's, not the session's
     mx.clear_cache()
     after = mx.get_active_memory()
-    print(f"release_cache(): active {before / MB:.1f} -> {after / MB:.1f} MiB (weights {weights / MB:.1f})")
+    print(f"release_cache() and prompt_cache.clear(): active {before / MB:.1f} -> {after / MB:.1f} MiB (weights {weights / MB:.1f})")
     ok = spread < 1.0 and after - weights < 1 * MB
     print(f"target: no growth beyond the KV cache (spread < 1 MiB) and release frees it: {'PASS' if ok else 'FAIL'}")
 

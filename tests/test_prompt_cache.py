@@ -59,6 +59,7 @@ def test_a_new_session_takes_the_shared_instructions_from_its_models_cache(lm, d
     first = build(lm)
     turn(first, "Hello!")
     pc = default_prompt_cache(lm)
+    assert first.prompt_cache is pc  # what a user reads usage() from
     before = pc.usage()
     assert before.blocks >= 1 and before.ram_bytes > 0
     second = build(lm)
@@ -77,7 +78,7 @@ def test_off_for_one_session(lm, default_prompt_cache_on):
     turn(build(lm, pc), "Hello!")
     off = build(lm, None)
     turn(off, "Hello!")
-    assert off.last_stats.reused_tokens == 0
+    assert off.last_stats.reused_tokens == 0 and off.prompt_cache is None
 
 
 def test_replies_over_cached_blocks_equal_replies_without_them_turn_after_turn(lm):

@@ -15,6 +15,7 @@ from typing import Any
 
 from typing_extensions import Unpack
 
+from ..cache.prompt import PromptCache
 from ..cache.state import CacheInfo, CacheOptions, CacheState
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig, check_cache_options
@@ -154,6 +155,12 @@ class ChatSession(SessionCore):
         """Bytes one more token takes in this session's KV cache (counting ``kv_bits``)."""
         options = self.cache_options
         return self._lm.kv_bytes_per_token(options.kv_bits, options.kv_group_size)
+
+    @property
+    def prompt_cache(self) -> PromptCache | None:
+        """The prompt cache this session shares KV blocks through (by default its model's process-wide
+        one: ``session.prompt_cache.usage()``), ``None`` when off. Set with ``builder.prompt_cache``."""
+        return self._prompt_cache
 
     @property
     def token_count(self) -> int:
