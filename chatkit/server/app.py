@@ -20,7 +20,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from ..errors import ChatKitError
@@ -28,6 +28,7 @@ from ..images import images_refused
 from ..model.loaded import LoadedModel
 from . import anthropic_wire, chat_completions, conversations, messages, page, response_items, responses, trace
 from .errors import UnauthorizedError, UnknownModelError, error_body
+from .lease import Lease
 from .metrics import CONTENT_TYPE, prompt_cache_series
 from .state import Handler, ServerConfig, ServerState
 
@@ -115,19 +116,37 @@ def _endpoint(state: ServerState, handler: Handler, method: str, route: str, *,
     shown = re.sub(r":\w+}", "}", route)  # /v1/models/{mid}, not {mid:path}
     async def endpoint(request: Request) -> Response:
         traced = trace.begin(request)  # None unless the client asked (X-Chatkit-Trace)
-        try:
-            if handler not in OPEN:
-                _authorize(request, state.config.api_key, anthropic)
-            if state.lm.vision is None:  # a text model: no image is decoded at all
-                with images_refused(NO_IMAGES):
+        with state.leases() as opened:
+            try:
+                if handler not in OPEN:
+                    _authorize(request, state.config.api_key, anthropic)
+                if state.lm.vision is None:  # a text model: no image is decoded at all
+                    with images_refused(NO_IMAGES):
+                        response = await handler(state, request)
+                else:
                     response = await handler(state, request)
-            else:
-                response = await handler(state, request)
-        except Exception as exc:
-            response = _error(exc, anthropic)
+            except Exception as exc:
+                await state.settle_all(opened)  # a turn opened before the failure: its slot back
+                response = _error(exc, anthropic)
         state.metrics.observe_request(method, shown, response.status_code)
-        return response if traced is None else trace.attach(traced, response)
+        response = response if traced is None else trace.attach(traced, response)
+        return _Settling(response, state, opened) if opened and isinstance(response, StreamingResponse) else response
     return endpoint
+
+
+class _Settling(Response):
+    """A streamed turn's response that settles its turns when it ends, also when its body never ran (a
+    client gone before it started: Starlette then never iterates the handler's generator)."""
+
+    def __init__(self, inner: Response, state: ServerState, leases: list[Lease]) -> None:
+        self.inner, self.state, self.leases = inner, state, leases
+        self.status_code, self.background = inner.status_code, None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await self.inner(scope, receive, send)
+        finally:
+            await self.state.settle_all(self.leases)
 
 
 def _authorize(request: Request, api_key: str | None, x_api_key: bool = False) -> None:

@@ -21,6 +21,7 @@ class Lease:
     replaces: bool = False
     asked: ChatMessage | None = None  # the prompt as the client sent it, when the session holds it changed
     model: str = ""  # the served model's id as replies show it (``<id>:<adapter>`` with an adapter)
+    settled: bool = False  # closed, re-indexed and its slot freed (``ServerState.settled``)
 
     def reply(self) -> ChatMessage | None:
         """The assistant message the turn committed (``None`` before it committed, or if it never did)."""

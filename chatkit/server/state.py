@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,6 +161,9 @@ class ServerState:
             lease = await self.sessions.start(instructions, history, added, params, tools=req.tools, keep=keep,
                                               schema=req.schema, strict_tools=req.strict_tools, adapter=model.adapter)
             lease.model = model.id
+            opened = _OPENED.get()
+            if opened is not None:
+                opened.append(lease)
             return lease
         except BaseException:
             self.limiter.release()
@@ -173,15 +177,36 @@ class ServerState:
         try:
             yield
         finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await lease.stream.aclose()
-                    await self.sessions.finish(lease)
-                finally:
-                    self.limiter.release()
-                    self.metrics.observe_turn(lease.stream.stats)
-                    trace.turn(lease.stream.stats)
-                    trace.stamp("settled")
+            if not lease.settled:  # once (a response whose body never ran is settled by the endpoint)
+                lease.settled = True
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await lease.stream.aclose()
+                        await self.sessions.finish(lease)
+                    finally:
+                        self.limiter.release()
+                        self.metrics.observe_turn(lease.stream.stats)
+                        trace.turn(lease.stream.stats)
+                        trace.stamp("settled")
+
+    @contextlib.contextmanager
+    def leases(self) -> Iterator[list[Lease]]:
+        """The turns a request's handler opens (``open_turn``) are listed here, so that :meth:`settle_all`
+        can settle those it left open: it failed after opening one, or its stream was never read (a client
+        gone before the body started)."""
+        opened: list[Lease] = []
+        token = _OPENED.set(opened)
+        try:
+            yield opened
+        finally:
+            _OPENED.reset(token)
+
+    async def settle_all(self, leases: Sequence[Lease]) -> None:
+        """Settle every turn of ``leases`` not settled yet (nothing generated: nothing commits)."""
+        for lease in leases:
+            if not lease.settled:
+                async with self.settled(lease):
+                    pass
 
     async def complete(self, lease: Lease) -> str | None:
         """Run the turn to its end and settle it (a reply that is not streamed); its finish reason."""
@@ -192,6 +217,7 @@ class ServerState:
         return finish
 
 
+_OPENED: contextvars.ContextVar[list[Lease] | None] = contextvars.ContextVar("chatkit_opened_turns", default=None)
 Handler = Callable[[ServerState, Request], Awaitable[Response]]  # an endpoint of the app, given the state
 
 
