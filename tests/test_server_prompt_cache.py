@@ -75,3 +75,10 @@ def test_off_reports_nothing_cached(lm):
         text = httpx.get(f"{running.url.removesuffix('/v1')}/metrics", timeout=30).text
     assert cached == [0, 0]
     assert "chatkit_prompt_cache_hits_total" not in text
+
+
+def test_a_bad_prompt_cache_setting_is_refused_before_serving(lm):
+    from chatkit import InvalidParamsError
+
+    with pytest.raises(InvalidParamsError, match="ServerConfig.prompt_cache"):
+        start(lm, ServerConfig(prompt_cache="ram"))

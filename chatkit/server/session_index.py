@@ -72,7 +72,7 @@ class SessionIndex:
         engine: BatchEngine | None = None,
         context_policy: ContextPolicy | None = None,
         adapters: Mapping[str, Adapter] | None = None,
-        prompt_cache: PromptCache | None | str = "default",  # "default": the model's process-wide one
+        prompt_cache: PromptCache | None = None,  # shared by its sessions (the server state resolves "default")
         max_kv_bytes: int | None = None,  # each conversation's KV budget (its window: the tokens that fit)
     ) -> None:
         self._lm, self._prompt_cache, self._max_kv_bytes = lm, prompt_cache, max_kv_bytes
@@ -342,7 +342,7 @@ class SessionIndex:
         """A session over ``instructions`` + ``history`` with the adapter named ``adapter``, or
         (``restore``) the conversation saved there."""
         builder = ChatSession.builder(self._lm).generate_params(self._defaults.copy()).engine(self._engine)
-        builder = builder if self._prompt_cache == "default" else builder.prompt_cache(self._prompt_cache)  # type: ignore[arg-type]
+        builder = builder.prompt_cache(self._prompt_cache)
         builder = builder.context_policy(self._policy).adapter(self._adapters[adapter] if adapter else None)
         builder = builder.max_kv_bytes(self._max_kv_bytes) if self._max_kv_bytes is not None else builder
         builder = builder.cache(restore) if restore is not None else builder.instructions(instructions).history(history)

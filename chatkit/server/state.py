@@ -21,6 +21,7 @@ from starlette.responses import Response
 from ..cache.prompt import PromptCache, default_prompt_cache
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig
+from ..errors import InvalidParamsError
 from ..messages import ChatMessage
 from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
@@ -107,7 +108,8 @@ class ServerState:
         sharded = lm.distributed is not None and lm.distributed.sharded  # (its ranks must prefill alike: none)
         chosen = None if sharded else default_prompt_cache(lm) if config.prompt_cache == "default" else config.prompt_cache
         if chosen is not None and not isinstance(chosen, PromptCache):
-            raise TypeError(f"ServerConfig.prompt_cache takes a chatkit.PromptCache, None or 'default', got {chosen!r}.")
+            raise InvalidParamsError(f"ServerConfig.prompt_cache takes a chatkit.PromptCache, None or 'default', got "
+                                     f"{chosen!r}.")
         self.prompt_cache: PromptCache | None = chosen
         self.started = int(time.time())
 
