@@ -119,6 +119,7 @@ def serve_http(server: MCPServer) -> None:
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    sock.listen(64)  # connections queue from here on, so the URL printed below is usable at once
     port = sock.getsockname()[1]
     app = server.streamable_http_app()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
