@@ -16,7 +16,10 @@ import json
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 
@@ -36,7 +39,7 @@ def digest(arrays: dict[str, mx.array]) -> str:
     for name in sorted(arrays):
         a = arrays[name]
         h.update(f"{name}|{a.dtype}|{list(a.shape)}|".encode())
-        h.update(bytes(memoryview(a)))  # type: ignore[arg-type]  # mx.array has the buffer protocol
+        h.update(memoryview(a))  # type: ignore[arg-type]  # mx.array has the buffer protocol (no copy)
     return h.hexdigest()
 
 
@@ -108,24 +111,53 @@ class BlockFiles:
 
     def read(self, key: str, seed: str, tokens: int | None) -> Block | None:
         """The block of ``key`` if its file is whole and this chain's; else ``None`` (the file is removed)."""
-        if key not in self._index:
-            return None
-        path = self.path(self._index[key][1], key)
-        try:
-            block = self._load(path, key, seed, tokens)
-        except (CacheFileError, OSError, ValueError, RuntimeError, KeyError, TypeError):
-            block = None
-        if block is None:
+        opened = self._open(key, seed, tokens)
+        return self._checked(key, opened, opened is not None and digest(opened[1]) == opened[2])
+
+    def read_many(self, keys: Sequence[str], seed: str, tokens: int) -> list[Block]:
+        """The whole blocks of ``keys`` in order, up to the first missing or damaged one (removed). The
+        checksums are verified on two threads (hashlib lets go of the GIL): a restart's first lookup
+        reads a prompt's blocks about twice as fast as one by one on two cores."""
+        opened: list[tuple[Block, dict[str, mx.array], Any]] = []
+        for key in keys:
+            one = self._open(key, seed, tokens)
+            if one is None:
+                self._checked(key, None, False)
+                break
+            opened.append(one)
+        with ThreadPoolExecutor(2) as pool:
+            good = list(pool.map(lambda one: digest(one[1]) == one[2], opened))
+        blocks: list[Block] = []
+        for key, one, ok in zip(keys, opened, good):
+            block = self._checked(key, one, ok)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _checked(self, key: str, opened: tuple[Block, dict[str, mx.array], Any] | None, ok: bool) -> Block | None:
+        """``opened``'s block when ``ok`` (its file marked as just used); else ``None``, the file removed."""
+        if opened is None or not ok:
             self.remove(key)
             return None
         self._index.move_to_end(key)
         try:
-            os.utime(path)
+            os.utime(self.path(self._index[key][1], key))
         except OSError:
             pass
-        return block
+        return opened[0]
 
-    def _load(self, path: Path, key: str, seed: str, most: int | None) -> Block | None:
+    def _open(self, key: str, seed: str, most: int | None) -> tuple[Block, dict[str, mx.array], Any] | None:
+        """The block of ``key``'s file, its arrays (read) and the checksum its header gives, when the file
+        is there and says it is this chain's block; ``None`` when not."""
+        if key not in self._index:
+            return None
+        try:
+            return self._load(self.path(self._index[key][1], key), key, seed, most)
+        except (CacheFileError, OSError, ValueError, RuntimeError, KeyError, TypeError):
+            return None
+
+    def _load(self, path: Path, key: str, seed: str, most: int | None) -> tuple[Block, dict[str, mx.array], Any] | None:
         metadata, _, _ = read_header(path)  # before MLX reads anything
         meta = json.loads(metadata.get(_META, "null"))
         if not isinstance(meta, dict) or meta.get("version") != _VERSION or meta.get("key") != key:
@@ -140,14 +172,17 @@ class BlockFiles:
         assert isinstance(loaded, dict)
         if not isinstance(layers, int) or set(loaded) != {f"{i}.{j}" for i in range(layers) for j in range(per_layer)}:
             return None
-        if any(a.ndim < 2 or a.shape[-2] != tokens for a in loaded.values()) or digest(loaded) != meta.get("sha256"):
+        if any(a.ndim < 2 or a.shape[-2] != tokens for a in loaded.values()):
             return None
         ids = meta.get("ids")
         if not isinstance(ids, list) or len(ids) != tokens or not all(isinstance(i, int) for i in ids):
             return None
+        mx.eval(list(loaded.values()))  # read here, on this thread (the checksums may run on others)
         arrays = tuple(tuple(loaded[f"{i}.{j}"] for j in range(per_layer)) for i in range(layers))
-        return Block(meta["kind"], arrays, tokens, int(meta.get("bits", 0)), int(meta.get("group", 0)), tuple(ids),
-                     bool(meta.get("images")))
+        block = Block(meta["kind"], arrays, tokens, int(meta.get("bits", 0)), int(meta.get("group", 0)), tuple(ids),
+                      bool(meta.get("images")))
+        return block, loaded, meta.get("sha256")
+
 
     def write(self, key: str, parent: str, seed: str, block: Block) -> None:
         """Store ``block`` (skipped when it alone exceeds the budget or the disk refuses: only a saving)."""

@@ -114,8 +114,7 @@ def join(blocks: Sequence[Block]) -> list[Any]:
     n = sum(b.tokens for b in blocks)
     layers: list[Any] = []
     for i in range(len(first.layers)):
-        parts = [mx.concatenate([b.layers[i][j] for b in blocks], axis=-2) if len(blocks) > 1
-                 else first.layers[i][j] + 0 for j in range(len(first.layers[i]))]
+        parts = [_joined([b.layers[i][j] for b in blocks], room=first.kind == PLAIN) for j in range(len(first.layers[i]))]
         if first.kind == QUANTIZED:
             c: Any = QuantizedKVCache(group_size=first.group, bits=first.bits)
             c.keys, c.values = tuple(parts[:3]), tuple(parts[3:])
@@ -126,6 +125,17 @@ def join(blocks: Sequence[Block]) -> list[Any]:
         layers.append(c)
     mx.eval([c.state for c in layers])
     return layers
+
+
+def _joined(arrays: Sequence[mx.array], room: bool) -> mx.array:
+    """``arrays`` one after the other on the token axis, in a new buffer. ``room``: the buffer ends at
+    the next multiple of mlx-lm's ``KVCache.step`` (256) after the last token, as a prefilled cache's does,
+    so the turn's first new tokens are written in place instead of copying the whole cache again."""
+    n = sum(a.shape[-2] for a in arrays)
+    if room:
+        spare = KVCache.step - n % KVCache.step
+        arrays = [*arrays, mx.zeros((*arrays[0].shape[:-2], spare, arrays[0].shape[-1]), arrays[0].dtype)]
+    return mx.concatenate(list(arrays), axis=-2) if len(arrays) > 1 else arrays[0] + 0
 
 
 def fits(block: Block, like: Block) -> bool:

@@ -125,16 +125,11 @@ class PromptCache:
         limit = len(prompt) - 1
         if limit <= have:
             return None
-        found: list[Block] = []
-        parent = seed
         with self._lock:
             full = limit // self.block_tokens
-            for key in chain(seed, prompt[: full * self.block_tokens], images, self.block_tokens):
-                block = self._get(key, parent, seed)
-                if block is None or (found and not fits(block, found[0])):
-                    break
-                found.append(block)
-                parent = key
+            whole = self._whole(seed, list(chain(seed, prompt[: full * self.block_tokens], images, self.block_tokens)))
+            parent = whole[-1][0] if whole else seed
+            found = [block for _, block in whole]
             self._misses += len(found) < full
             n = len(found) * self.block_tokens
             tail = self._tail(parent, seed, prompt[n:limit], images, n, found)
@@ -145,6 +140,26 @@ class PromptCache:
                 return None
             self._hits += len(found)
         return n, join(found)
+
+    def _whole(self, seed: str, keys: list[str]) -> list[tuple[str, Block]]:
+        """The cached blocks of ``keys`` (a chain) in order, up to the first missing one or one that does
+        not fit the first; those only on disk are read together (``BlockFiles.read_many``) and kept in RAM."""
+        present = []
+        for key, parent in zip(keys, [seed, *keys[:-1]]):
+            if key not in self._ram and (self._disk is None or not self._disk.has(key, parent)):
+                break
+            present.append((key, parent))
+        on_disk = [key for key, _ in present if key not in self._ram]
+        read = dict(zip(on_disk, self._disk.read_many(on_disk, seed, self.block_tokens))) if self._disk and on_disk else {}
+        found: list[tuple[str, Block]] = []
+        for key, parent in present:
+            block = read.get(key) if key in on_disk else self._get(key, parent, seed)
+            if block is None or (found and not fits(block, found[0][1])):
+                break
+            if key in on_disk:
+                self._keep(key, parent, block)
+            found.append((key, block))
+        return found
 
     def _tail(self, parent: str, seed: str, rest: Sequence[int], images: Sequence[ImageSpan], at: int,
               found: list[Block]) -> Block | None:
