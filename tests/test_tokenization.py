@@ -47,6 +47,29 @@ def test_incremental_encoding_equals_a_full_encode(tiny, tok, data):
         messages.append(ChatMessage.assistant(data.draw(st.sampled_from(["Fine.", " fine", "ok\n\nok"]))))
 
 
+@pytest.mark.parametrize("tok", TOKENIZERS)
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_a_new_encoder_starts_from_another_sessions_encoding_and_gets_the_same_ids(tiny, tok, data):
+    lm = tiny(arch=ARCH[tok], tokenizer=tok)
+    fresh = PromptEncoder(lm.tokenizer)
+    shared = "".join(data.draw(st.lists(st.sampled_from(WORDS), min_size=20, max_size=40)))
+    messages = [ChatMessage.system(shared), ChatMessage.user("First question.")]
+    ChatTemplate(lm.tokenizer).encode(messages)  # an earlier session sent the same instructions
+    starts: list[int] = []
+    later = ChatTemplate(lm.tokenizer)
+    real = later._encoder._encode_from
+    later._encoder._encode_from = lambda text, start: starts.append(start) or real(text, start)  # type: ignore[method-assign]
+    question = "".join(data.draw(st.lists(st.sampled_from(WORDS), min_size=1, max_size=8)))
+    ids = later.encode([ChatMessage.system(shared), ChatMessage.user(question)])
+    safe = [{"role": "system", "content": fresh.protect(shared)}, {"role": "user", "content": fresh.protect(question)}]
+    whole = hf_tokenizer(lm.tokenizer).apply_chat_template(safe, tokenize=False, add_generation_prompt=True)
+    assert ids == fresh.encode_fresh(whole)
+    if tok.startswith("bpe"):  # ChatML: the instructions are a turn of their own, encoded once by the first session
+        protected = fresh.protect(shared)
+        assert starts[0] >= whole.index(protected) + len(protected)
+
+
 @pytest.mark.parametrize(
     "tok,role",
     [(tok, role) for tok in TOKENIZERS for role in (Role.USER, Role.TOOL, Role.ASSISTANT)

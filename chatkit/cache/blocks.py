@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ..images import ImageSpan
@@ -131,11 +132,17 @@ def _joined(arrays: Sequence[mx.array], room: bool) -> mx.array:
     """``arrays`` one after the other on the token axis, in a new buffer. ``room``: the buffer ends at
     the next multiple of mlx-lm's ``KVCache.step`` (256) after the last token, as a prefilled cache's does,
     so the turn's first new tokens are written in place instead of copying the whole cache again."""
-    n = sum(a.shape[-2] for a in arrays)
+    first = arrays[0]
     if room:
-        spare = KVCache.step - n % KVCache.step
-        arrays = [*arrays, mx.zeros((*arrays[0].shape[:-2], spare, arrays[0].shape[-1]), arrays[0].dtype)]
-    return mx.concatenate(list(arrays), axis=-2) if len(arrays) > 1 else arrays[0] + 0
+        spare = KVCache.step - sum(a.shape[-2] for a in arrays) % KVCache.step
+        arrays = [*arrays, mx.zeros((*first.shape[:-2], spare, first.shape[-1]), first.dtype)]
+    if len(arrays) == 1:
+        return first + 0
+    if mx.default_device() == mx.cpu and first.dtype != mx.bfloat16:
+        # MLX's CPU concatenate runs at half numpy's speed here (13.6 vs 6.4 ms for a 2k-token cache of
+        # the bench model, both copies included); on Metal MLX's runs on the GPU.
+        return mx.array(np.concatenate([np.asarray(a) for a in arrays], axis=-2))
+    return mx.concatenate(list(arrays), axis=-2)
 
 
 def fits(block: Block, like: Block) -> bool:

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import weakref
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +25,11 @@ from jinja2.exceptions import SecurityError
 
 from ..errors import TemplateError
 from ..model.tokenizer import chat_template, hf_tokenizer, jinja_environment
+
+# The last few encodings of every session, by tokenizer and settings (see ``PromptEncoder._adopt_recent``).
+_RECENT: weakref.WeakKeyDictionary[Any, dict[bool, deque[tuple[str, list[int], list[tuple[int, int]]]]]] = (
+    weakref.WeakKeyDictionary())
+_RECENT_LOCK = threading.Lock()
 
 # Content placeholders: a marker character, then one character naming the special token.
 _MARK = "\U000f0000"
@@ -145,11 +153,31 @@ class PromptEncoder:
         if self._backend is None:  # a slow tokenizer: no incremental path
             return list(self._hf.encode(self.reveal(text), add_special_tokens=False))
         start, kept = self._reusable(text)
+        if start < len(text) // 2:
+            start, kept = self._adopt_recent(text, start, kept)
         tail_ids, tail_bounds = self._encode_from(text, start)
         ids = self._last_ids[:kept] + tail_ids
         self._bounds = [b for b in self._bounds if b[0] < start] + [(start + c, kept + i) for c, i in tail_bounds]
         self._last_text, self._last_ids = text, ids
+        with _RECENT_LOCK:
+            mine = _RECENT.setdefault(self._hf, {}).setdefault(self._protect, deque(maxlen=4))
+            mine.append((text, ids, self._bounds))
         return list(ids)
+
+    def _adopt_recent(self, text: str, start: int, kept: int) -> tuple[int, int]:
+        """Start from the recent encoding (any session's, same tokenizer and settings) that shares the most
+        with ``text``, when it shares more than this encoder's own last one: a new session whose long
+        instructions another session sent encodes only its own messages."""
+        with _RECENT_LOCK:
+            recent = list(_RECENT.get(self._hf, {}).get(self._protect, ()))
+        mine = (self._last_text, self._last_ids, self._bounds)
+        for old in recent:
+            self._last_text, self._last_ids, self._bounds = old
+            at, n = self._reusable(text)
+            if at > start:
+                start, kept, mine = at, n, old
+        self._last_text, self._last_ids, self._bounds = mine
+        return start, kept
 
     def continue_from(self, other: PromptEncoder) -> None:
         """Remember ``other``'s last encoding (same tokenizer and settings): a fork encodes only what is new."""
