@@ -167,6 +167,7 @@ class ServerState:
             lease = await self.sessions.start(instructions, history, added, params, tools=req.tools, keep=keep,
                                               schema=req.schema, strict_tools=req.strict_tools, adapter=model.adapter)
             lease.model = model.id
+            lease.keep_when_stopped()
             opened = _OPENED.get()
             if opened is not None:
                 opened.append(lease)
