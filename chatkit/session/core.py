@@ -73,14 +73,13 @@ class SessionCore:
         check_cache_options(speculative, cache_options)
         self._lm, self._images = lm, _image_table(lm, speculative, engine)
         self._adapter = adapter if adapter is None or isinstance(adapter, ActiveAdapter) else _bad_adapter()
-        tokenizer = tool_tokenizer(lm, self._adapter)
-        self._template = ChatTemplate(tokenizer, chat_template, allow_special_in_content=allow_special_in_content)
+        self._template = ChatTemplate(tool_tokenizer(lm, self._adapter), chat_template,
+                                      allow_special_in_content=allow_special_in_content)
         self._instructions = check_instructions(instructions)
         self._params = generate_params if generate_params is not None else GenerateParams()
         self._tools = as_tools(tools)
         tool_options.validate()
-        self._tool_options = tool_options
-        self._strict = StrictCalls(tokenizer)
+        self._tool_options, self._strict = tool_options, StrictCalls(self._template.tokenizer)
         if tool_options.strict and self._tools is not None:
             self._strict.grammar(self._tools)  # a format or schema that cannot be constrained raises here
         self._speculative, self._engine, self._prompt_cache = speculative, engine, _prompt_cache(lm, prompt_cache)
