@@ -131,3 +131,22 @@ def test_the_shipped_smollm2_adapter_records_its_format():
     config = json.loads((chatkit.demo.smollm2_adapter_path() / "adapter_config.json").read_text())
     assert config[TOOL_FORMAT_KEY] == chatkit.demo.SMOLLM2_TOOL_PARSER
     assert chatkit.load_adapter(chatkit.demo.smollm2_adapter_path()).tool_parser_type == "json_tools"
+
+
+@pytest.mark.slow
+def test_the_server_reads_calls_in_the_format_of_the_requested_adapter(lm, adapters):
+    from chatkit.server import ServerConfig, start
+
+    import httpx
+
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    body = {"messages": [{"role": "user", "content": "Add 1 and 2."}], "tools": tools}
+    config = ServerConfig(model_id="tiny", defaults=scripted(lm, [CALL, CALL]), adapters={"hermes": adapters["hermes"]})
+    with start(lm, config) as running:
+        tuned, base = (httpx.post(f"{running.url}/chat/completions", json={**body, "model": m}, timeout=60).json()
+                       for m in ("tiny:hermes", "tiny"))
+    call = tuned["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert (call["name"], json.loads(call["arguments"])) == ("add", {"a": 1, "b": 2})
+    assert tuned["choices"][0]["finish_reason"] == "tool_calls"
+    assert not base["choices"][0]["message"].get("tool_calls") and '"name": "add"' in base["choices"][0]["message"]["content"]
