@@ -39,6 +39,7 @@ from pathlib import Path
 import chatkit  # loads OpenBLAS before MLX
 from chatkit import ChatMessage, ChatSession, ToolCall
 from chatkit.demo import calculate
+from chatkit.model.adapters import TOOL_FORMAT_KEY
 
 import numpy as np
 
@@ -497,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args.out.mkdir(parents=True, exist_ok=True)
     config = {"fine_tune_type": "lora", "num_layers": args.layers, "lora_parameters": lora,
-              "chatkit_tool_parser_type": TOOL_PARSER["tool_parser_type"],
+              TOOL_FORMAT_KEY: TOOL_PARSER["tool_parser_type"],  # sessions using the adapter read this format
               "chatkit_training": {k: v for k, v in vars(args).items() if k != "out"}}  # where it was written: no use
     (args.out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 

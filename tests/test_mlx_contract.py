@@ -236,3 +236,19 @@ def test_batch_layer_joins_batched_and_empty_rows():
     for i, k in ((0, ka), (1, kb), (3, kc)):
         assert mx.array_equal(joined.extract(i).keys, k).item()
     assert joined.extract(2).offset == 0
+
+
+def test_a_tool_format_view_reads_as_a_wrapper_built_with_that_parser(tiny):
+    """``with_tool_parser`` sets the private fields mlx-lm's constructor sets for ``tool_parser_type``:
+    the public surface must then be that of a wrapper built with the parser."""
+    from mlx_lm.tool_parsers import json_tools
+
+    wrapper = tiny(arch="qwen3", tokenizer="spm").tokenizer
+    view = _tokenizer.with_tool_parser(wrapper, "json_tools")
+    built = TokenizerWrapper(wrapper._tokenizer, tool_parser=json_tools.parse_tool_call,
+                             tool_call_start=json_tools.tool_call_start, tool_call_end=json_tools.tool_call_end)
+    for name in ("has_tool_calling", "tool_call_start", "tool_call_end", "tool_call_start_tokens",
+                 "tool_call_end_tokens", "tool_parser"):
+        assert getattr(view, name) == getattr(built, name), name
+    assert not wrapper.has_tool_calling and view._detokenizer is wrapper._detokenizer
+    assert _tokenizer.tool_parser_type(view) == "json_tools" and _tokenizer.tool_parser_type(wrapper) is None

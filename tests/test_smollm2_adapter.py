@@ -44,7 +44,8 @@ def test_no_adapter_is_refused_where_it_means_nothing(capsys):
 
 @pytest.fixture(scope="module")
 def tuned():
-    lm = chatkit.load("smollm2", tool_parser_type=chatkit.demo.SMOLLM2_TOOL_PARSER)
+    lm = chatkit.load("smollm2")  # no tool_parser_type: the adapter brings the format it writes (issue 51)
+    assert not lm.tokenizer.has_tool_calling
     return lm, lm.adapter(chatkit.demo.smollm2_adapter_path())
 
 

@@ -48,10 +48,11 @@ def draft_path() -> Path:
 def smollm2_adapter_path() -> Path:
     """The folder of chatkit's LoRA adapter for SmolLM2-135M-Instruct (``scripts/train_smollm2_adapter.py``):
     it calls ``calculate`` and answers from the result, recalls what the user said and says when it was
-    not told. Load the model with ``tool_parser_type=SMOLLM2_TOOL_PARSER`` (its own template has no tool
-    format; the adapter writes Qwen/Hermes ``<tool_call>`` blocks)::
+    not told. Its template has no tool format; the adapter writes Qwen/Hermes ``<tool_call>`` blocks and
+    records it (``"chatkit_tool_parser_type": SMOLLM2_TOOL_PARSER`` in its ``adapter_config.json``), so a
+    session using it reads them as calls::
 
-        lm = chatkit.load("smollm2", tool_parser_type=chatkit.demo.SMOLLM2_TOOL_PARSER)
+        lm = chatkit.load("smollm2")
         session = ChatSession.builder(lm).adapter(lm.adapter(chatkit.demo.smollm2_adapter_path())).tools(
             chatkit.demo.tools()).build()
     """

@@ -23,10 +23,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import InvalidParamsError, ModelLoadError
+from .tokenizer import tool_parser_module
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
 BASE_KEY = "chatkit_base_fingerprint"  # optional config entry: the base model's fingerprint (lm.fingerprint)
+TOOL_FORMAT_KEY = "chatkit_tool_parser_type"  # optional config entry: the mlx-lm tool-call format it writes
 _BASE_PARTS = ("architecture", "parameters", "weights")  # the parts of a fingerprint that shape the weights
 _LEAVES = {"lora": ("lora_a", "lora_b"), "dora": ("lora_a", "lora_b", "m")}
 
@@ -38,7 +40,9 @@ class Adapter:
     ``keys`` name the adapted layers (module paths, e.g. ``model.layers.1.self_attn.q_proj``);
     ``weights`` holds the tensors by their names in the file; ``fingerprint`` hashes the config and
     the weights; ``scale`` is the config's (a session's scale multiplies it); ``base`` the base
-    model's fingerprint when the config records it.
+    model's fingerprint when the config records it; ``tool_parser_type`` the mlx-lm tool-call format
+    it was trained to write (the config's ``chatkit_tool_parser_type``): a session using the adapter
+    reads its tool calls in that format.
     """
 
     name: str
@@ -51,6 +55,7 @@ class Adapter:
     weights: Mapping[str, mx.array] = field(repr=False)
     config: Mapping[str, Any] = field(default_factory=dict, repr=False)
     base: Mapping[str, str] | None = None
+    tool_parser_type: str | None = None
 
     def layer(self, key: str) -> tuple[mx.array, mx.array, mx.array | None]:
         """The (lora_a, lora_b, m) of the layer ``key`` (``m`` only for DoRA)."""
@@ -90,6 +95,7 @@ def load_adapter(path: str | os.PathLike[str], lm: Any = None) -> Adapter:
         raise ModelLoadError(f"{str(folder / CONFIG_FILE)!r} is nested too deeply to be an adapter config: rewrite it "
                              "or train again.") from None
     kind, rank, scale = _settings(config, folder)
+    tool_format = _tool_format(config, folder)
     weights_bytes = _read(folder / WEIGHTS_FILE)
     try:
         weights = mx.load(str(folder / WEIGHTS_FILE))
@@ -103,6 +109,7 @@ def load_adapter(path: str | os.PathLike[str], lm: Any = None) -> Adapter:
     adapter = Adapter(
         name=folder.name, path=str(folder), fingerprint=digest, kind=kind, rank=rank, scale=scale, keys=keys,
         weights=weights, config=config, base=dict(base) if isinstance(base, Mapping) else None,
+        tool_parser_type=tool_format,
     )
     if lm is not None:
         check_adapter(adapter, lm)
@@ -208,6 +215,19 @@ def _settings(config: Any, folder: Path) -> tuple[str, int, float]:
     return str(kind), rank, scale
 
 
+def _tool_format(config: dict[str, Any], folder: Path) -> str | None:
+    """The config's tool-call format (``TOOL_FORMAT_KEY``), checked to be one mlx-lm has a parser for."""
+    name = config.get(TOOL_FORMAT_KEY)
+    if name is None:
+        return None
+    try:
+        tool_parser_module(name)
+    except ValueError as exc:
+        raise ModelLoadError(f"{str(folder / CONFIG_FILE)!r}: {TOOL_FORMAT_KEY}: {exc}. Write the name of the "
+                             "format the adapter was trained to write, or remove the entry.") from None
+    return str(name)
+
+
 def _check_weights(weights: Mapping[str, mx.array], kind: str, rank: int, folder: Path) -> tuple[str, ...]:
     """The adapted layers' keys; ``ModelLoadError`` for a name, shape or value that is wrong."""
     where = repr(str(folder / WEIGHTS_FILE))
@@ -240,4 +260,4 @@ def _check_weights(weights: Mapping[str, mx.array], kind: str, rank: int, folder
     return tuple(sorted(layers))
 
 
-__all__ = ["Adapter", "check_adapter", "linear_dims", "load_adapter"]
+__all__ = ["TOOL_FORMAT_KEY", "Adapter", "check_adapter", "linear_dims", "load_adapter"]

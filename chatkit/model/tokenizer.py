@@ -5,6 +5,11 @@
 from __future__ import annotations
 
 import copy
+import importlib
+import pkgutil
+import re
+import threading
+import weakref
 from typing import Any
 
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
@@ -68,6 +73,59 @@ def new_detokenizer(tokenizer: Any) -> Any:
     return detokenizer
 
 
+def tool_parser_types() -> list[str]:
+    """The tool-call formats mlx-lm has a parser for (``mlx_lm/tool_parsers/<name>.py``), by name."""
+    import mlx_lm.tool_parsers as parsers
+
+    return sorted(m.name for m in pkgutil.iter_modules(parsers.__path__) if not m.name.startswith("_"))
+
+
+def tool_parser_module(name: str) -> Any:
+    """mlx-lm's tool parser module ``name`` (``parse_tool_call``, ``tool_call_start``, ``tool_call_end``),
+    as ``load(..., tool_parser_type=name)`` uses it; ``ValueError`` naming the known ones otherwise."""
+    if not isinstance(name, str) or not re.fullmatch(r"[a-z0-9_]{1,64}", name) or name not in tool_parser_types():
+        shown = repr(name)[:60] if isinstance(name, str) else f"a {type(name).__name__}"
+        raise ValueError(f"{shown} is not a tool-call format mlx-lm knows (one of: {', '.join(tool_parser_types())})")
+    module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+    if not all(hasattr(module, a) for a in ("parse_tool_call", "tool_call_start", "tool_call_end")):
+        raise ValueError(f"mlx-lm's tool parser {name!r} is not a tool-call format (no parse_tool_call and markers)")
+    return module
+
+
+def tool_parser_type(tokenizer: Any) -> str | None:
+    """The name of the mlx-lm tool-call format ``tokenizer`` reads (``None``: none, or not known by name)."""
+    own = getattr(tokenizer, "_chatkit_tool_parser_type", None)  # a view (with_tool_parser)
+    if own is not None:
+        return str(own)
+    kwargs = getattr(hf_tokenizer(tokenizer), "init_kwargs", None)  # where mlx-lm's load records the name
+    name = kwargs.get("tool_parser_type") if isinstance(kwargs, dict) else None
+    return name if isinstance(name, str) and getattr(tokenizer, "has_tool_calling", False) else None
+
+
+_VIEWS: weakref.WeakKeyDictionary[Any, dict[str, TokenizerWrapper]] = weakref.WeakKeyDictionary()
+_views_lock = threading.Lock()
+
+
+def with_tool_parser(tokenizer: TokenizerWrapper, name: str | None) -> TokenizerWrapper:
+    """``tokenizer`` reading and writing tool calls in mlx-lm's format ``name`` (as if loaded with
+    ``tool_parser_type=name``): a view sharing everything else (the Hugging Face tokenizer, the
+    detokenizer, the template), one per (tokenizer, name). ``None`` or the format it has: ``tokenizer``."""
+    if name is None or tool_parser_type(tokenizer) == name:
+        return tokenizer
+    module = tool_parser_module(name)
+    with _views_lock:  # one view per (tokenizer, name): forks and restored sessions share their prompts' encoding
+        views = _VIEWS.setdefault(tokenizer, {})
+        if name not in views:
+            view = copy.copy(tokenizer)  # mlx-lm keeps the tool format in private fields its constructor sets
+            start, end = module.tool_call_start, module.tool_call_end
+            view._tool_parser, view._tool_call_start, view._tool_call_end = module.parse_tool_call, start, end
+            view._tool_call_start_tokens = tuple(tokenizer.encode(start, add_special_tokens=False))
+            view._tool_call_end_tokens = tuple(tokenizer.encode(end, add_special_tokens=False))
+            view._chatkit_tool_parser_type = name
+            views[name] = view
+        return views[name]
+
+
 class _BPEDetokenizer(BPEStreamingDetokenizer):
     """mlx-lm's byte-level BPE detokenizer drops a reply's leading space (``decode`` keeps it) and holds
     a lone space back until the next token (an empty chunk on plain ASCII text). A reply must be
@@ -93,7 +151,11 @@ __all__ = [
     "jinja_environment",
     "new_detokenizer",
     "silence_length_warning",
+    "tool_parser_module",
+    "tool_parser_type",
+    "tool_parser_types",
     "vocab_size",
     "vocabulary",
+    "with_tool_parser",
     "wrap",
 ]

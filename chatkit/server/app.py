@@ -136,15 +136,23 @@ def _endpoint(state: ServerState, handler: Handler, method: str, route: str, *,
 
 class _Settling(Response):
     """A streamed turn's response that settles its turns when it ends, also when its body never ran (a
-    client gone before it started: Starlette then never iterates the handler's generator)."""
+    client gone before it started: Starlette then never iterates the handler's generator). It marks a
+    turn ``delivered`` once a send went out after some of its reply was handed to the handler: a turn
+    stopped before that (the client went away first) is discarded, not committed (``Lease.keep_when_stopped``)."""
 
     def __init__(self, inner: Response, state: ServerState, leases: list[Lease]) -> None:
         self.inner, self.state, self.leases = inner, state, leases
         self.status_code, self.background = inner.status_code, None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def sending(message: Any) -> None:  # a piece of a reply handed out before a send went out with it
+            shown = [lease for lease in self.leases if lease.stream.shown]
+            await send(message)
+            for lease in shown:
+                lease.delivered = True
+
         try:
-            await self.inner(scope, receive, send)
+            await self.inner(scope, receive, sending)
         finally:
             await self.state.settle_all(self.leases)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 from ..messages import ChatMessage, Role
@@ -22,6 +23,14 @@ class Lease:
     asked: ChatMessage | None = None  # the prompt as the client sent it, when the session holds it changed
     model: str = ""  # the served model's id as replies show it (``<id>:<adapter>`` with an adapter)
     settled: bool = False  # closed, re-indexed and its slot freed (``ServerState.settled``)
+    delivered: bool = False  # some of the reply reached the client (``app._Settling``): a stop then commits it
+
+    def keep_when_stopped(self) -> None:
+        """A turn stopped before its end (the client went away) commits what it produced only once some
+        of the reply reached the client; before that it is discarded: the conversation (and a response
+        chain) stays as it was, as if the request had never come."""
+        ref = weakref.ref(self)  # the stream's worker must not keep the lease (and its stream) alive
+        self.stream.discard_unless(lambda: (lease := ref()) is not None and lease.delivered)
 
     def reply(self) -> ChatMessage | None:
         """The assistant message the turn committed (``None`` before it committed, or if it never did)."""

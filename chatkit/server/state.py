@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 from starlette.applications import Starlette
@@ -25,6 +26,7 @@ from ..errors import InvalidParamsError
 from ..messages import ChatMessage
 from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
+from ..model.tokenizer import with_tool_parser
 from ..params import GenerateParams
 from ..session.context import ContextPolicy
 from ..text import reply as segments
@@ -149,12 +151,14 @@ class ServerState:
         model = model if model is not None else self.models.select(req.model)
         trace.stamp("parsed")
         params = req.params
+        adapter = self.models.adapters[model.adapter] if model.adapter is not None else None
+        tokenizer = with_tool_parser(self.lm.tokenizer, adapter.tool_parser_type if adapter is not None else None)
         if req.tools and req.tool_choice == "none":
-            params = params.copy(logit_bias={**(params.logit_bias or {}), **_no_tool_calls(self.lm)})
+            params = params.copy(logit_bias={**(params.logit_bias or {}), **_no_tool_calls(tokenizer)})
         if req.schema is not None and req.tools and req.tool_choice == "required":
             raise BadRequestError("tool_choice: a reply with a response format is a value and calls no tools: "
                                   "drop one of them.", param="tool_choice")
-        held = call_constraint(self.lm, req.tools, req.tool_choice, req.tool_name, req.parallel_tool_calls, params.stop)
+        held = call_constraint(tokenizer, req.tools, req.tool_choice, req.tool_name, req.parallel_tool_calls, params.stop)
         if held is not None:
             params = params.copy(logits_processors=[*params.logits_processors, held])
         await self.limiter.acquire()
@@ -163,6 +167,7 @@ class ServerState:
             lease = await self.sessions.start(instructions, history, added, params, tools=req.tools, keep=keep,
                                               schema=req.schema, strict_tools=req.strict_tools, adapter=model.adapter)
             lease.model = model.id
+            lease.keep_when_stopped()
             opened = _OPENED.get()
             if opened is not None:
                 opened.append(lease)
@@ -228,13 +233,14 @@ def reply_of(lease: Lease) -> ChatMessage:
     return lease.reply() or ChatMessage.assistant(lease.stream.text)
 
 
-def _no_tool_calls(lm: LoadedModel) -> dict[int, float]:
+def _no_tool_calls(tokenizer: Any) -> dict[int, float]:
     """A logit bias that keeps the model from starting a tool call (``tool_choice="none"``): its
-    tool-call start markers, when each is one token; ``BadRequestError`` when one is not."""
-    markers = {marker for edges in segments.transitions(lm.tokenizer).values() for marker, dst in edges if dst == "tool"}
+    tool-call start markers (in the format of the turn's adapter, if it records one), when each is one
+    token; ``BadRequestError`` when one is not."""
+    markers = {marker for edges in segments.transitions(tokenizer).values() for marker, dst in edges if dst == "tool"}
     bias = {}
     for marker in markers:
-        ids = lm.tokenizer.encode(marker, add_special_tokens=False)
+        ids = tokenizer.encode(marker, add_special_tokens=False)
         if len(ids) != 1:
             raise BadRequestError(
                 f"tool_choice 'none': this model starts a tool call with {marker!r}, which is not one token, so "

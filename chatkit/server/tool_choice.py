@@ -17,7 +17,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import ChatKitError
-from ..model.loaded import LoadedModel
 from ..params import LogitsProcessor
 from .errors import BadRequestError
 
@@ -58,11 +57,11 @@ def read_choice(body: Mapping[str, Any], names: Sequence[str], *, flat: bool) ->
     return choice, name, parallel is not False
 
 
-def call_constraint(lm: LoadedModel, tools: Sequence[Mapping[str, Any]] | None, choice: str, name: str | None,
+def call_constraint(tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None, choice: str, name: str | None,
                     parallel: bool, stop: Sequence[str]) -> LogitsProcessor | None:
     """The logits processor that holds a reply to ``choice`` / ``parallel`` (``None`` when nothing
-    needs holding); ``BadRequestError`` (param ``tool_choice`` or ``parallel_tool_calls``) when this
-    model's call format cannot be constrained."""
+    needs holding); ``BadRequestError`` (param ``tool_choice`` or ``parallel_tool_calls``) when the
+    call format of ``tokenizer`` (the model's, or its adapter's: ``with_tool_parser``) cannot be constrained."""
     required = choice == "required"
     if not tools or (not required and parallel):
         return None
@@ -75,23 +74,23 @@ def call_constraint(lm: LoadedModel, tools: Sequence[Mapping[str, Any]] | None, 
                               "or leave it out.", param=param) from None
     what = ("tool_choice " + (repr(name) if name else repr(choice))) if required else "parallel_tool_calls=false"
     try:
-        call_shape(lm.tokenizer)
+        call_shape(tokenizer)
     except ChatKitError:
         raise BadRequestError(f"{what}: chatkit holds the model to it with a grammar of its tool calls, and has none "
                               "for this model's call format: leave it out (the model then decides).", param=param) from None
     chosen = [t for t in tools if name is None or t["function"]["name"] == name]
-    compiled = _compiled.setdefault(lm.tokenizer, {})
+    compiled = _compiled.setdefault(tokenizer, {})
     key = (json.dumps(chosen, sort_keys=True, default=str), parallel)
     grammar = compiled.pop(key, None)
     if grammar is None:
         try:
-            grammar = tool_call_grammar(lm.tokenizer, chosen, single=not parallel)
+            grammar = tool_call_grammar(tokenizer, chosen, single=not parallel)
         except ChatKitError as exc:
             raise BadRequestError(f"{what}: {exc}", param=param) from exc
         while len(compiled) >= COMPILED_LIMIT:
             del compiled[next(iter(compiled))]  # the least recently used
     compiled[key] = grammar  # now the most recently used
-    return ToolCallConstraint(grammar, lm.tokenizer, stop=stop, required=required)
+    return ToolCallConstraint(grammar, tokenizer, stop=stop, required=required)
 
 
 __all__ = ["CHOICES", "call_constraint", "read_choice"]

@@ -29,18 +29,32 @@ class Failure:
         self.exc = exc
 
 
+class Drop:
+    """Whether a stream stopped before its end is discarded rather than committed: told so
+    (``adiscard``), or its ``keep`` predicate (``discard_unless``) says no. Read on the worker thread."""
+
+    def __init__(self) -> None:
+        self.told = threading.Event()
+        self.keep: Callable[[], bool] | None = None
+
+    def __call__(self) -> bool:
+        keep = self.keep
+        return self.told.is_set() or (keep is not None and not keep())
+
+
 def pump(
     stream: ReplyStream,
     put: Callable[[Any], None],
     cancel: threading.Event,
     credits: threading.Semaphore,
     consumer_alive: Callable[[], bool],
+    drop: Callable[[], bool] = lambda: False,
 ) -> None:
     """Iterate ``stream`` on this (worker) thread, handing each chunk to ``put``, then ``END`` or a
     ``Failure``. Each chunk waits for one of ``credits`` (the consumer gives one back per chunk it
     takes), so the turn never runs more than that many chunks ahead of what was shown. Setting
     ``cancel`` (and releasing ``credits``), or the consumer going away, stops it before the next
-    token; the turn commits."""
+    token; the turn commits, unless ``drop()`` then says to discard it."""
     try:
         chunks = iter(stream)
         while not cancel.is_set():
@@ -54,7 +68,7 @@ def pump(
         put(Failure(exc))
         return
     finally:
-        stream.close()
+        stream.discard() if drop() else stream.close()
     put(END)
 
 
@@ -78,7 +92,8 @@ class AsyncResponseStream:
     on (up to ``sys.getswitchinterval()``, 5 ms, each time it needs it).
     Cancelling the consuming task, ``await stream.aclose()`` or leaving the ``async with`` block stops
     generation within one decode step and commits the reply as far as it got: what the consumer
-    took, plus at most those few chunks.
+    took, plus at most those few chunks. ``await stream.adiscard()`` stops it and commits nothing,
+    and :meth:`discard_unless` makes every such stop a discard while its predicate is false.
     """
 
     def __init__(self, stream: ReplyStream, stop: threading.Event | None = None, after: After | None = None) -> None:
@@ -95,6 +110,7 @@ class AsyncResponseStream:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done: asyncio.Future[None] | None = None
         self._ended = False  # END or a failure was handed out: iteration is over
+        self._drop = Drop()
 
     # The surface every stream has (``ReplyStream``), read from the stream the worker iterates.
     text = property(lambda self: self._stream.text, doc="The answer so far (see ``ReplyStream``).")
@@ -107,9 +123,29 @@ class AsyncResponseStream:
     rounds = property(lambda self: self._stream.rounds, doc="With tools, how many replies the model has given (else 1).")
     tool_results = property(lambda self: self._stream.tool_results, doc="With tools, the tool messages chatkit added.")
 
+    discarded = property(lambda self: self._stream.discarded, doc="Whether the turn was discarded.")
+
+    @property
+    def shown(self) -> bool:
+        """Whether a chunk with text (answer, reasoning or a tool call's) was handed to the consumer."""
+        return self._shown
+
     def result(self) -> Any:
         """The reply's result once it has ended: its text (a guided reply: its value)."""
         return self._stream.result()
+
+    def discard_unless(self, keep: Callable[[], bool]) -> None:
+        """When the stream is stopped before its end (cancelled, closed, dropped), discard the turn
+        instead of committing it if ``keep()`` is false then (called on the worker thread): a server
+        keeps a reply only once some of it reached its client. Keep ``keep`` free of references to
+        this stream (a dropped stream must be collectable)."""
+        self._drop.keep = keep
+
+    async def adiscard(self) -> None:
+        """Stop generating and commit nothing (``ReplyStream.discard``); returns once the turn is
+        settled. A turn that has already committed stays committed."""
+        self._drop.told.set()
+        await self.aclose()
 
     def __aiter__(self) -> AsyncResponseStream:
         return self
@@ -145,8 +181,8 @@ class AsyncResponseStream:
     async def aclose(self) -> None:
         """Stop generating and commit what was produced; returns once the turn is committed."""
         self._stop()
-        if self._done is None:
-            self._stream.close()  # never started: no MLX work to move to the worker
+        if self._done is None:  # never started: no MLX work to move to the worker
+            self._stream.discard() if self._drop() else self._stream.close()
             return
         await asyncio.shield(self._done)
 
@@ -178,13 +214,13 @@ class AsyncResponseStream:
         self._loop = loop = asyncio.get_running_loop()
         self._queue = asyncio.Queue()
         self._done = loop.create_future()
-        args = (self._stream, loop, self._queue, self._done, self._cancel, self._credits, self._after)
+        args = (self._stream, loop, self._queue, self._done, self._cancel, self._credits, self._after, self._drop)
         WORKERS.run(lambda: _work(*args))
 
 
 def _work(stream: ReplyStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, done: asyncio.Future,
           cancel: threading.Event, credits: threading.Semaphore,
-          after: After | None = None) -> Callable[[], None] | None:
+          after: After | None = None, drop: Drop | None = None) -> Callable[[], None] | None:
     """A turn on its worker thread: pump the stream into the event loop's queue, then run ``after``
     (between turns: the caller is not waiting for it). Resolves ``done`` before that work, or (no
     work) returns how to resolve it once the thread waits for the next turn, which then runs on it."""
@@ -193,7 +229,7 @@ def _work(stream: ReplyStream, loop: asyncio.AbstractEventLoop, queue: asyncio.Q
     # So does the main thread's end (the interpreter then joins this thread before anything else).
     try:
         pump(stream, lambda item: _call(loop, queue.put_nowait, item), cancel, credits,
-             lambda: not loop.is_closed() and threading.main_thread().is_alive())
+             lambda: not loop.is_closed() and threading.main_thread().is_alive(), drop or (lambda: False))
         work = after() if after is not None else None
     except BaseException:
         _call(loop, done.set_result, None)

@@ -58,6 +58,13 @@ class SessionSettings:
     max_kv_bytes: int | None = None  # the KV cache's budget: the window becomes the tokens that fit
 
 
+def tool_tokenizer(lm: LoadedModel, adapter: ActiveAdapter | None) -> Any:
+    """The tokenizer a session renders and reads replies with: ``lm``'s, reading tool calls in the
+    format its adapter was trained to write when the adapter records one (``Adapter.tool_parser_type``);
+    other sessions over ``lm`` keep the model's."""
+    return _tokenizer.with_tool_parser(lm.tokenizer, None if adapter is None else adapter.adapter.tool_parser_type)
+
+
 def _as_loaded(model: LoadedModel | Any, tokenizer: Any) -> LoadedModel:
     if isinstance(model, LoadedModel):
         if tokenizer is not None:
@@ -167,7 +174,7 @@ class ChatSessionBuilder(Generic[S]):
         options.validate()
         checked = as_tools(tools, options.timeout)  # an MCPServer's tools listed within the tool timeout
         if strict_tools and checked is not None:
-            strict_grammar(self._lm.tokenizer, checked)
+            strict_grammar(tool_tokenizer(self._lm, self._adapter), checked)
         self._tools, self._tool_options = checked, options
         return self
 
@@ -264,8 +271,13 @@ class ChatSessionBuilder(Generic[S]):
         """Apply a LoRA/DoRA adapter (``chatkit.load_adapter(path)``) to this session's turns, at ``scale``
         times its own scale, over the model's one copy of the weights (``None``: the base model).
         ``ModelLoadError`` here if it does not fit the model; ``InvalidParamsError`` for something that is
-        not an ``Adapter``, a bad scale or a sharded model. See docs/adapters.md."""
-        self._adapter = activate(self._lm, adapter, scale)
+        not an ``Adapter``, a bad scale or a sharded model. An adapter that records the tool-call format
+        it was trained to write (``Adapter.tool_parser_type``) makes the session read its calls in that
+        format. See docs/adapters.md."""
+        active = activate(self._lm, adapter, scale)
+        if self._tool_options.strict and self._tools is not None:
+            strict_grammar(tool_tokenizer(self._lm, active), self._tools)  # the adapter's tool-call format
+        self._adapter = active
         return self
 
     def build(self) -> S:

@@ -30,7 +30,7 @@ from ..params import GenerateParams, LogitsProcessor
 from ..text.template import ChatTemplate
 from ..tools import as_tools
 from ..tools.options import ToolOptions
-from .builder import SessionSettings
+from .builder import SessionSettings, tool_tokenizer
 from .compaction import Prepared, Preparer, Snapshot
 from .context import ContextPolicy, Fitter, Window, summarizer_for, system_text, window_size
 from .conversation import Conversation, pending_calls
@@ -72,17 +72,17 @@ class SessionCore:
         cache_options.validate(lm.head_dim)
         check_cache_options(speculative, cache_options)
         self._lm, self._images = lm, _image_table(lm, speculative, engine)
-        self._template = ChatTemplate(lm.tokenizer, chat_template, allow_special_in_content=allow_special_in_content)
+        self._adapter = adapter if adapter is None or isinstance(adapter, ActiveAdapter) else _bad_adapter()
+        self._template = ChatTemplate(tool_tokenizer(lm, self._adapter), chat_template,
+                                      allow_special_in_content=allow_special_in_content)
         self._instructions = check_instructions(instructions)
         self._params = generate_params if generate_params is not None else GenerateParams()
         self._tools = as_tools(tools)
         tool_options.validate()
-        self._tool_options = tool_options
-        self._strict = StrictCalls(lm.tokenizer)
+        self._tool_options, self._strict = tool_options, StrictCalls(self._template.tokenizer)
         if tool_options.strict and self._tools is not None:
             self._strict.grammar(self._tools)  # a format or schema that cannot be constrained raises here
         self._speculative, self._engine, self._prompt_cache = speculative, engine, _prompt_cache(lm, prompt_cache)
-        self._adapter = adapter if adapter is None or isinstance(adapter, ActiveAdapter) else _bad_adapter()
         self._source: TokenSource = (
             engine.source(speculative) if engine is not None else source_for(lm.model, lm.distributed, speculative)
         )
@@ -112,7 +112,7 @@ class SessionCore:
         from ..guided.guide import guide  # the guided extra
 
         history = self._conversation.messages
-        message, constraint = guide(message, self._lm.tokenizer, lambda m: self._text([*history, m]), **options.spec,
+        message, constraint = guide(message, self._template.tokenizer, lambda m: self._text([*history, m]), **options.spec,
                                     include_schema=options.include_schema, params=self._params)
         stream = GuidedStream(self._open_turn(message, constraint=constraint), constraint)
         self._guided = (message, options.spec)
@@ -136,7 +136,7 @@ class SessionCore:
         try:
             base, message = self._conversation.prompt_of(message, regenerate)
             prepared = self._prepared()
-            tokenizer = self._lm.tokenizer
+            tokenizer = self._template.tokenizer
             turn = Turn.prepare(
                 self._prompting(), self._fitter(params, summaries=not self._preparer.running), self._conversation,
                 base, message, params, context_length=self._context_length, source=self._source,
@@ -177,6 +177,19 @@ class SessionCore:
             tools, message, execute=self._runs_tools(), max_rounds=options.max_rounds,
             raise_errors=options.errors == "raise", timeout=options.timeout, on_end=lambda: self._loop_ended(hold),
         )
+
+    def _tool_format_for(self, active: ActiveAdapter | None) -> tuple[ChatTemplate, StrictCalls] | None:
+        """The template and strict calls of this session with ``active`` as its adapter, when its tool-call
+        format differs from the current one (``None``: the same); raises before anything changes when
+        strict tools cannot be constrained in the new format."""
+        tokenizer = tool_tokenizer(self._lm, active)
+        if tokenizer is self._template.tokenizer:
+            return None
+        strict = StrictCalls(tokenizer)
+        if self._tool_options.strict and self._tools is not None:
+            strict.grammar(self._tools)
+        template = self._template
+        return ChatTemplate(tokenizer, template.template, allow_special_in_content=template.allow_special_in_content), strict
 
     def _loop_ended(self, hold: LoopHold) -> None:
         """A tool loop is over: the session is free again (and the next compaction may be prepared)."""

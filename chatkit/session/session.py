@@ -93,7 +93,7 @@ class ChatSession(SessionCore):
     def tools(self, value: Sequence[Any] | None) -> None:
         tools = as_tools(value, self._tool_options.timeout)
         if self._tool_options.strict and tools is not None:
-            strict_grammar(self._lm.tokenizer, tools)  # raises before anything changes
+            strict_grammar(self._template.tokenizer, tools)  # raises before anything changes
         with self._gate.idle("change the tools"):
             self._tools = tools
 
@@ -241,9 +241,12 @@ class ChatSession(SessionCore):
         active = activate(self._lm, adapter, scale)
         with self._gate.idle("change the adapter"):
             if (None if active is None else active.key) != (None if self._adapter is None else self._adapter.key):
+                tool_format = self._tool_format_for(active)  # the adapter's tool-call format: raises before changes
                 self._preparer.wait()  # a compaction being prepared with the old adapter: let it end, then drop it
                 self._preparer.discard()
                 self._adapter = active
+                if tool_format is not None:
+                    self._template, self._strict = tool_format
                 self._conversation = self._conversation.with_cache(self._new_cache(self.cache_options))
 
     def cache_info(self) -> CacheInfo:
@@ -323,7 +326,7 @@ class ChatSession(SessionCore):
             def render(message: ChatMessage) -> str:
                 return self._text([*history[:-2], message])
 
-            _, constraint = guide(prompt, self.model.tokenizer, render, **spec, include_schema=False, params=self._params)
+            _, constraint = guide(prompt, self._template.tokenizer, render, **spec, include_schema=False, params=self._params)
             return GuidedStream(self._open_turn(None, regenerate=True, constraint=constraint), constraint)
         return self._open_turn(None, regenerate=True, strict=strict)
 

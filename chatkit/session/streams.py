@@ -111,6 +111,17 @@ class ReplyStream(ABC):
     def close(self) -> None:
         """Stop generating and commit what was produced. Safe to call more than once."""
 
+    def discard(self) -> None:
+        """Stop generating and commit nothing: the session stays as it was before the turn (a server
+        whose client went away before any of the reply reached it). Once the turn committed (its reply
+        ended), or after ``close()``, it does nothing."""
+        self.close()
+
+    @property
+    def discarded(self) -> bool:
+        """Whether the turn was discarded (:meth:`discard`): nothing of it entered the history."""
+        return False
+
     def __iter__(self) -> ReplyStream:
         return self
 
@@ -162,6 +173,7 @@ class ResponseStream(ReplyStream):
         self._stats: TurnStats | None = None
         self._done = False
         self._settled = False  # the session was told the outcome (commit or abort), exactly once
+        self._discarded = False
         self._lock = threading.Lock()  # close() may come from the garbage collector or another thread
         self._t_start = self._t_first = 0.0
         self._drafts = turn.drafts  # filled by a speculative token source
@@ -230,6 +242,20 @@ class ResponseStream(ReplyStream):
                 if self._segments.state == "tool":  # cut inside a call: kept as far as written, unread
                     self._take_pieces(final=True)
                 self._commit()
+
+    def discard(self) -> None:
+        """Stop generating and settle the turn without a reply (as a turn that failed): the history is
+        as before the turn, and the cache keeps only what it provably holds (the next turn trims it
+        back). Does nothing once the turn has committed."""
+        with self._lock:
+            if not self._done:
+                self._discarded = True
+                self._abort(None)
+
+    @property
+    def discarded(self) -> bool:
+        """Whether :meth:`discard` dropped the turn."""
+        return self._discarded
 
     # -- internals ----------------------------------------------------------------------------
     def _next_chunk(self) -> StreamChunk:
@@ -372,6 +398,13 @@ class GuidedStream(ReplyStream):
 
     def close(self) -> None:
         self.stream.close()
+
+    def discard(self) -> None:
+        self.stream.discard()
+
+    @property
+    def discarded(self) -> bool:
+        return self.stream.discarded
 
     def __del__(self) -> None:
         pass  # the inner stream closes itself when it is dropped

@@ -153,6 +153,18 @@ class ToolLoopStream(ReplyStream):
             return
         self._end()
 
+    def discard(self) -> None:
+        """Stop, committing nothing when the loop is in its first round (its prompt and reply stay out of
+        the history); after a round of tool results, as :meth:`close`."""
+        if self._rounds == 1 and self._round is not None and not self._results:
+            self._round.discard()
+        self.close()
+
+    @property
+    def discarded(self) -> bool:
+        """Whether :meth:`discard` dropped the loop's only round."""
+        return self._rounds == 1 and self._round is not None and self._round.discarded
+
     def interrupt(self) -> None:
         """Tell the loop to stop, from any thread, doing no work here: a running tool is left (an async
         one cancelled), and the thread running the loop ends it (an async stream's worker)."""
