@@ -96,6 +96,7 @@ def test_only_user_and_tool_messages_show_images():
 def test_the_probe_tells_templates_that_place_tool_images_from_those_that_cannot():
     from chatkit.testing.templates import CHATML
     from chatkit.testing.vision import GEMMA3_TEMPLATE, LLAVA_TEMPLATE, QWEN2_VL_TEMPLATE, QWEN_VL_TOOLS_TEMPLATE
+
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
     def render(template):
