@@ -181,6 +181,10 @@ def test_the_next_turn_reuses_the_image_kv_and_answers_as_a_fresh_session(vlm, c
     assert restored.history[2].images[0].digest == span.digest and restored.history[2].images[0].pixels is not None
     assert reply_tokens(restored, "Tell me more.") == live
     assert restored.last_stats.reused_tokens > span.end
+    with restored.stream_regenerate() as stream:
+        for _ in stream:
+            pass
+    assert list(stream.tokens) == live and restored.history[2].images[0].digest == span.digest
     restored.undo()
     assert restored.history[2].images[0].digest == span.digest  # undo takes the last exchange only
     assert reply_tokens(restored, "Tell me more.") == live
