@@ -15,6 +15,7 @@ from chatkit.testing import Scripted
 from chatkit.text.capabilities import Capabilities, adapt, probe
 from chatkit.tools import MCPServer, Tool, ToolOutput, as_tool, call_tool
 
+import numpy as np
 import pytest
 from test_tools import call
 
@@ -140,6 +141,29 @@ def test_a_vision_template_without_a_tool_role_shows_the_tool_image_in_a_user_me
     assert span.digest == as_image(PNG).digest and s._images.encodings == 1
     assert set(image_tokens(s, span)) == {lm.vision.image_token_id}
     assert len(tokens) > 0
+
+
+def test_the_prompt_cache_keys_a_tool_images_blocks_by_its_pixels(vlm):
+    from chatkit.cache.prompt import PromptCache
+
+    other_png = as_image(np.random.default_rng(8).integers(0, 255, (40, 50, 3), dtype=np.uint8))
+    pc = PromptCache(block_tokens=8)
+
+    def session(image, cache):
+        history = [ChatMessage.user("Take a picture of the garden, please, and tell me about its colours."),
+                   ChatMessage.assistant("", tool_calls=[ToolCall("a1b2c3d4e", "picture")]),
+                   ChatMessage.tool("a picture of the garden", "picture", "a1b2c3d4e", images=[image])]
+        return ChatSession.builder(vlm).generate_params(GREEDY).prompt_cache(cache).history(history).build()
+
+    first = session(PNG, pc)
+    reply_tokens(first, "Describe it.")
+    (span,) = first._conversation.cache.ledger.images
+    other = session(other_png, pc)  # the same tokens, other pixels
+    assert reply_tokens(other, "Describe it.") == reply_tokens(session(other_png, None), "Describe it.")
+    assert other.last_stats.reused_tokens <= span.start
+    same = session(PNG, pc)
+    assert reply_tokens(same, "Describe it.") == reply_tokens(session(PNG, None), "Describe it.")
+    assert same.last_stats.reused_tokens > span.end  # the tool image's KV and the text after it
 
 
 # -- real MCP servers --------------------------------------------------------------------------------
