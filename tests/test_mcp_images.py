@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from chatkit import ChatMessage, ChatSession, GenerateParams, Role
-from chatkit.errors import InvalidMessageError
+from chatkit.errors import InvalidMessageError, InvalidParamsError
 from chatkit.images import as_image
 from chatkit.messages import ToolCall, saved_dict
 from chatkit.testing import Scripted
@@ -69,6 +69,12 @@ def test_a_tool_output_shows_good_images_to_a_vision_model_and_notes_the_rest():
     assert shown == () and text == (f"a picture\n\n[the tool returned an image (image/png, {len(PNG)} bytes), which this "
                                     "chat cannot show the model]\n\n[the tool returned an image (image/png, 10 bytes), "
                                     "which this chat cannot show the model]")
+
+
+@pytest.mark.parametrize("bad", [(1, ()), ("t", ((PNG,),)), ("t", (("path.png", "image/png"),)), ("t", "image")])
+def test_a_bad_tool_output_is_refused(bad):
+    with pytest.raises(InvalidParamsError, match="pairs"):
+        ToolOutput(*bad)
 
 
 def test_call_tool_makes_the_tool_message_from_the_output_and_plain_strings_still_work():

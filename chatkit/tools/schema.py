@@ -46,6 +46,15 @@ class ToolOutput:
     text: str
     images: tuple[tuple[bytes, str], ...] = ()
 
+    def __post_init__(self) -> None:
+        images = tuple(self.images) if isinstance(self.images, (list, tuple)) else None
+        if not isinstance(self.text, str) or images is None or not all(
+                isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[0], bytes) and isinstance(i[1], str)
+                for i in images):
+            raise InvalidParamsError("ToolOutput(text, images) takes a str and a list of (bytes, mime type) pairs, "
+                                     "e.g. ToolOutput('a chart', [(png_bytes, 'image/png')]).")
+        object.__setattr__(self, "images", tuple((bytes(d), m) for d, m in images))
+
     def read(self, images: bool) -> tuple[tuple[Image, ...], str]:
         """The images the tool message shows (decoded as a user's are: PNG, JPEG, WebP or GIF, within the size
         limits; none unless ``images``) and its text: ``text`` and a note for each image it does not show."""
