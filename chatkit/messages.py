@@ -137,8 +137,8 @@ class ChatMessage:
         if not isinstance(self.images, (list, tuple)):
             raise InvalidMessageError("Message images must be a list of images.")
         object.__setattr__(self, "images", tuple(as_image(i) for i in self.images))
-        if self.images and self.role is not Role.USER:
-            raise InvalidMessageError("Only a user message can show images.")
+        if self.images and self.role not in (Role.USER, Role.TOOL):
+            raise InvalidMessageError("Only a user message or a tool result can show images.")
         if not isinstance(self.content, str):
             raise InvalidMessageError(
                 f"Message content must be a str, got {type(self.content).__name__}."
@@ -172,8 +172,10 @@ class ChatMessage:
         return cls(Role.ASSISTANT, content, reasoning=reasoning, tool_calls=tuple(tool_calls))
 
     @classmethod
-    def tool(cls, content: str, name: str | None = None, tool_call_id: str | None = None) -> ChatMessage:
-        return cls(Role.TOOL, content, name, tool_call_id=tool_call_id)
+    def tool(cls, content: str, name: str | None = None, tool_call_id: str | None = None,
+             images: Sequence[Any] = ()) -> ChatMessage:
+        """A tool result; ``images``: what the tool returned for a vision-language model to see."""
+        return cls(Role.TOOL, content, name, tool_call_id=tool_call_id, images=tuple(images))
 
     def to_dict(self) -> dict[str, Any]:
         """An OpenAI-style dict with the field names Hugging Face chat templates read: ``role``,

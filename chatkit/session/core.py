@@ -176,6 +176,7 @@ class SessionCore:
             lambda m: self._open_turn(m, strict=strict, loop=hold), lambda ms: self._append(ms, loop=hold),
             tools, message, execute=self._runs_tools(), max_rounds=options.max_rounds,
             raise_errors=options.errors == "raise", timeout=options.timeout, on_end=lambda: self._loop_ended(hold),
+            images=self._lm.vision is not None,
         )
 
     def _tool_format_for(self, active: ActiveAdapter | None) -> tuple[ChatTemplate, StrictCalls] | None:

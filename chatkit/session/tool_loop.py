@@ -60,11 +60,13 @@ class ToolLoopStream(ReplyStream):
         timeout: float | None = None,
         generate: bool = True,
         on_end: Callable[[], None] | None = None,
+        images: bool = False,
     ) -> None:
         """``on_end`` runs once when the loop is over (answered, failed or closed): the session holds
-        the conversation for the loop until then, also between rounds, while a tool runs."""
+        the conversation for the loop until then, also between rounds, while a tool runs. With ``images``
+        (a vision-language model) the images a tool returns (``ToolOutput``) are its message's, else notes."""
         self._open, self._append, self._tools = open_round, append, list(tools)
-        self._on_end = on_end
+        self._on_end, self._images = on_end, images
         self._execute, self._max_rounds, self._raise, self._timeout = execute, max_rounds, raise_errors, timeout
         self._in_tools = False  # the loop's thread is waiting for tools (close() from another thread waits for it to end)
         self._ended = threading.Event()
@@ -213,7 +215,8 @@ class ToolLoopStream(ReplyStream):
         try:
             return [
                 stopped(call) if self._stopped.is_set()
-                else call_tool(self._tools, call, raise_errors=self._raise, timeout=self._timeout, stop=self._stopped)
+                else call_tool(self._tools, call, raise_errors=self._raise, timeout=self._timeout, stop=self._stopped,
+                                 images=self._images)
                 for call in calls
             ]
         finally:

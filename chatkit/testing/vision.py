@@ -5,6 +5,8 @@
 ``"qwen2_vl"``: Qwen2-VL (a ViT over 14x14 patches merged 2x2; ``<|vision_start|><|image_pad|>*N<|vision_end|>``;
 M-RoPE positions), Qwen's byte-level BPE and the Qwen2-VL chat template, mlx-vlm's Qwen2-VL processor
 (``preprocessor_config.json``: images are resized to 56x56 .. 112x112 pixels, 4 .. 16 image tokens).
+``"qwen2_vl_tools"``: the same Qwen2-VL with Qwen2.5-VL's tool tokens (``<tool_call>`` ...) and a template
+with tools that places images in tool results too (``QWEN_VL_TOOLS_TEMPLATE``).
 ``"gemma3"``: Gemma 3 (a SigLIP ViT pooled to ``mm_tokens_per_image`` soft tokens; the template writes one
 ``<start_of_image>`` per image, which the processor replaces by the text ``\n\n<start_of_image>`` + 4 x
 ``<image_soft_token>`` + ``<end_of_image>\n\n`` before tokenizing; plain RoPE, sliding-window layers), a
@@ -33,7 +35,7 @@ from .tokenizers import TokenizerFiles, _files, _qwen_bpe, _sentencepiece_like
 if TYPE_CHECKING:
     from ..model.loaded import LoadedModel
 
-VISION_ARCHS: tuple[str, ...] = ("qwen2_vl", "llava", "gemma3")
+VISION_ARCHS: tuple[str, ...] = ("qwen2_vl", "llava", "gemma3", "qwen2_vl_tools")
 TEXT_SIZES: tuple[str, ...] = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                "num_key_value_heads")
 
@@ -51,6 +53,30 @@ QWEN2_VL_TEMPLATE = (
     "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Qwen2-VL's content parts with Qwen2.5's tools, tool calls and <tool_response> results (as Qwen3-VL's template
+# does): image parts are placed in every role's content, tool results too. (Newlines after a tag are written
+# as {{ NL }}: Hugging Face renders with trim_blocks, which drops a newline right after a tag.)
+QWEN_VL_TOOLS_TEMPLATE = (
+    "{% set NL = '\\n' %}{% macro render(content) %}{% if content is string %}{{ content }}{% else %}"
+    "{% for part in content %}{% if part['type'] == 'image' or 'image' in part %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+    "{% if tools %}<|im_start|>system{{ NL }}{% if messages[0]['role'] == 'system' %}{{ render(messages[0]['content']) }}"
+    "{{ NL }}{{ NL }}{% endif %}# Tools{{ NL }}{{ NL }}<tools>{% for tool in tools %}{{ NL }}{{ tool | tojson }}{% endfor %}"
+    "{{ NL }}</tools>{{ NL }}{{ NL }}For each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags.<|im_end|>{{ NL }}{% elif messages[0]['role'] == 'system' %}"
+    "<|im_start|>system{{ NL }}{{ render(messages[0]['content']) }}<|im_end|>{{ NL }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'user' %}<|im_start|>user{{ NL }}{{ render(message['content']) }}"
+    "<|im_end|>{{ NL }}{% elif message['role'] == 'assistant' %}<|im_start|>assistant{{ NL }}{{ render(message['content']) }}"
+    "{% for tool_call in message['tool_calls'] or [] %}{% if tool_call.function %}{% set tool_call = tool_call.function %}{% endif %}"
+    "{% if message['content'] or not loop.first %}{{ NL }}{% endif %}<tool_call>{{ NL }}{\"name\": \"{{ tool_call.name }}\", "
+    "\"arguments\": {% if tool_call.arguments is string %}{{ tool_call.arguments }}{% else %}{{ tool_call.arguments | tojson }}{% endif %}}"
+    "{{ NL }}</tool_call>{% endfor %}<|im_end|>{{ NL }}{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}{{ NL }}<tool_response>"
+    "{{ NL }}{{ render(message['content']) }}{{ NL }}</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>{{ NL }}{% endif %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ NL }}{% endif %}"
 )
 
 # LLaVA-1.5's template (images first, then the text of each message), reading string content too, and
@@ -98,6 +124,19 @@ def _qwen_vl_tokenizer() -> TokenizerFiles:
               "errors": "replace", "clean_up_tokenization_spaces": False, "split_special_tokens": False,
               "chat_template": QWEN2_VL_TEMPLATE}
     return _files("qwen2_vl", tok, config, bos=None, eos=("<|im_end|>", "<|endoftext|>"), pad="<|endoftext|>")
+
+
+def _qwen_vl_tools_tokenizer() -> TokenizerFiles:
+    """Qwen2.5-VL's specials (``<tool_call>`` ... as single tokens) and a template with tools."""
+    from tokenizers import AddedToken
+
+    tok = _qwen_bpe()
+    specials = (*_QWEN_VL_SPECIALS, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "unk_token": None,
+              "errors": "replace", "clean_up_tokenization_spaces": False, "split_special_tokens": False,
+              "chat_template": QWEN_VL_TOOLS_TEMPLATE}
+    return _files("qwen2_vl_tools", tok, config, bos=None, eos=("<|im_end|>", "<|endoftext|>"), pad="<|endoftext|>")
 
 
 def _llava_tokenizer() -> TokenizerFiles:
@@ -189,7 +228,7 @@ def _gemma3(tok: TokenizerFiles, ids: dict[str, int], sizes: dict[str, int]) -> 
     return config, image, {"processor_class": "Gemma3Processor", "image_seq_length": 4}
 
 
-_ARCHS = {"qwen2_vl": (_qwen_vl_tokenizer, _qwen2_vl), "llava": (_llava_tokenizer, _llava),
+_ARCHS = {"qwen2_vl": (_qwen_vl_tokenizer, _qwen2_vl), "qwen2_vl_tools": (_qwen_vl_tools_tokenizer, _qwen2_vl), "llava": (_llava_tokenizer, _llava),
           "gemma3": (_gemma3_tokenizer, _gemma3)}
 
 
@@ -271,4 +310,4 @@ def tiny_vision_model(arch: str = "qwen2_vl", seed: int = 0, **text_sizes: int) 
     return _loaded(arch, seed, _check(arch, seed, text_sizes))
 
 
-__all__ = ["GEMMA3_TEMPLATE", "LLAVA_TEMPLATE", "QWEN2_VL_TEMPLATE", "TEXT_SIZES", "VISION_ARCHS", "tiny_vision_model", "tiny_vision_model_path"]
+__all__ = ["GEMMA3_TEMPLATE", "LLAVA_TEMPLATE", "QWEN2_VL_TEMPLATE", "QWEN_VL_TOOLS_TEMPLATE", "TEXT_SIZES", "VISION_ARCHS", "tiny_vision_model", "tiny_vision_model_path"]

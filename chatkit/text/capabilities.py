@@ -12,7 +12,10 @@ what it showed it can do, so that every template renders every conversation chat
   when chatkit can write it (what its parser reads back), else as JSON;
 * no tool role (or tool messages dropped): results become user text, merged with a neighbouring user
   message so roles still alternate;
-* arguments as a string when the template concatenates them.
+* arguments as a string when the template concatenates them;
+* images of a tool result that the template cannot place in a tool message (it has no tool role, or writes
+  a tool message's content as a string): they go to the user message that follows the results, or to a
+  user message of their own after them (text stays in the tool message; the images keep their order).
 
 A template that ignores the ``tools`` it is given gets a warning (once).
 """
@@ -42,6 +45,7 @@ class Capabilities:
     arguments_as_string: bool = False
     tool_role: bool = True
     renders_tools: bool = True
+    tool_images: bool = True  # a tool message's image parts are placed (Qwen2-VL, LLaVA); else they move (see adapt)
 
 
 def _try(render: Render, messages: list[dict[str, Any]], tools: Any = None) -> str | None:
@@ -80,7 +84,27 @@ def probe(render: Render) -> Capabilities:
     tool_role = shown is not None and "probe_result_r1" in shown
     with_tools = _try(render, [user], [_PROBE_TOOL])
     renders_tools = with_tools is not None and "probe_tool_x7" in with_tools
-    return Capabilities(no_tools, system_role, tool_calls, arguments_as_string, tool_role, renders_tools)
+    return Capabilities(no_tools, system_role, tool_calls, arguments_as_string, tool_role, renders_tools,
+                        tool_role and _places_tool_images(render, exchange(_calls(tool_calls, arguments_as_string)), no_tools))
+
+
+def _calls(tool_calls: bool, as_string: bool) -> Any:
+    """The probe call's arguments as the template renders them (``None``: it renders no calls)."""
+    arguments = {"probe_arg": "probe_value_v1"}
+    return None if not tool_calls else json.dumps(arguments) if as_string else arguments
+
+
+def _places_tool_images(render: Render, messages: list[dict[str, Any]], no_tools: Any) -> bool:
+    """Whether the template writes something for an image part of a tool message (``messages[2]``) and
+    reads its parts (not their ``repr``)."""
+    text = {"type": "text", "text": "probe_result_r1"}
+
+    def with_content(content: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [*messages[:2], {**messages[2], "content": content}, *messages[3:]]
+
+    plain = _try(render, with_content([text]), no_tools)
+    shown = _try(render, with_content([{"type": "image"}, text]), no_tools)
+    return plain is not None and "probe_result_r1" in plain and "'type'" not in plain and shown not in (None, plain)
 
 
 WriteCalls = Callable[[list[dict[str, Any]]], "str | None"]  # calls -> their text in the model's own format
@@ -91,8 +115,14 @@ def adapt(messages: Sequence[Mapping[str, Any]], caps: Capabilities, write_calls
     writes calls the template cannot render in the model's own format (``None`` from it: JSON)."""
     out: list[dict[str, Any]] = []
     was_converted = False  # the last message out is a tool result written as user text
+    moved: list[dict[str, Any]] = []  # image parts of tool results the template cannot place there
     for m in messages:
         d = dict(m)
+        if moved and d["role"] != "tool":
+            _place(out, moved, d)
+        if d["role"] == "tool" and isinstance(d.get("content"), list) and not caps.tool_images:
+            moved.extend(p for p in d["content"] if p.get("type") == "image")
+            d["content"] = "\n\n".join(p["text"] for p in d["content"] if p.get("type") == "text")
         if d.get("tool_calls"):
             if not caps.tool_calls:
                 calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in d.pop("tool_calls")]
@@ -109,10 +139,12 @@ def adapt(messages: Sequence[Mapping[str, Any]], caps: Capabilities, write_calls
             response = {"tool_call_id": d.get("tool_call_id"), "name": d.get("name"), "content": d["content"]}
             d = {"role": "user", "content": json.dumps({"tool_response": response}, ensure_ascii=False)}
         if d["role"] == "user" and out and out[-1]["role"] == "user" and (converted or was_converted):
-            out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + d["content"]}  # roles must alternate
+            out[-1] = {**out[-1], "content": _joined(out[-1]["content"], d["content"])}  # roles must alternate
             continue
         was_converted = converted
         out.append(d)
+    if moved:
+        _place(out, moved, None)
     if not caps.system_role and out and out[0]["role"] == "system":
         system, rest = out[0], out[1:]
         if rest and rest[0]["role"] == "user":
@@ -121,6 +153,28 @@ def adapt(messages: Sequence[Mapping[str, Any]], caps: Capabilities, write_calls
             rest.insert(0, {"role": "user", "content": system["content"]})
         out = rest
     return out
+
+
+def _place(out: list[dict[str, Any]], images: list[dict[str, Any]], following: dict[str, Any] | None) -> None:
+    """Put the moved ``images`` (then emptied) before the content of the user message that shows them: the
+    ``following`` user message, the results written as user text (``out[-1]``), else a new one after them."""
+    parts, images[:] = list(images), []
+    if following is not None and following["role"] == "user":
+        following["content"] = _joined(parts, following["content"])
+    elif out and out[-1]["role"] == "user":
+        out[-1] = {**out[-1], "content": _joined(parts, out[-1]["content"])}
+    else:
+        out.append({"role": "user", "content": [*parts, {"type": "text", "text": ""}]})
+
+
+def _joined(first: Any, second: Any) -> Any:
+    """Two contents as one: strings joined by a newline, else content parts (images, then texts)."""
+    if isinstance(first, str) and isinstance(second, str):
+        return first + "\n" + second
+    parts = [p for c in (first, second) for p in (c if isinstance(c, list) else [{"type": "text", "text": c}])]
+    images = [p for p in parts if p.get("type") == "image"]
+    texts = [p["text"] for p in parts if p.get("type") == "text" and p["text"]]
+    return [*images, {"type": "text", "text": "\n".join(texts)}]
 
 
 def _as_string(arguments: Any) -> str:

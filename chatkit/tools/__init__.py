@@ -4,7 +4,7 @@ session uses them (``options.py``); tools from MCP servers (``mcp.py``). The aut
 
 from .mcp import MCPServer
 from .options import DEFAULT_MAX_TOOL_ROUNDS, DEFAULT_TOOL_TIMEOUT, ToolOptions
-from .schema import Tool, as_tool, as_tools, call_tool, check_arguments
+from .schema import Tool, ToolOutput, as_tool, as_tools, call_tool, check_arguments
 
 __all__ = [
     "DEFAULT_MAX_TOOL_ROUNDS",
@@ -12,6 +12,7 @@ __all__ = [
     "MCPServer",
     "Tool",
     "ToolOptions",
+    "ToolOutput",
     "as_tool",
     "as_tools",
     "call_tool",

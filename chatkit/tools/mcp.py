@@ -4,7 +4,8 @@ The ``mcp`` SDK's client is async (anyio). Each ``MCPServer`` runs one ``mcp.Cli
 loop of its own, on a daemon thread, started on first use and shared by every session (and fork) that
 has its tools. Its tools are ``Tool`` s whose function is async: the tool loop runs it as any async tool
 (``chatkit.tools.run``), and it awaits the call on the server's loop (``asyncio.wrap_future``), so a
-timeout or a stop cancels the request. A connection that breaks (the server exited, stopped
+timeout or a stop cancels the request. A call returns a ``ToolOutput`` (text, and images as sent), from which
+the tool loop makes the tool message (images shown to a vision-language model). A connection that breaks (the server exited, stopped
 answering) fails the call with ``MCPServerError`` and is reopened by the next call.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import base64
+import binascii
 import concurrent.futures
 import importlib.util
 import json
@@ -25,7 +27,7 @@ from contextlib import AsyncExitStack
 from typing import Any
 
 from ..errors import InvalidParamsError, MCPServerError, MissingDependencyError
-from .schema import Tool, ToolReportedError, ToolSource, as_tool
+from .schema import Tool, ToolOutput, ToolReportedError, ToolSource, as_tool
 
 DEFAULT_START_TIMEOUT = 30.0  # seconds to start a server and list its tools when no tool timeout is given
 CLOSE_TIMEOUT = 5.0  # seconds close() waits for the connection (and a stdio server's process) to end
@@ -93,9 +95,10 @@ class MCPServer(ToolSource):
 
     def call_tool(self, name: str, arguments: Mapping[str, Any] | None = None,
                   timeout: float | None = DEFAULT_START_TIMEOUT) -> str:
-        """Call tool ``name`` and return its result as the tool message's text; ``ToolReportedError``
-        for a result the tool marked as an error, ``MCPServerError`` for a server that fails."""
-        return self._run(self._call(name, dict(arguments or {})), timeout, f"run {name}")
+        """Call tool ``name`` and return its result as text (an image as a note: ``result_text``);
+        ``ToolReportedError`` for a result the tool marked as an error, ``MCPServerError`` for a server that fails."""
+        output = self._run(self._call(name, dict(arguments or {})), timeout, f"run {name}")
+        return output.read(images=False)[1]
 
     def close(self) -> None:
         """End the connection (a stdio server's process exits); using the server again reconnects."""
@@ -131,6 +134,11 @@ class MCPServer(ToolSource):
     async def acall(self, name: str, arguments: dict[str, Any]) -> str:
         """``call_tool`` for a coroutine on any event loop: awaits the call on the server's loop (a
         cancellation, e.g. a timeout, cancels the request)."""
+        return (await self.aoutput(name, arguments)).read(images=False)[1]
+
+    async def aoutput(self, name: str, arguments: dict[str, Any]) -> ToolOutput:
+        """``acall``'s result as a ``ToolOutput`` (its images as the server sent them): what the session's
+        tool loop gets, so that a vision-language model sees the images."""
         future = asyncio.run_coroutine_threadsafe(self._call(name, arguments), self._ensure_loop())
         return await asyncio.wrap_future(future)
 
@@ -210,13 +218,13 @@ class MCPServer(ToolSource):
             if not cursor:
                 return tools
 
-    async def _call(self, name: str, arguments: dict[str, Any]) -> str:
+    async def _call(self, name: str, arguments: dict[str, Any]) -> ToolOutput:
         session = await self._connected()
         result = await self._request(session.call_tool(name, arguments), f"run {name}")
-        text = result_text(result)
+        output = result_output(result)
         if result.is_error:
-            raise ToolReportedError(text or f"{name} failed (the MCP server gave no reason).")
-        return text
+            raise ToolReportedError(output.read(images=False)[1] or f"{name} failed (the MCP server gave no reason).")
+        return output
 
     async def _request(self, request: Coroutine[Any, Any, Any], what: str) -> Any:
         """``request``'s result; a protocol error from the server is the tool's, anything else breaks the
@@ -245,27 +253,30 @@ class MCPServer(ToolSource):
 
 
 def _tool_function(server: MCPServer, name: str) -> Callable[..., Any]:
-    async def call(**arguments: Any) -> str:
-        return await server.acall(name, arguments)
+    async def call(**arguments: Any) -> ToolOutput:
+        return await server.aoutput(name, arguments)
 
     call.__name__ = call.__qualname__ = name
     call.mcp_server = server  # type: ignore[attr-defined]  # what a saved conversation records
     return call
 
 
-def result_text(result: Any) -> str:
-    """The text of an MCP ``CallToolResult``: its text parts (blank-line separated), else its structured
-    content as JSON; an image or audio part is a short note (chatkit's tool messages hold text only)."""
+def result_output(result: Any) -> ToolOutput:
+    """An MCP ``CallToolResult`` as a ``ToolOutput``: its text parts (blank-line separated), else its
+    structured content as JSON; its images as they came (the tool message shows them to a vision-language
+    model, else notes them); an audio part is a short note (chatkit's models hear nothing)."""
     texts: list[str] = []
     notes: list[str] = []
+    images: list[tuple[bytes, str]] = []
     for part in result.content:
         kind = getattr(part, "type", "")
         if kind == "text":
             texts.append(part.text)
-        elif kind in ("image", "audio"):
-            size = len(base64.b64decode(part.data, validate=False)) if isinstance(part.data, str) else 0
-            notes.append(f"[the tool returned {'an' if kind == 'image' else 'some'} {kind} ({part.mime_type}, "
-                         f"{size} bytes), which this chat cannot show the model]")
+        elif kind == "image":
+            images.append((_b64(part.data), str(part.mime_type)))
+        elif kind == "audio":
+            notes.append(f"[the tool returned some audio ({part.mime_type}, {len(_b64(part.data))} bytes), "
+                         "which this chat cannot show the model]")
         elif kind == "resource":
             resource = part.resource
             texts.append(getattr(resource, "text", None) or f"[a resource: {resource.uri}]")
@@ -273,7 +284,21 @@ def result_text(result: Any) -> str:
             texts.append(f"[a resource: {part.uri}]")
     if not texts and result.structured_content is not None:
         texts.append(json.dumps(result.structured_content, ensure_ascii=False))
-    return "\n\n".join(texts + notes)
+    return ToolOutput("\n\n".join(texts + notes), tuple(images))
+
+
+def result_text(result: Any) -> str:
+    """The text of an MCP ``CallToolResult`` for a model that reads no images (``result_output``'s, each
+    image a short note)."""
+    return result_output(result).read(images=False)[1]
+
+
+def _b64(data: Any) -> bytes:
+    """Base64 ``data`` decoded; empty when it is not base64 (the image is then noted as unreadable)."""
+    try:
+        return base64.b64decode(data, validate=True) if isinstance(data, str) else b""
+    except (binascii.Error, ValueError):
+        return b""
 
 
 def mcp_servers(tools: Sequence[Tool] | None) -> list[dict[str, Any]]:
@@ -344,4 +369,4 @@ def _close_all() -> None:
         server.close()
 
 
-__all__ = ["MCPServer", "mcp_servers", "result_text"]
+__all__ = ["MCPServer", "mcp_servers", "result_output", "result_text"]

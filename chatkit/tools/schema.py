@@ -17,7 +17,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidParamsError, ToolExecutionError
+from ..errors import InvalidMessageError, InvalidParamsError, ToolExecutionError
+from ..images import Image, as_image
 from ..messages import ChatMessage, ToolCall, check_json
 from .check import check_parameters
 from .run import Stopped, TimedOut, ToolRun
@@ -34,6 +35,40 @@ class ToolSource:
 
     def tools(self, timeout: float | None = None) -> list[Tool]:
         raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ToolOutput:
+    """What a tool returned that a str cannot hold (an MCP result): its ``text`` and its ``images``, each
+    ``(data, mime_type)`` as the tool sent it (encoded bytes). A tool message shows the images to a
+    vision-language model; for any other model, and for an image that cannot be read, it holds a note."""
+
+    text: str
+    images: tuple[tuple[bytes, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        images = tuple(self.images) if isinstance(self.images, (list, tuple)) else None
+        if not isinstance(self.text, str) or images is None or not all(
+                isinstance(i, (list, tuple)) and len(i) == 2 and isinstance(i[0], bytes) and isinstance(i[1], str)
+                for i in images):
+            raise InvalidParamsError("ToolOutput(text, images) takes a str and a list of (bytes, mime type) pairs, "
+                                     "e.g. ToolOutput('a chart', [(png_bytes, 'image/png')]).")
+        object.__setattr__(self, "images", tuple((bytes(d), m) for d, m in images))
+
+    def read(self, images: bool) -> tuple[tuple[Image, ...], str]:
+        """The images the tool message shows (decoded as a user's are: PNG, JPEG, WebP or GIF, within the size
+        limits; none unless ``images``) and its text: ``text`` and a note for each image it does not show."""
+        shown: list[Image] = []
+        notes: list[str] = []
+        for data, mime in self.images:
+            if not images:
+                notes.append(f"[the tool returned an image ({mime}, {len(data)} bytes), which this chat cannot show the model]")
+                continue
+            try:
+                shown.append(as_image(data))
+            except InvalidMessageError as exc:  # the server's bad image: the model reads why, the turn goes on
+                notes.append(f"[the tool returned an image ({mime}, {len(data)} bytes) that could not be shown: {exc}]")
+        return tuple(shown), "\n\n".join([self.text] * bool(self.text) + notes)
 
 
 @dataclass(frozen=True)
@@ -119,8 +154,10 @@ def call_tool(
     raise_errors: bool = False,
     timeout: float | None = None,
     stop: threading.Event | None = None,
+    images: bool = False,
 ) -> ChatMessage:
-    """Run ``call`` and return the tool message answering it (``tool_call_id`` and ``name`` set).
+    """Run ``call`` and return the tool message answering it (``tool_call_id`` and ``name`` set); a
+    ``ToolOutput``'s images are the message's with ``images`` (a vision-language model), else notes.
 
     Errors become the message's text, so the model can correct itself; with ``raise_errors`` they raise
     ``ToolExecutionError`` instead. The tool runs on a thread of its own (``chatkit.tools.run``): after
@@ -162,6 +199,9 @@ def call_tool(
         return fail(f"{call.name} was cancelled.", exc)
     if isinstance(result, str):
         return answer(result)
+    if isinstance(result, ToolOutput):
+        shown, text = result.read(images)
+        return ChatMessage.tool(text, name=call.name or None, tool_call_id=call.id, images=shown)
     try:
         return answer(json.dumps(result, ensure_ascii=False, default=str))
     except (TypeError, ValueError, RecursionError) as exc:  # e.g. dict keys that are tuples, a cycle
@@ -197,4 +237,4 @@ def check_arguments(schema: Mapping[str, Any], arguments: Mapping[str, Any]) -> 
     return f"{where + ': ' if where else ''}{first.message}."
 
 
-__all__ = ["Tool", "ToolReportedError", "ToolSource", "as_tool", "as_tools", "call_tool", "check_arguments", "stopped"]
+__all__ = ["Tool", "ToolOutput", "ToolReportedError", "ToolSource", "as_tool", "as_tools", "call_tool", "check_arguments", "stopped"]

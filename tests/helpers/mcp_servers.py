@@ -3,8 +3,8 @@
 is printed on the first line of stdout.
 
 Kinds: ``calculate`` (the demo's ``calculate`` alone); ``calc`` (the demo's ``calculate``, a failing ``fail`` tool, a ``die`` tool that kills the
-server, a ``hang`` tool that never returns, ``image`` returning a PNG, ``data`` returning structured
-content only); ``many`` (40 tools ``echo_0`` .. ``echo_39``); ``clash`` (a tool named ``calculate``);
+server, a ``hang`` tool that never returns, ``image`` returning a PNG, ``picture`` text and a 50x40 PNG, ``bad_image`` images that cannot be read,
+``data`` returning structured content only); ``many`` (40 tools ``echo_0`` .. ``echo_39``); ``clash`` (a tool named ``calculate``);
 ``broken`` (exits before speaking MCP)."""
 
 from __future__ import annotations
@@ -24,6 +24,18 @@ from mcp.types import CallToolResult, ImageContent, TextContent
 PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
 )
+
+
+def picture_png() -> bytes:
+    """A 50x40 PNG of fixed noise: what the ``picture`` tool returns (Pillow imported on use)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(7).integers(0, 255, (40, 50, 3), dtype=np.uint8)).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def _demo_calculate() -> Any:
@@ -73,6 +85,18 @@ def calc_server() -> MCPServer:
     def image() -> CallToolResult:
         """A 1x1 PNG."""
         return CallToolResult(content=[ImageContent(type="image", data=base64.b64encode(PNG).decode(), mime_type="image/png")])
+
+    @server.tool()
+    def picture() -> CallToolResult:
+        """Text and a 50x40 PNG."""
+        return CallToolResult(content=[TextContent(type="text", text="a picture"),
+                                       ImageContent(type="image", data=base64.b64encode(picture_png()).decode(), mime_type="image/png")])
+
+    @server.tool()
+    def bad_image() -> CallToolResult:
+        """An image that is no PNG (and one that is not base64)."""
+        return CallToolResult(content=[ImageContent(type="image", data=base64.b64encode(b"%!PS-Adobe eps").decode(), mime_type="image/png"),
+                                       ImageContent(type="image", data="not base64!", mime_type="image/jpeg")])
 
     @server.tool()
     def data() -> CallToolResult:
