@@ -103,7 +103,8 @@ def describe(lm) -> str:
         f"chatkit {_version('chatkit')}",
         f"BLAS    : {blas()}",
         f"model   : {cfg['model_type']} {params / 1e6:.1f}M params float32 ({shape}), "
-        "random weights from chatkit.testing.tiny_model",
+        + ("random weights from chatkit.testing.tiny_model" if "chatkit-testing" in lm.source
+           else f"trained weights from {lm.source}"),
     ])
 
 
