@@ -17,8 +17,11 @@ found again. Prompt lookup also probes at the start of each turn (a reply may qu
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field, replace
+
+from .costs import LearnedCosts, learned, remember
 
 AUTO_MAX = 8  # longest adaptive draft: the best fixed lengths measured lie between 4 and 8
 MARGIN = 1.05  # drafting must promise this speed-up over plain steps
@@ -31,6 +34,9 @@ PLAIN_WINDOW = 8  # plain step times kept: their median is the plain step's time
 PLAIN_MIN = 3  # plain steps measured before any drafting (a turn's first steps can run cold)
 REFRESH = 64  # drafting steps between plain steps that re-measure the plain step time
 TURN_PROBES = 8  # prompt lookup probes each of a turn's first steps (a quote often starts a few tokens in)
+Z = 1.64  # one-sided 95 %: drafting must pay at the pessimistic end of the cost estimate
+NOISE = 0.3  # spread of a round's cost (in plain steps) assumed before any spread is measured, weight 1
+PROBE_SOON = 4  # plain tokens between probes while the evidence is too thin to tell either way
 
 
 @dataclass
@@ -43,7 +49,7 @@ class DraftPolicy:
     hits: float = PRIOR[0]  # decayed count of accepted draft tokens
     tries: float = PRIOR[1]  # decayed count of draft tokens the target checked
     plain_times: list[float] = field(default_factory=list)  # the last PLAIN_WINDOW plain step times
-    rounds: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums: w, k, k*k, r, k*r
+    rounds: list[float] = field(default_factory=lambda: [0.0] * 6)  # decayed sums: w, k, k*k, r, k*r, r*r
     cost: tuple[float, float] = (PRIOR_BASE, 0.0)  # fitted (base, per_token) of a round, in plain steps
     draft: int = 0  # the length the evidence so far says pays (0: none)
     idle: int = 0  # plain tokens since the last drafting step
@@ -51,6 +57,7 @@ class DraftPolicy:
     since_plain: int = 0  # drafting steps since the last plain step
     confirming: bool = False  # the last probe alone said drafting pays: the next one may confirm it
     turn_probes: int = 0  # probes left at this turn's start (prompt lookup)
+    key: str | None = None  # the pair's key in the process-wide registry of learned costs (costs.py)
 
     @property
     def plain_time(self) -> float | None:
@@ -63,13 +70,32 @@ class DraftPolicy:
         return self.hits / self.tries
 
 
-def new_policy(num_draft_tokens: int | str, *, draft_model: bool) -> DraftPolicy:
-    """The policy for a ``SpeculativeConfig.num_draft_tokens`` (an int or ``"auto"``)."""
+def new_policy(num_draft_tokens: int | str, *, draft_model: bool, key: str | None = None) -> DraftPolicy:
+    """The policy for a ``SpeculativeConfig.num_draft_tokens`` (an int or ``"auto"``). With ``key``
+    (:func:`.costs.pair_key`), an adaptive policy starts from what earlier sessions of the process
+    learned about the pair and shares what it learns."""
     fixed = num_draft_tokens if isinstance(num_draft_tokens, int) else None
-    policy = DraftPolicy(fixed=fixed, extra=0.3 if draft_model else 0.1, lookup=not draft_model)
+    policy = DraftPolicy(fixed=fixed, extra=0.3 if draft_model else 0.1, lookup=not draft_model,
+                         key=key if fixed is None else None, probe_every=PROBE_SOON)
+    record = learned(policy.key) if policy.key is not None else None
+    if record is not None:
+        policy.plain_times, policy.rounds = record.plain_times, record.rounds or policy.rounds
+        if record.hits is not None and record.tries is not None:
+            policy.hits, policy.tries = record.hits, record.tries
+        policy.probe_every = record.probe_every or policy.probe_every
     policy.cost = _fit(policy)
     _decide(policy)
     return policy
+
+
+def _share(policy: DraftPolicy) -> None:
+    """The pair's record in the registry becomes this policy's evidence (a draft model's acceptance
+    too; prompt lookup's depends on the conversation)."""
+    if policy.key is None:
+        return
+    model = not policy.lookup
+    remember(policy.key, LearnedCosts(policy.plain_times, policy.rounds, policy.hits if model else None,
+                                      policy.tries if model else None, policy.probe_every if model else None))
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -122,6 +148,9 @@ def record_plain(policy: DraftPolicy, seconds: float) -> None:
     policy.plain_times = [*policy.plain_times[1 - PLAIN_WINDOW:], seconds]
     policy.idle += 1
     policy.since_plain = 0
+    if len(policy.plain_times) == PLAIN_MIN or policy.idle % PLAIN_WINDOW == 0:  # (not every step: cheap)
+        _decide(policy)  # the plain steps' spread is part of the margin
+        _share(policy)
 
 
 def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: float, probe: bool = False) -> None:
@@ -134,7 +163,7 @@ def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: floa
     (a plain step slowed by other load) no longer starts a run of losing rounds."""
     fresh = None
     if probe and accepted == drafted:
-        fresh = replace(policy, hits=PRIOR[0], tries=PRIOR[1], rounds=[0.0] * 5)
+        fresh = replace(policy, hits=PRIOR[0], tries=PRIOR[1], rounds=[0.0] * 6)
         _observe(fresh, drafted, accepted, seconds)
     pays = fresh is not None and fresh.draft > 0
     if pays and (policy.confirming or policy.lookup) and fresh is not None:  # (a lookup's cost is steady)
@@ -147,6 +176,7 @@ def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: floa
     if probe:
         _probed(policy, grow=not (policy.draft or policy.confirming))
     policy.idle = 0
+    _share(policy)
 
 
 def _probed(policy: DraftPolicy, grow: bool) -> None:
@@ -154,8 +184,10 @@ def _probed(policy: DraftPolicy, grow: bool) -> None:
     turn's first probes keep the interval as it was, and end once drafting pays."""
     if policy.turn_probes > 0:
         policy.turn_probes = 0 if policy.draft else policy.turn_probes - 1
+    elif grow and promising(policy):
+        policy.probe_every = PROBE_SOON  # the evidence is too thin to tell: gather more
     else:
-        policy.probe_every = min(2 * policy.probe_every, PROBE_MAX) if grow else PROBE_MIN
+        policy.probe_every = max(PROBE_MIN, min(2 * policy.probe_every, PROBE_MAX)) if grow else PROBE_MIN
     policy.idle = 0
 
 
@@ -168,7 +200,7 @@ def _observe(policy: DraftPolicy, drafted: int, accepted: int, seconds: float | 
         # down by something else must not weigh more than that.
         ratio = min(seconds / policy.plain_time, drafted + 2.0)
         sums = [s * DECAY for s in policy.rounds]
-        for i, term in enumerate((1.0, drafted, drafted * drafted, ratio, drafted * ratio)):
+        for i, term in enumerate((1.0, drafted, drafted * drafted, ratio, drafted * ratio, ratio * ratio)):
             sums[i] += term
         policy.rounds = sums
         policy.cost = _fit(policy)
@@ -187,11 +219,41 @@ def record_miss(policy: DraftPolicy, probe: bool = False) -> None:
     _decide(policy)
     if probe:
         _probed(policy, grow=True)
+    _share(policy)
 
 
 def _decide(policy: DraftPolicy) -> None:
+    """Draft the best length only when it pays at the pessimistic end of the estimate (see
+    :func:`uncertainty`): ``speed >= MARGIN * (1 + Z * uncertainty)``."""
     k, speed = best_length(policy)
-    policy.draft = k if speed >= MARGIN else 0
+    policy.draft = k if speed >= MARGIN * (1.0 + Z * uncertainty(policy, k)) else 0
+
+
+def promising(policy: DraftPolicy) -> bool:
+    """Whether drafting would pay at the optimistic end of the estimate (then probes come soon)."""
+    k, speed = best_length(policy)
+    return speed * (1.0 + Z * uncertainty(policy, k)) >= MARGIN
+
+
+def uncertainty(policy: DraftPolicy, k: int) -> float:
+    """The relative standard error of a round's cost in plain steps, drafting ``k`` tokens.
+
+    Two paired parts: the rounds' scatter around the fitted cost (with a prior scatter of NOISE plain
+    steps that counts as one round, so one or two rounds that happen to agree are not taken as
+    certain), over the decayed count of rounds measured; and the plain step time's, from the spread of
+    the plain steps each round is divided by (a median absolute deviation, so one slow plain step
+    widens it a little and does not move it)."""
+    w, sk, skk, sr, skr, srr = policy.rounds
+    base, per_token = policy.cost
+    sse = srr - 2 * (base * sr + per_token * skr) + base * base * w + 2 * base * per_token * sk + per_token ** 2 * skk
+    n = w + 1.0
+    rounds = math.sqrt((max(sse, 0.0) + NOISE * NOISE) / n / n) / round_cost(policy, k)
+    times = policy.plain_times
+    if len(times) < 2:
+        return rounds
+    middle = statistics.median(times)
+    spread = 1.4826 * statistics.median(abs(t - middle) for t in times) / middle
+    return math.hypot(rounds, spread / math.sqrt(len(times)))
 
 
 def _fit(policy: DraftPolicy) -> tuple[float, float]:
@@ -199,7 +261,7 @@ def _fit(policy: DraftPolicy) -> tuple[float, float]:
     that drafts nothing costs PRIOR_BASE (the check is not queued ahead as plain steps are), and,
     weighing almost nothing, a round drafting one token ``PRIOR_BASE + extra``. While every round had
     the same length, the fit goes through the prior's base, so a cheap draft is tried longer."""
-    w, sk, skk, sr, skr = policy.rounds
+    w, sk, skk, sr, skr, _ = policy.rounds
     for k, weight in ((0, PRIOR_WEIGHT), (1, PRIOR_WEIGHT / 10)):
         r = PRIOR_BASE + policy.extra * k
         w, sk, skk, sr, skr = w + weight, sk + weight * k, skk + weight * k * k, sr + weight * r, skr + weight * k * r
@@ -208,4 +270,4 @@ def _fit(policy: DraftPolicy) -> tuple[float, float]:
 
 
 __all__ = ["AUTO_MAX", "DraftPolicy", "best_length", "choose", "expected_tokens", "new_policy", "new_turn",
-           "record_draft", "record_miss", "record_plain", "round_cost"]
+           "promising", "record_draft", "record_miss", "record_plain", "round_cost", "uncertainty"]
