@@ -26,6 +26,7 @@ class LearnedCosts:
 
     plain_times: list[float] = field(default_factory=list)  # the last plain step times (seconds)
     rounds: list[float] = field(default_factory=list)  # decayed sums of the round-cost fit
+    longest: int = 0  # the longest draft measured
     hits: float | None = None  # decayed acceptance counts (a draft model's; prompt lookup's depend on the text)
     tries: float | None = None
     probe_every: int | None = None  # a draft model's probing interval while drafting does not pay
@@ -79,7 +80,8 @@ def forget(key: str | None = None) -> None:
 
 
 def _copy(costs: LearnedCosts) -> LearnedCosts:
-    return LearnedCosts(list(costs.plain_times), list(costs.rounds), costs.hits, costs.tries, costs.probe_every)
+    return LearnedCosts(list(costs.plain_times), list(costs.rounds), costs.longest, costs.hits, costs.tries,
+                        costs.probe_every)
 
 
 __all__ = ["LearnedCosts", "forget", "learned", "model_digest", "pair_key", "remember"]

@@ -32,7 +32,8 @@ PRIOR_BASE = 1.1  # a round's cost before any is measured, in plain steps: PRIOR
 PRIOR_WEIGHT = 0.25  # weight of the prior's round without drafts (a measured round weighs 1)
 PLAIN_WINDOW = 8  # plain step times kept: their median is the plain step's time
 PLAIN_MIN = 3  # plain steps measured before any drafting (a turn's first steps can run cold)
-REFRESH = 64  # drafting steps between plain steps that re-measure the plain step time
+REFRESH = 64  # drafting steps between plain steps that re-measure the plain step time, at most
+PAIR_MIN = 4  # ... and at first: the interval starts here when drafting starts and doubles up to REFRESH
 TURN_PROBES = 8  # prompt lookup probes each of a turn's first steps (a quote often starts a few tokens in)
 Z = 1.64  # one-sided 95 %: drafting must pay at the pessimistic end of the cost estimate
 NOISE = 0.3  # spread of a round's cost (in plain steps) assumed before any spread is measured, weight 1
@@ -55,6 +56,8 @@ class DraftPolicy:
     idle: int = 0  # plain tokens since the last drafting step
     probe_every: int = PROBE_MIN
     since_plain: int = 0  # drafting steps since the last plain step
+    refresh: int = PAIR_MIN  # drafting steps between plain steps (PAIR_MIN doubling to REFRESH while drafting)
+    longest: int = 0  # the longest draft measured: the next length is at most twice it
     confirming: bool = False  # the last probe alone said drafting pays: the next one may confirm it
     turn_probes: int = 0  # probes left at this turn's start (prompt lookup)
     key: str | None = None  # the pair's key in the process-wide registry of learned costs (costs.py)
@@ -80,6 +83,7 @@ def new_policy(num_draft_tokens: int | str, *, draft_model: bool, key: str | Non
     record = learned(policy.key) if policy.key is not None else None
     if record is not None:
         policy.plain_times, policy.rounds = record.plain_times, record.rounds or policy.rounds
+        policy.longest = record.longest
         if record.hits is not None and record.tries is not None:
             policy.hits, policy.tries = record.hits, record.tries
         policy.probe_every = record.probe_every or policy.probe_every
@@ -94,7 +98,7 @@ def _share(policy: DraftPolicy) -> None:
     if policy.key is None:
         return
     model = not policy.lookup
-    remember(policy.key, LearnedCosts(policy.plain_times, policy.rounds, policy.hits if model else None,
+    remember(policy.key, LearnedCosts(policy.plain_times, policy.rounds, policy.longest, policy.hits if model else None,
                                       policy.tries if model else None, policy.probe_every if model else None))
 
 
@@ -111,9 +115,12 @@ def round_cost(policy: DraftPolicy, k: int) -> float:
     return max(1.0, base + per_token * k)
 
 
-def best_length(policy: DraftPolicy, limit: int = AUTO_MAX) -> tuple[int, float]:
-    """The draft length with the best expected speed relative to plain steps, and that speed."""
-    a = policy.acceptance
+def best_length(policy: DraftPolicy, limit: int = AUTO_MAX, acceptance: float | None = None) -> tuple[int, float]:
+    """The draft length with the best expected speed relative to plain steps (at ``acceptance``, the
+    estimate's by default), and that speed. At most twice the longest length measured: the cost of
+    a longer round is an extrapolation."""
+    limit = min(limit, max(1, 2 * policy.longest))
+    a = policy.acceptance if acceptance is None else acceptance
     speed, k = max((expected_tokens(a, k) / round_cost(policy, k), k) for k in range(1, limit + 1))
     return k, speed
 
@@ -122,8 +129,8 @@ def choose(policy: DraftPolicy) -> tuple[int, bool]:
     """How many tokens to draft in the next step (0: a plain step), and whether that is a probe."""
     if policy.fixed is not None:
         return policy.fixed, False
-    if len(policy.plain_times) < PLAIN_MIN or policy.since_plain >= REFRESH:
-        return 0, False  # measure plain steps first
+    if len(policy.plain_times) < PLAIN_MIN or policy.since_plain >= policy.refresh:
+        return 0, False  # measure plain steps first, and again now and then: each round is paired with them
     if policy.draft:
         return policy.draft, False
     if policy.turn_probes > 0 or policy.idle >= policy.probe_every:
@@ -147,6 +154,8 @@ def record_plain(policy: DraftPolicy, seconds: float) -> None:
     drafting rounds look cheap for the REFRESH rounds until the next plain step."""
     policy.plain_times = [*policy.plain_times[1 - PLAIN_WINDOW:], seconds]
     policy.idle += 1
+    if policy.since_plain:  # a re-measure between drafting rounds: the next comes later if drafting still pays
+        policy.refresh = min(2 * policy.refresh, REFRESH)
     policy.since_plain = 0
     if len(policy.plain_times) == PLAIN_MIN or policy.idle % PLAIN_WINDOW == 0:  # (not every step: cheap)
         _decide(policy)  # the plain steps' spread is part of the margin
@@ -168,7 +177,7 @@ def record_draft(policy: DraftPolicy, drafted: int, accepted: int, seconds: floa
     pays = fresh is not None and fresh.draft > 0
     if pays and (policy.confirming or policy.lookup) and fresh is not None:  # (a lookup's cost is steady)
         policy.hits, policy.tries, policy.rounds = fresh.hits, fresh.tries, fresh.rounds
-        policy.cost, policy.draft = fresh.cost, fresh.draft
+        policy.cost, policy.draft, policy.longest = fresh.cost, fresh.draft, fresh.longest
     else:  # an unconfirmed cheap round is not cost evidence yet (it would tilt the fit on its own)
         _observe(policy, drafted, accepted, None if pays else seconds)
     policy.confirming = pays and not policy.draft
@@ -197,8 +206,10 @@ def _observe(policy: DraftPolicy, drafted: int, accepted: int, seconds: float | 
     policy.tries = policy.tries * DECAY + accepted + (accepted < drafted)
     if policy.plain_time and seconds is not None:
         # Clipped: at k + 1 plain steps a round cannot pay whatever it yields, and one round slowed
-        # down by something else must not weigh more than that.
-        ratio = min(seconds / policy.plain_time, drafted + 2.0)
+        # down by something else must not weigh more than that; a round includes a step of the target,
+        # so one measured below a plain step says the plain steps it is paired with were slowed down.
+        ratio = min(max(seconds / policy.plain_time, 1.0), drafted + 2.0)
+        policy.longest = max(policy.longest, drafted)
         sums = [s * DECAY for s in policy.rounds]
         for i, term in enumerate((1.0, drafted, drafted * drafted, ratio, drafted * ratio, ratio * ratio)):
             sums[i] += term
@@ -223,10 +234,13 @@ def record_miss(policy: DraftPolicy, probe: bool = False) -> None:
 
 
 def _decide(policy: DraftPolicy) -> None:
-    """Draft the best length only when it pays at the pessimistic end of the estimate (see
-    :func:`uncertainty`): ``speed >= MARGIN * (1 + Z * uncertainty)``."""
+    """Draft only when it pays at the pessimistic end of the cost estimate (see :func:`uncertainty`):
+    ``speed >= MARGIN * (1 + Z * uncertainty)``."""
     k, speed = best_length(policy)
-    policy.draft = k if speed >= MARGIN * (1.0 + Z * uncertainty(policy, k)) else 0
+    draft = k if speed >= MARGIN * (1.0 + Z * uncertainty(policy, k)) else 0
+    if not draft:
+        policy.refresh = PAIR_MIN  # when drafting starts again, its first rounds are paired closely
+    policy.draft = draft
 
 
 def promising(policy: DraftPolicy) -> bool:
@@ -265,7 +279,9 @@ def _fit(policy: DraftPolicy) -> tuple[float, float]:
     for k, weight in ((0, PRIOR_WEIGHT), (1, PRIOR_WEIGHT / 10)):
         r = PRIOR_BASE + policy.extra * k
         w, sk, skk, sr, skr = w + weight, sk + weight * k, skk + weight * k * k, sr + weight * r, skr + weight * k * r
-    per_token = max(0.0, (w * skr - sk * sr) / (w * skk - sk * sk))
+    # At least a third of the prior's: a drafted token is never free (a slope near zero comes from
+    # rounds of one length measured against slowed plain steps, and would make every length look free).
+    per_token = max(policy.extra / 3, (w * skr - sk * sr) / (w * skk - sk * sk))
     return (sr - per_token * sk) / w, per_token
 
 
