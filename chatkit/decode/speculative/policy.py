@@ -3,16 +3,30 @@
 The adaptive rule is a small cost model (as in the speculative decoding papers), fed with wall times
 measured in the session. A plain step's time is the median of the last few plain steps (queued one
 ahead, so it can be shorter than a forward pass); nothing is drafted before three are measured. A
-drafting round's time is measured end to end in the loop: the
-draft's steps, the target's pass over the ``k + 1`` tokens, the trims and the bookkeeping, until the
-next step starts. Its ratio to a plain step is fitted as ``base + per_token * k`` (decayed least
-squares over the rounds seen, with a weak prior on the base), so a round's fixed cost (a check that
-cannot be queued ahead as plain steps are) is told apart from what each drafted token adds. With a per-token
-acceptance ``a``, a round drafting ``k`` tokens yields ``(1 - a**(k+1)) / (1 - a)`` tokens on average;
-the policy drafts the ``k`` whose tokens per unit time beat plain steps by a margin, and otherwise
-decodes plainly (``k = 0``) and probes with one drafted token now and then, at doubling intervals
-while probes keep failing, so a draft that does not pay costs little and one that starts paying is
-found again. Prompt lookup also probes at the start of each turn (a reply may quote the conversation).
+drafting round's time is measured end to end in the loop: the draft's steps, the target's pass over
+the ``k + 1`` tokens, the trims and the bookkeeping, until the next step starts. Rounds are paired
+with plain steps: each is divided by the plain step time measured around it (while drafting, two
+plain steps re-measure it after 4 rounds, then after 8, 16 ... up to 64), and never counted cheaper
+than one plain step (a round includes a step of the target: one that looks cheaper says the plain
+steps were slowed). The ratios are fitted as ``base + per_token * k`` (decayed least squares, with a
+weak prior; ``per_token`` at least a third of the prior's), so a round's fixed cost is told apart
+from what each drafted token adds; lengths grow to at most twice the longest measured.
+
+With a per-token acceptance ``a``, a round drafting ``k`` tokens yields ``(1 - a**(k+1)) / (1 - a)``
+tokens on average. The rule, with a confidence margin: draft the best ``k`` only when its speed
+beats plain steps at the pessimistic end of the estimate, ``speed >= MARGIN * (1 + Z * u)`` with
+``u`` the relative standard error of the round's cost (the rounds' scatter around the fit, with a
+prior scatter of NOISE plain steps counted as one round, over the decayed number of rounds; and the
+plain steps' spread, a median absolute deviation). So the prior alone, or one or two rounds that
+look cheap next to slow plain steps, start no run of losing rounds. Otherwise decode plainly and
+probe with one drafted token: soon (every PROBE_SOON tokens) while the optimistic end says drafting
+might pay, at doubling intervals (16 up to 256) while it does not, so a draft that does not pay
+costs little and one that starts paying is found again. Prompt lookup also probes at the start of
+each turn (a reply may quote the conversation).
+
+What a pair costs is shared by the sessions of the process (:mod:`.costs`): a fresh session starts
+from the plain step times, the fitted round costs and (for a draft model) the acceptance and probing
+interval that earlier sessions learned, and drafts (or not) from its first token.
 """
 
 from __future__ import annotations
