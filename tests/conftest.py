@@ -25,6 +25,18 @@ def default_prompt_cache_on(monkeypatch):
     """The process-wide prompt cache on, as it is outside the tests."""
     monkeypatch.delenv("CHATKIT_PROMPT_CACHE")
 
+
+@pytest.fixture(autouse=True)
+def no_learned_draft_costs():
+    """Each test's speculative sessions start without what another test's learned about the same pair
+    (the process-wide registry of chatkit.decode.speculative.costs)."""
+    from chatkit.decode.speculative.costs import forget
+
+    forget()
+    yield
+    forget()
+
+
 settings.register_profile(
     "chatkit",
     deadline=None,

@@ -15,6 +15,7 @@ from ..model.switchable import ActiveAdapter, applying, each_step
 from ..params import LogitsProcessor
 from . import Request, Token
 from .speculative import SpeculativeConfig, new_policy
+from .speculative.costs import pair_key
 from .speculative.loop import prefill, speculate
 
 
@@ -22,15 +23,18 @@ class LocalSource:
     """Tokens from ``model`` in this process; speculative when given a ``SpeculativeConfig``.
 
     The draft-length policy lives as long as the source (one per session), so what drafting
-    achieved in earlier turns sets the length of the next turn's drafts.
+    achieved in earlier turns sets the length of the next turn's drafts; an adaptive one starts from
+    what the process's earlier sessions learned about the same (target, draft) pair.
     """
 
     def __init__(self, model: Any, speculative: SpeculativeConfig | None = None) -> None:
         self.model = model
         self.speculative = speculative
-        self.policy = None if speculative is None else new_policy(
-            speculative.num_draft_tokens, draft_model=speculative.draft_model is not None
-        )
+        self.policy = None
+        if speculative is not None:
+            draft = speculative.draft_model
+            key = pair_key(model, None if draft is None else draft.model) if speculative.adaptive else None
+            self.policy = new_policy(speculative.num_draft_tokens, draft_model=draft is not None, key=key)
 
     def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
         assert cache.layers is not None, "prepare the cache before generating"

@@ -66,6 +66,17 @@ class _Run:
     base: int = 0  # the target's offset after the prefill
     last: tuple[int, int, bool] | None = None  # the previous step to time: (drafted, accepted, probe)
     t_last: float = 0.0
+    shown: mx.array | None = None  # ``prefix + held`` as an array, for the processors (grown, not rebuilt)
+
+    def line(self) -> mx.array:
+        """``prefix + held`` as an array: extended by what ``held`` gained since the last call, so a
+        plain step costs the processors' context as mlx-lm's does (not a list converted per step)."""
+        have = 0 if self.shown is None else self.shown.size
+        new = self.held[have - len(self.prefix):] if have else self.prefix + self.held
+        if self.shown is None or new:
+            tail = mx.array(new, dtype=mx.uint32)
+            self.shown = tail if self.shown is None else mx.concatenate([self.shown, tail])
+        return self.shown
 
 
 def speculative_tokens(
@@ -218,7 +229,7 @@ def _plain_step(run: _Run, y: mx.array) -> tuple[mx.array, mx.array]:
     """Feed ``y`` to the target; the next token and its log-probabilities (lazy)."""
     logits = run.model(y[None], cache=run.layers)[:, -1, :]
     _quantize(run)
-    return _sample(run, logits, lambda: mx.concatenate([mx.array(run.prefix + run.held, dtype=mx.uint32), y]))
+    return _sample(run, logits, lambda: mx.concatenate([run.line(), y]))
 
 
 def _sample(run: _Run, logits: mx.array, shown: Callable[[], mx.array]) -> tuple[mx.array, mx.array]:
