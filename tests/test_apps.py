@@ -196,6 +196,7 @@ def conversation(lm, i, out, in_thread=False):
         mx.clear_streams()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_many_sessions_on_one_model_in_threads_equal_one_by_one(tiny, arch):
     lm = tiny(arch=arch, tokenizer="bpe")

@@ -89,6 +89,7 @@ def _write(setup, data):
     return path
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_in_every_region(setup):
     _, good, *_ = setup
     data = good.read_bytes()
@@ -102,6 +103,7 @@ def test_a_flipped_byte_in_every_region(setup):
                 check(setup, bytes(flipped))
 
 
+@pytest.mark.slow
 @settings(max_examples=150)
 @given(data=st.data())
 def test_flipped_bytes_anywhere(setup, data):

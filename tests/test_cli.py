@@ -459,6 +459,7 @@ def test_inspect_and_resume_on_a_bad_file_print_one_line(tmp_path, good_file, da
         assert "bad.safetensors" in out.stderr, (args, out.stderr)  # names the file
 
 
+@pytest.mark.slow
 def test_the_readme_says_which_phrasings_the_demo_understands():
     """Every phrasing in README's table gets the documented reply from the demo (greedy, fresh session;
     questions marked "after telling it" come after the facts of the table's first phrasings)."""

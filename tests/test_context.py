@@ -88,6 +88,7 @@ def test_the_default_policy_still_refuses_a_prompt_past_the_window(lm):
     assert len(session.history) % 2 == 0 and not session.busy
 
 
+@pytest.mark.slow
 def test_rolling_keeps_every_message_and_answers_as_a_fresh_session_from_its_context(lm):
     session = session_over(lm, ContextPolicy.rolling())
     stats = talk(session, PROMPTS[:-1])
@@ -155,6 +156,7 @@ def test_save_restore_and_fork_keep_the_history_the_window_and_the_policy(lm, tm
         assert stream.tokens == expected
 
 
+@pytest.mark.slow
 def test_summarize_folds_dropped_exchanges_into_a_summary_after_the_instructions(lm):
     seen = []
 
@@ -472,10 +474,12 @@ class LongConversation(RuleBasedStateMachine):
         assert_ledger_matches_cache(s)
 
 
+@pytest.mark.slow
 def test_any_sequence_keeps_the_transcript_and_answers_from_the_context():
     run_state_machine_as_test(LongConversation, settings=settings(max_examples=8, stateful_step_count=14))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("setup", ["prompt_lookup", "draft", "kv_bits", "engine"])
 def test_rolling_works_with_speculation_quantized_caches_and_the_batch_engine(tiny, setup):
     from chatkit import BatchEngine, SpeculativeConfig

@@ -81,6 +81,7 @@ def shifted_and_plain(lm, prompts, **policy):
     return shifted, plain, stats
 
 
+@pytest.mark.slow
 def test_a_shifting_turn_prefills_only_its_message_and_the_transcript_and_window_follow(lm):
     shifted, plain, stats = shifted_and_plain(lm, PROMPTS[:30])
     crossings = [(s, p) for s, p in stats if s.compacted]
@@ -94,6 +95,7 @@ def test_a_shifting_turn_prefills_only_its_message_and_the_transcript_and_window
     assert cache_state(shifted).ledger.shifted > 0 and cache_state(plain).ledger.shifted == 0
 
 
+@pytest.mark.slow
 def test_keep_first_and_the_instructions_stay_in_the_shifted_cache(lm):
     shifted, _, _ = shifted_and_plain(lm, PROMPTS[:24], keep_first=1)
     assert shifted.dropped_messages and shifted.context[1:3] == shifted.history[:2]

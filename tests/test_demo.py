@@ -168,6 +168,7 @@ def test_speculative_matches_standard(lm, draft):
     assert accepted >= 0.5 * proposed > 0
 
 
+@pytest.mark.slow
 def test_context_window_is_what_it_was_trained_on(lm):
     """Past 1,024 tokens the demo meets positions it never trained on: chatkit refuses instead of
     answering nonsense, changes nothing, and the session goes on after an undo. A 20-turn chat fits."""

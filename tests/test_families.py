@@ -24,6 +24,7 @@ def _quiet():
         yield
 
 
+@pytest.mark.slow
 def test_family_tokenizers_have_their_special_tokens_as_single_tokens():
     for name in FAMILY_TOKENIZERS:
         lm = BY_NAME[next(f.name for f in FAMILIES if f.tokenizer == name)].model()

@@ -190,6 +190,7 @@ def test_unguided_replies_of_the_same_models_are_not_valid(tiny, tokenizer):
         assert not re.fullmatch(DATE, text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokenizer", TOKENIZERS)
 @pytest.mark.parametrize("case", ["nested", "array-enum", "schema", "lark"])
 @pytest.mark.parametrize("num_draft", [2, 4])
@@ -598,6 +599,7 @@ def test_a_guided_turn_commits_its_text_and_the_next_turn_reuses_the_cache(tiny,
     assert session.last_stats.reused_tokens > 0
 
 
+@pytest.mark.slow
 def test_regenerate_answers_a_guided_reply_with_the_same_spec(tiny):
     from conftest import assert_ledger_matches_cache
 
@@ -621,6 +623,7 @@ def test_regenerate_answers_a_guided_reply_with_the_same_spec(tiny):
     assert_ledger_matches_cache(session)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["model", "prompt_lookup"])
 def test_guided_turns_with_speculative_decoding_equal_standard_ones(tiny, drafter):
     lm = tiny("qwen3", "bpe")

@@ -323,6 +323,7 @@ def test_equivalence_state_machine(arch, tok):
     run_state_machine_as_test(machine, settings=settings(max_examples=6, stateful_step_count=8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,tok", [("qwen3", "bpe"), ("llama", "spm")])
 def test_equivalence_state_machine_with_a_shared_prompt_cache(arch, tok):
     """The same machine, its sessions sharing a prompt cache (off by default in the tests): replies over

@@ -91,6 +91,7 @@ def test_streaming_gives_the_same_reply_and_usage(server, lm):
     assert again.usage.prompt_tokens_details.cached_tokens > usage.prompt_tokens
 
 
+@pytest.mark.slow
 def test_ten_turns_re_sent_pay_only_for_the_new_message(demo):
     prompts = ["My name is Ada.", "What is 7 + 5?", "Spell tiger.", "I live in Paris.", "What is 3 + 4?",
                "My favourite colour is green.", "What is 9 - 2?", "Where do I live?", "What is my name?",
@@ -120,6 +121,7 @@ def test_a_conversation_evicted_to_disk_comes_back(demo):
     assert usages[2].prompt_tokens_details.cached_tokens == usages[1].prompt_tokens + usages[1].completion_tokens
 
 
+@pytest.mark.slow
 def test_responses_chain_across_a_restart(demo, tmp_path):
     prompts = ["My name is Ada.", "What is 7 + 5?", "Spell cat.", "What is my name?"]
     params = GenerateParams(max_tokens=24, temperature=0.0)
@@ -189,6 +191,7 @@ class Slow:
         return logits
 
 
+@pytest.mark.slow
 def test_concurrent_requests_decode_together_in_one_batch(lm):
     params = PARAMS.copy(max_tokens=24, logits_processors=[Slow()])
     scripts = [[f"batch client {i}"] for i in range(4)]
@@ -822,6 +825,7 @@ def summary_of(messages):
     return f"{len(messages)} messages about colours."
 
 
+@pytest.mark.slow
 def test_a_responses_chain_past_the_window_goes_on_as_a_session_with_the_policy_does(lm, tmp_path):
     """previous_response_id chains past the window: the server applies its context policy (here one that
     summarizes, waiting for the compaction prepared after each turn), answers as an in-process session

@@ -39,6 +39,7 @@ def assert_draft_aligned(session):
     assert draft == state.draft_length <= len(state.ledger)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_draft", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_speculative_equals_standard_over_turns_breaks_undo_regenerate(tiny, arch, num_draft):

@@ -153,6 +153,7 @@ def valid(call):
 # -- the constraint on its own (mlx-lm's generate_step) -------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tokenizer", ["bpe-think", "spm", "gemma"])
 def test_a_strict_call_parses_and_fits_its_schema_every_time_and_an_unconstrained_one_does_not(models, tokenizer):
     strict_valid, free_valid = [], []
@@ -272,6 +273,7 @@ def strict_session(lm, *, opener="Let me check.<tool_call>", close_after=None, m
     return ChatSession.builder(lm).tools(TOOLS, strict_tools=strict, **tool_options).generate_params(params).build()
 
 
+@pytest.mark.slow
 def test_the_loop_runs_strict_calls_and_the_next_turn_equals_a_fresh_session(models):
     lm = models("bpe-think")
     session = strict_session(lm)
@@ -323,6 +325,7 @@ def test_manual_mode_returns_strict_calls(models):
     assert again and all(valid(c) for c in again) and len(session.history) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["agreeing", "disagreeing", "prompt_lookup"])
 def test_speculative_strict_turns_equal_standard_ones(models, draft):
     lm = models("bpe-think")

@@ -47,6 +47,7 @@ def test_incremental_encoding_equals_a_full_encode(tiny, tok, data):
         messages.append(ChatMessage.assistant(data.draw(st.sampled_from(["Fine.", " fine", "ok\n\nok"]))))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tok", TOKENIZERS)
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())

@@ -297,6 +297,7 @@ def _offsets(layers, meta, offset, idx, keep):
     meta["ledger"] = {"tokens": tokens[:offset], "opaque": max(0, offset - len(tokens))}
 
 
+@pytest.mark.slow
 @settings(max_examples=60)
 @given(offset=st.integers(0, 90), idx=st.integers(-2, 20), keep=st.integers(-1, 17))
 def test_any_forged_rotating_offsets_are_refused_or_answer(genuine, tmp_path, offset, idx, keep):

@@ -56,6 +56,7 @@ def test_a_schema_nested_too_deep_is_refused_before_the_turn(lm, case):
     _unchanged_and_usable(session, before)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(TOO_LARGE))
 def test_a_spec_beyond_the_matchers_limits_is_refused_before_the_turn(lm, case):
     with pytest.raises(InvalidOutputSpecError, match="more than guided generation .* can serve.*Simplify"):
