@@ -154,12 +154,19 @@ def _digest(value: Any) -> str:
 
 
 def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
-    """Short hashes that tell whether a saved KV cache belongs to this model and tokenizer.
+    """Short hashes that tell whether a saved KV cache belongs to this model and tokenizer: those of
+    :func:`model_fingerprint`, and ``vocabulary`` and ``chat_template``: the tokenizer's."""
+    return {
+        **model_fingerprint(model),
+        "vocabulary": _digest(sorted(_tokenizer.vocabulary(tokenizer).items(), key=lambda kv: kv[1])),
+        "chat_template": _digest(_tokenizer.chat_template(tokenizer) or ""),
+    }
 
-    ``architecture``: the model class and its args; ``parameters``: every parameter's name, shape and
-    dtype; ``weights``: a sample of the first values of each parameter (tells apart two models of the
-    same shapes); ``vocabulary`` and ``chat_template``: the tokenizer's.
-    """
+
+def model_fingerprint(model: nn.Module) -> dict[str, str]:
+    """Short hashes of an mlx model alone. ``architecture``: the model class and its args;
+    ``parameters``: every parameter's name, shape and dtype; ``weights``: a sample of the first values of
+    each parameter (tells apart two models of the same shapes)."""
     args = getattr(model, "args", None)
     arch_args = vars(args) if args is not None and hasattr(args, "__dict__") else {}
     params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
@@ -169,9 +176,7 @@ def fingerprint(model: nn.Module, tokenizer: Any) -> dict[str, str]:
         "architecture": _digest([type(model).__module__, type(model).__name__, arch_args]),
         "parameters": _digest([(name, list(p.shape), str(p.dtype)) for name, p in params]),
         "weights": _digest([[round(float(v), 5) for v in s.tolist()] for s in samples]),  # type: ignore[union-attr,arg-type]
-        "vocabulary": _digest(sorted(_tokenizer.vocabulary(tokenizer).items(), key=lambda kv: kv[1])),
-        "chat_template": _digest(_tokenizer.chat_template(tokenizer) or ""),
     }
 
 
-__all__ = ["LoadedModel", "fingerprint"]
+__all__ = ["LoadedModel", "fingerprint", "model_fingerprint"]

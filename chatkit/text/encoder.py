@@ -170,13 +170,11 @@ class PromptEncoder:
         instructions another session sent encodes only its own messages."""
         with _RECENT_LOCK:
             recent = list(_RECENT.get(self._hf, {}).get(self._protect, ()))
-        mine = (self._last_text, self._last_ids, self._bounds)
         for old in recent:
-            self._last_text, self._last_ids, self._bounds = old
-            at, n = self._reusable(text)
+            at, n = self._reusable(text, old[0], old[2])
             if at > start:
-                start, kept, mine = at, n, old
-        self._last_text, self._last_ids, self._bounds = mine
+                start, kept = at, n
+                self._last_text, self._last_ids, self._bounds = old
         return start, kept
 
     def continue_from(self, other: PromptEncoder) -> None:
@@ -187,10 +185,12 @@ class PromptEncoder:
         """As :meth:`encode`, without reusing anything (for checks)."""
         return self._encode_from(text, 0)[0]
 
-    def _reusable(self, text: str) -> tuple[int, int]:
+    def _reusable(self, text: str, old: str | None = None, bounds: list[tuple[int, int]] | None = None) -> tuple[int, int]:
         """(char start, id count) of the last added token whose whole self and everything before it
-        are shared with the last text; (0, 0) when nothing is."""
-        old, bounds = self._last_text, self._bounds
+        are shared with the last text (or ``old``, whose added tokens are at ``bounds``); (0, 0) when
+        nothing is."""
+        if old is None or bounds is None:
+            old, bounds = self._last_text, self._bounds
         lo, hi = 0, len(bounds)  # bounds[:lo] are known shared; find the first that is not
         while lo < hi:
             mid = (lo + hi) // 2

@@ -13,11 +13,11 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
-from mlx.utils import tree_flatten
+from ...model.loaded import model_fingerprint
 
 
 @dataclass
@@ -44,17 +44,19 @@ def pair_key(target: Any, draft: Any | None) -> str:
 
 
 def model_digest(model: Any) -> str:
-    """A short hash of the model's class, arguments, parameter shapes and the first values of each
-    parameter (as :func:`chatkit.model.loaded.fingerprint`, without the tokenizer)."""
-    args = getattr(model, "args", None)
-    params: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    samples = [p.reshape(-1)[:4].astype(mx.float32) for _, p in params]
-    mx.eval(samples)
-    described = [type(model).__module__, type(model).__name__, vars(args) if hasattr(args, "__dict__") else {},
-                 [(name, list(p.shape), str(p.dtype)) for name, p in params],
-                 [[round(float(v), 5) for v in s.tolist()] for s in samples]]  # type: ignore[union-attr, arg-type]
-    data = json.dumps(described, sort_keys=True, default=str).encode("utf-8")
-    return hashlib.sha256(data).hexdigest()[:16]
+    """A short hash of ``model`` (:func:`chatkit.model.loaded.model_fingerprint`), computed once per
+    model object: every fresh speculative session asks for it."""
+    with _LOCK:
+        found = _DIGESTS.get(id(model))
+    if found is None:
+        found = hashlib.sha256(json.dumps(model_fingerprint(model), sort_keys=True).encode()).hexdigest()[:16]
+        with _LOCK:
+            _DIGESTS[id(model)] = found
+        weakref.finalize(model, _DIGESTS.pop, id(model), None)  # (mlx modules are dicts: not hashable)
+    return found
+
+
+_DIGESTS: dict[int, str] = {}
 
 
 def learned(key: str) -> LearnedCosts | None:
