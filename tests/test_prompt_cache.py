@@ -1,6 +1,7 @@
 """The prompt cache (issue 46): KV blocks shared by every session, keyed by content (tokens, images, model,
 adapter, KV quantization), in RAM and in a folder, within budgets, safe across restarts and kills."""
 
+import json
 import os
 import re
 import signal
@@ -265,6 +266,23 @@ def test_damaged_truncated_and_foreign_blocks_are_skipped_never_served(lm, tmp_p
     s2 = build(lm, fresh)
     assert turn(s2, "Hello!") == without_cache(lm, ["Hello!"])[0]
     assert s2.last_stats.reused_tokens == 32
+
+
+def test_blocks_of_the_previous_format_are_recomputed_not_served(lm, tmp_path):
+    """Format 1 carried SHA-256 checksums; its files are foreign to format 2 (XXH3): skipped, rewritten."""
+    pc = PromptCache(tmp_path, block_tokens=16)
+    turn(build(lm, pc), "Hello!")
+    for path in tmp_path.glob("*" + SUFFIX):
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+        meta = json.loads(metadata["chatkit_prompt_block"])
+        meta["version"], meta["sha256"] = 1, meta.pop("xxh3")
+        mx.save_safetensors(str(path), arrays, metadata={"chatkit_prompt_block": json.dumps(meta)})
+    restarted = PromptCache(tmp_path, block_tokens=16, ram_bytes=0)
+    s = build(lm, restarted)
+    assert turn(s, "Hello!") == without_cache(lm, ["Hello!"])[0]
+    assert s.last_stats.reused_tokens == 0
+    again = build(lm, PromptCache(tmp_path, block_tokens=16, ram_bytes=0))  # written again in format 2
+    assert turn(again, "Hello!") == without_cache(lm, ["Hello!"])[0] and again.last_stats.reused_tokens >= 16
 
 
 def test_disk_budget_is_kept(lm, tmp_path):

@@ -2,7 +2,7 @@
 
 A block file is named ``<parent key>.<key>`` (the parent: the key of the block before it, or the seed),
 so that the blocks that follow a given one are known from the folder's listing alone; it is written atomically (``atomic.write``: a killed writer leaves only a stale temporary
-file, removed at the next start), names its key and seed in its metadata with a SHA-256 of its arrays,
+file, removed at the next start), names its key and seed in its metadata with an XXH3-128 checksum of its arrays,
 and is read only after its header is checked (``header.read_header``). A file that is damaged,
 truncated, foreign (another key or seed) or of another shape is deleted and reported as a miss: it is
 never served and never an error. The least recently used files go first when the folder is over its
@@ -11,17 +11,16 @@ budget (use refreshes a file's modification time, so the order survives a restar
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+import xxhash
 
 from ..errors import CacheFileError
 from .atomic import remove_stale_temps, write
@@ -30,12 +29,14 @@ from .header import read_header
 
 SUFFIX = ".kvblock.safetensors"
 _META = "chatkit_prompt_block"
-_VERSION = 1
+_VERSION = 2  # 1: SHA-256 checksums (its files are skipped as foreign and recomputed)
 
 
 def digest(arrays: dict[str, mx.array]) -> str:
-    """SHA-256 over the arrays' names, dtypes, shapes and bytes (in name order)."""
-    h = hashlib.sha256()
+    """XXH3-128 over the arrays' names, dtypes, shapes and bytes (in name order). It guards against damage
+    (torn writes, bit rot, truncation), not tampering: the folder is the user's own, as for SQLite's
+    checksums. XXH3 checks a 2k-token prompt's 32 MB of blocks in ~3 ms here (SHA-256: ~24 ms)."""
+    h = xxhash.xxh3_128()
     for name in sorted(arrays):
         a = arrays[name]
         h.update(f"{name}|{a.dtype}|{list(a.shape)}|".encode())
@@ -115,21 +116,10 @@ class BlockFiles:
         return self._checked(key, opened, opened is not None and digest(opened[1]) == opened[2])
 
     def read_many(self, keys: Sequence[str], seed: str, tokens: int) -> list[Block]:
-        """The whole blocks of ``keys`` in order, up to the first missing or damaged one (removed). The
-        checksums are verified on two threads (hashlib lets go of the GIL): a restart's first lookup
-        reads a prompt's blocks about twice as fast as one by one on two cores."""
-        opened: list[tuple[Block, dict[str, mx.array], Any]] = []
-        for key in keys:
-            one = self._open(key, seed, tokens)
-            if one is None:
-                self._checked(key, None, False)
-                break
-            opened.append(one)
-        with ThreadPoolExecutor(2) as pool:
-            good = list(pool.map(lambda one: digest(one[1]) == one[2], opened))
+        """The whole blocks of ``keys`` in order, up to the first missing or damaged one (removed)."""
         blocks: list[Block] = []
-        for key, one, ok in zip(keys, opened, good):
-            block = self._checked(key, one, ok)
+        for key in keys:
+            block = self.read(key, seed, tokens)
             if block is None:
                 break
             blocks.append(block)
@@ -177,11 +167,11 @@ class BlockFiles:
         ids = meta.get("ids")
         if not isinstance(ids, list) or len(ids) != tokens or not all(isinstance(i, int) for i in ids):
             return None
-        mx.eval(list(loaded.values()))  # read here, on this thread (the checksums may run on others)
+        mx.eval(list(loaded.values()))  # read before the checksum looks at the bytes
         arrays = tuple(tuple(loaded[f"{i}.{j}"] for j in range(per_layer)) for i in range(layers))
         block = Block(meta["kind"], arrays, tokens, int(meta.get("bits", 0)), int(meta.get("group", 0)), tuple(ids),
                       bool(meta.get("images")))
-        return block, loaded, meta.get("sha256")
+        return block, loaded, meta.get("xxh3")
 
 
     def write(self, key: str, parent: str, seed: str, block: Block) -> None:
@@ -190,7 +180,7 @@ class BlockFiles:
             return
         arrays = _arrays(block)
         meta = {"version": _VERSION, "key": key, "seed": seed, "tokens": block.tokens, "kind": block.kind,
-                "bits": block.bits, "group": block.group, "layers": len(block.layers), "sha256": digest(arrays),
+                "bits": block.bits, "group": block.group, "layers": len(block.layers), "xxh3": digest(arrays),
                 "ids": list(block.ids), "images": block.images, "written": time.time()}
         try:
             size = write(self.path(parent, key), "a prompt-cache block",
