@@ -142,9 +142,8 @@ def _draft_length(run: _Run, y: mx.array) -> tuple[int, bool]:
     if k > 0:
         mx.eval(y)
     _lap(run)
-    if k > 0:  # a draft model's catch-up after plain steps belongs to no step: it is the switch's cost
-        run.drafter.catch_up(run.held)
-        run.t_last = clock()
+    if k > 0:  # the draft model's catch-up after plain steps is part of this round's time: it is what
+        run.drafter.catch_up(run.held)  # a probe costs beyond its round (left out, probes looked cheap)
     return k, probe
 
 
