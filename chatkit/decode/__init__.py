@@ -1,6 +1,6 @@
 """Token sources: what turns a prepared prompt into generated tokens.
 
-A turn hands a source its cache and a :class:`Request` (plain data) and reads back :data:`Token` s.
+A turn hands a source its cache and a :class:`Request` (plain data) and reads back :class:`TokenEvent` s.
 ``local.py`` is mlx-lm's ``generate_step`` or chatkit's speculative loop over one session's cache; a
 batching engine, a sharded model or a constrained decoder stands in behind the same two names.
 """
@@ -17,8 +17,19 @@ from ..cache.state import CacheOptions, CacheState
 from ..model.switchable import ActiveAdapter
 from ..params import LogitsProcessor, Sampler
 
-Token = tuple[int, mx.array, bool]
-"""One generated token: (token id, log-probabilities, proposed by a draft model)."""
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token: its id, the log-probabilities it was sampled from, and whether a draft
+    (a draft model or prompt lookup) proposed it."""
+
+    id: int
+    logprobs: mx.array
+    from_draft: bool = False
+
+
+Token = TokenEvent
+"""The older name of :class:`TokenEvent`."""
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -65,7 +76,7 @@ class Request:
 class TokenSource(Protocol):
     """Generates a turn's tokens over a session's cache."""
 
-    def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
+    def generate(self, cache: CacheState, request: Request) -> Iterator[TokenEvent]:
         """Feed ``request.suffix`` into ``cache`` (its layers updated in place) and yield tokens.
 
         When the consumer stops, the cache holds what was fed plus the tokens yielded (a speculative
@@ -74,4 +85,4 @@ class TokenSource(Protocol):
         ...
 
 
-__all__ = ["DraftCount", "ProgressCallback", "Request", "Token", "TokenSource"]
+__all__ = ["DraftCount", "ProgressCallback", "Request", "Token", "TokenEvent", "TokenSource"]
