@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
 from ..cache.state import CacheOptions, CacheState
 from ..model.switchable import ActiveAdapter
+from ..model.vision import VisionInput
 from ..params import LogitsProcessor, Sampler
 
 
@@ -67,10 +68,9 @@ class Request:
     """Where a speculative source counts its drafting (the turn reads it for its stats)."""
     adapter: ActiveAdapter | None = None
     """The session's adapter, applied to the model's forward passes of this turn (``None``: the base)."""
-    embeddings: Any = None
-    """A vision-language prompt: the input embeddings of ``suffix`` (its images' features in place)."""
-    model: Any = None
-    """The model to call for this turn instead of the source's (a vision prompt's, bound to its positions)."""
+    vision: VisionInput | None = None
+    """A vision-language prompt: the input embeddings of ``suffix`` (its images' features in place) and
+    the model to call for this turn instead of the source's (bound to the prompt's positions)."""
 
 
 class TokenSource(Protocol):
@@ -85,4 +85,4 @@ class TokenSource(Protocol):
         ...
 
 
-__all__ = ["DraftCount", "ProgressCallback", "Request", "Token", "TokenEvent", "TokenSource"]
+__all__ = ["DraftCount", "ProgressCallback", "Request", "Token", "TokenEvent", "TokenSource", "VisionInput"]

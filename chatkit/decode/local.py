@@ -39,8 +39,8 @@ class LocalSource:
     def generate(self, cache: CacheState, request: Request) -> Iterator[TokenEvent]:
         assert cache.layers is not None, "prepare the cache before generating"
         processors = with_context(request.logits_processors, request.context)
-        if request.model is not None:  # a vision prompt: its embeddings through the model bound to its positions
-            steps = standard_tokens(request.model, cache.layers, request, processors)
+        if request.vision is not None:  # a vision prompt: its embeddings through the model bound to its positions
+            steps = standard_tokens(request.vision.model, cache.layers, request, processors)
         elif self.speculative is None or self.policy is None:
             steps = standard_tokens(self.model, cache.layers, request, processors)
         else:
@@ -82,7 +82,7 @@ def standard_tokens(
         kv_group_size=options.kv_group_size,
         quantized_kv_start=options.quantized_kv_start,
         prompt_progress_callback=request.progress,
-        input_embeddings=request.embeddings,
+        input_embeddings=None if request.vision is None else request.vision.embeddings,
     )
     with wired_limit(model, [generation_stream]):  # type: ignore[list-item]  # as mlx-lm calls it
         try:

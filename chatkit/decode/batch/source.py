@@ -45,7 +45,7 @@ class BatchSource:
         self.engine.check_open()
         assert cache.layers is not None, "prepare the cache before generating"
         drafting = self.speculative is not None and self.speculative.draft_model is not None
-        if drafting or request.adapter is not None or request.model is not None or not batchable(cache):
+        if drafting or request.adapter is not None or request.vision is not None or not batchable(cache):
             return self.fallback.generate(cache, request)
         return self._tokens(cache, request)
 
