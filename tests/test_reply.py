@@ -344,3 +344,16 @@ def test_a_llama3_reply_that_only_starts_like_a_json_call_stays_text(reply):
         pieces = seg.feed(reply[:cut]) + seg.feed(reply[cut:], final=True)
         assert (seg.text, seg.tool_calls) == (reply, []), cut
         assert "".join(p.text for p in pieces) == reply
+
+
+def test_piece_kinds_are_one_enum_equal_to_their_strings():
+    from chatkit import PieceKind
+
+    seg, pieces = run([REPLY])
+    assert {p.kind for p in pieces} == {PieceKind.TEXT, PieceKind.REASONING, PieceKind.TOOL_CALL}
+    assert all(isinstance(p.kind, PieceKind) for p in pieces)
+    assert PieceKind.TOOL_CALL == "tool_call" and f"{PieceKind.REASONING}" == "reasoning"
+    assert [PieceKind(k) for k in ("text", "reasoning", "tool_call", "tool_result")] == list(PieceKind)
+    cut = Segmenter(QWEN_MARKERS)  # inside a call, the segmenter's kind says so (mlx-lm's state is "tool")
+    cut.feed('A<tool_call>{"name": "f"')
+    assert cut.state == "tool" and cut.kind is PieceKind.TOOL_CALL
