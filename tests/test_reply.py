@@ -357,3 +357,14 @@ def test_piece_kinds_are_one_enum_equal_to_their_strings():
     cut = Segmenter(QWEN_MARKERS)  # inside a call, the segmenter's kind says so (mlx-lm's state is "tool")
     cut.feed('A<tool_call>{"name": "f"')
     assert cut.state == "tool" and cut.kind is PieceKind.TOOL_CALL
+
+
+def test_a_chunk_with_a_plain_string_kind_reads_as_its_piece_kind():
+    from chatkit import PieceKind, StreamChunk
+    from chatkit.server.wire import Deltas
+
+    deltas = Deltas()
+    assert deltas.feed(StreamChunk("Hm", 1, kind="reasoning")) == [(PieceKind.REASONING, "Hm")]
+    call = ToolCall("c1", "f", {"x": 1})
+    assert deltas.feed(StreamChunk("", 2, kind="tool_call", tool_call=call)) == [(PieceKind.TOOL_CALL, call)]
+    assert deltas.feed(StreamChunk("Hi", 3, kind="text")) == [("text", "Hi")]

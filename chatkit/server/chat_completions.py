@@ -120,10 +120,10 @@ async def _choice_events(state: ServerState, stream: AsyncResponseStream, req: T
         if read is not None:
             read.feed(chunk)
         for kind, value in deltas.feed(chunk):
-            if kind is PieceKind.TEXT and value:
+            if kind == PieceKind.TEXT and value:
                 trace.stamp("text")
             yield _sse(chat_chunk(cid, model, _delta(kind, value, calls), logprobs=taken(), index=index))
-            calls += kind is PieceKind.TOOL_CALL
+            calls += kind == PieceKind.TOOL_CALL
     for kind, value in deltas.end():
         yield _sse(chat_chunk(cid, model, _delta(kind, value, calls), logprobs=taken(), index=index))
     yield _sse(chat_chunk(cid, model, {}, finish_reason(finish, calls > 0), logprobs=taken(), index=index))
@@ -232,9 +232,9 @@ def chat_chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None =
 
 def _delta(kind: PieceKind, value: Any, calls: int) -> dict[str, Any]:
     """The stream delta of one piece of the reply (``Deltas``); ``calls``: the tool calls sent before it."""
-    if kind is PieceKind.TOOL_CALL:
+    if kind == PieceKind.TOOL_CALL:
         return {"tool_calls": [tool_call_object(value, calls)]}
-    return {"reasoning_content" if kind is PieceKind.REASONING else "content": value}
+    return {"reasoning_content" if kind == PieceKind.REASONING else "content": value}
 
 
 def _sse(data: dict[str, Any]) -> str:

@@ -78,23 +78,23 @@ class Blocks:
         self.kind: PieceKind | None = None
 
     def feed(self, kind: PieceKind, value: Any) -> Iterator[str]:
-        if kind is PieceKind.TOOL_CALL and value.error is not None:  # unreadable: the text it wrote, never a call
+        if kind == PieceKind.TOOL_CALL and value.error is not None:  # unreadable: the text it wrote, never a call
             kind, value = PieceKind.TEXT, value.text or ""
-        if kind != self.kind or kind is PieceKind.TOOL_CALL:
+        if kind != self.kind or kind == PieceKind.TOOL_CALL:
             yield from self.close()
             self.index, self.kind = self.index + 1, kind
             yield event("content_block_start", {"index": self.index, "content_block": _start(kind, value)})
-        if kind is PieceKind.TOOL_CALL:
+        if kind == PieceKind.TOOL_CALL:
             partial = {"type": "input_json_delta", "partial_json": _json(value)}
             yield event("content_block_delta", {"index": self.index, "delta": partial})
-        elif kind is PieceKind.REASONING:
+        elif kind == PieceKind.REASONING:
             yield event("content_block_delta", {"index": self.index, "delta": {"type": "thinking_delta",
                                                                                 "thinking": value}})
         else:
             yield event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": value}})
 
     def close(self) -> Iterator[str]:
-        if self.kind is PieceKind.REASONING:
+        if self.kind == PieceKind.REASONING:
             yield event("content_block_delta", {"index": self.index, "delta": {"type": "signature_delta",
                                                                                 "signature": SIGNATURE}})
         if self.kind is not None:
@@ -103,9 +103,9 @@ class Blocks:
 
 
 def _start(kind: PieceKind, value: Any) -> dict[str, Any]:
-    if kind is PieceKind.TOOL_CALL:
+    if kind == PieceKind.TOOL_CALL:
         return {**tool_use_block(value), "input": {}}
-    if kind is PieceKind.REASONING:
+    if kind == PieceKind.REASONING:
         return {"type": "thinking", "thinking": "", "signature": ""}
     return {"type": "text", "text": ""}
 
@@ -127,8 +127,8 @@ async def _events(state: ServerState, lease: Lease, req: TurnRequest, mid: str) 
                 trace.stamp("token")
                 finish = chunk.finish_reason
                 for kind, value in deltas.feed(chunk):
-                    called = called or (kind is PieceKind.TOOL_CALL and value.error is None)
-                    if kind is PieceKind.TEXT and value:
+                    called = called or (kind == PieceKind.TOOL_CALL and value.error is None)
+                    if kind == PieceKind.TEXT and value:
                         trace.stamp("text")
                     for line in blocks.feed(kind, value):
                         yield line

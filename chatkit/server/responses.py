@@ -123,7 +123,7 @@ async def _events(state: ServerState, turn: ResponseTurn) -> AsyncIterator[str]:
                     if turn.items.read is not None:
                         turn.items.read.feed(chunk)
                     for kind, value in deltas.feed(chunk):
-                        if kind is PieceKind.TEXT and value:
+                        if kind == PieceKind.TEXT and value:
                             trace.stamp("text")
                         for text in out.pieces(kind, value):
                             yield text
@@ -167,13 +167,13 @@ class _EventWriter:
             yield from self._close_item()
             index = len(self._kinds)
             self._kinds.append(kind)
-            if kind is PieceKind.TOOL_CALL:
+            if kind == PieceKind.TOOL_CALL:
                 yield from self._call(value, index)
                 return
             yield from self._open_item(kind, index)
         self._text += value
         where = {"output_index": len(self._kinds) - 1, "content_index": 0, "delta": value}
-        if kind is PieceKind.REASONING:
+        if kind == PieceKind.REASONING:
             yield self.event("response.reasoning_text.delta", item_id=self.items.id("reasoning"), **where)
         elif value:
             yield self.event("response.output_text.delta", item_id=self.items.id("message"), **where,
@@ -181,7 +181,7 @@ class _EventWriter:
 
     def end(self) -> Iterator[str]:
         """The events that close the output: an empty answer still has its message item."""
-        if not any(k is not PieceKind.REASONING for k in self._kinds):
+        if not any(k != PieceKind.REASONING for k in self._kinds):
             yield from self.pieces(PieceKind.TEXT, "")
         yield from self._close_item()
 
@@ -189,8 +189,8 @@ class _EventWriter:
         """The events that start a reasoning or message item."""
         self._open, self._text = kind, ""
         if kind in self._kinds[:-1]:
-            self.items.renew("reasoning" if kind is PieceKind.REASONING else "message")
-        if kind is PieceKind.REASONING:
+            self.items.renew("reasoning" if kind == PieceKind.REASONING else "message")
+        if kind == PieceKind.REASONING:
             item = {**self.items.reasoning("", "in_progress"), "content": []}
             yield self.event("response.output_item.added", output_index=index, item=item)
         else:
@@ -202,11 +202,11 @@ class _EventWriter:
         """The done events of the reasoning or message item being streamed, if any."""
         kind, text, index = self._open, self._text, len(self._kinds) - 1
         self._open = None
-        if kind is PieceKind.REASONING:
+        if kind == PieceKind.REASONING:
             where = {"item_id": self.items.id("reasoning"), "output_index": index, "content_index": 0}
             yield self.event("response.reasoning_text.done", **where, text=text)
             yield self.event("response.output_item.done", output_index=index, item=self.items.reasoning(text))
-        elif kind is PieceKind.TEXT:
+        elif kind == PieceKind.TEXT:
             where = {"item_id": self.items.id("message"), "output_index": index, "content_index": 0}
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": self.items.logprobs()}
             yield self.event("response.output_text.done", **where, text=text, logprobs=part["logprobs"])

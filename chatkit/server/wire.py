@@ -412,13 +412,13 @@ class Deltas:
         self._held: dict[PieceKind, str] = {}
 
     def feed(self, chunk: StreamChunk) -> list[tuple[PieceKind, Any]]:
-        if chunk.kind is PieceKind.TOOL_CALL:
+        if chunk.kind == PieceKind.TOOL_CALL:
             self._glue = True
             return [(PieceKind.TOOL_CALL, chunk.tool_call)] if chunk.tool_call is not None else []
         if chunk.kind not in (PieceKind.TEXT, PieceKind.REASONING) or not chunk.text:
             return []
         kind, text = chunk.kind, chunk.text
-        self._glue = self._glue or kind is PieceKind.REASONING
+        self._glue = self._glue or kind == PieceKind.REASONING
         held = self._held.pop(kind, "")
         if kind not in self._started:
             body = text.lstrip("\n")

@@ -239,7 +239,7 @@ class ResponseStream(ReplyStream):
                 self._abort(None)  # nothing was generated: the session stays as it was
             else:
                 self._finish = self._finish or "cancelled"
-                if self._segments.kind is PieceKind.TOOL_CALL:  # cut inside a call: kept as far as written, unread
+                if self._segments.kind == PieceKind.TOOL_CALL:  # cut inside a call: kept as far as written, unread
                     self._take_pieces(final=True)
                 self._commit()
 
