@@ -40,7 +40,7 @@ import chatkit.session.turn
 from chatkit import ChatSession, GenerateParams, Role
 from chatkit.testing import Scripted
 from chatkit.testing.templates import QWEN3
-from chatkit.text.reply import Piece, Segmenter
+from chatkit.text.reply import Piece, PieceKind, Segmenter
 
 import mlx.core as mx
 from _common import OtherLoad, add_quick, clone, describe, load_model, median, quick, wait_until_quiet
@@ -105,7 +105,7 @@ class Uncut(Segmenter):
 
     def feed(self, new: str, *, final: bool = False) -> list[Piece]:
         self.text += new
-        return [Piece("text", new)]
+        return [Piece(PieceKind.TEXT, new)]
 
 
 def decode_case(lm, n_tokens: int):

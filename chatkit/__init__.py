@@ -4,7 +4,7 @@ The whole public API is here (``chatkit.X``); submodules are implementation::
 
     lm = chatkit.load(path_or_repo_or_"demo")          -> LoadedModel  (distributed="tensor": sharded, lockstep)
     session = ChatSession.builder(lm)...build()         -> ChatSession        (ChatSessionBuilder)
-    session.respond(prompt) / .stream_respond(prompt)   -> str / ResponseStream of StreamChunk
+    session.respond(prompt) / .stream_respond(prompt)   -> str / ResponseStream of StreamChunk (.kind: PieceKind)
                                                         (with tools: ToolLoopStream, every round)
     session.arespond / .astream_respond                 -> async: str / AsyncResponseStream
     session.undo() .regenerate() .fork() .clear()       editing the conversation
@@ -71,6 +71,7 @@ from .session.saved import inspect as inspect_cache
 from .session.session import ChatSession
 from .session.streams import ResponseStream
 from .session.tool_loop import ToolLoopStream
+from .text.reply import PieceKind
 from .tools.mcp import MCPServer
 
 __all__ = [
@@ -105,6 +106,7 @@ __all__ = [
     "NothingToRegenerateError",
     "NothingToUndoError",
     "OutputValidationError",
+    "PieceKind",
     "PromptCache",
     "PromptCacheUsage",
     "ResponseStream",

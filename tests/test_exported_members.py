@@ -8,6 +8,7 @@ PUBLIC = {
     "load", "LoadedModel", "ChatSession", "ChatSessionBuilder", "SessionPool", "BatchEngine",
     # streaming
     "ResponseStream", "ToolLoopStream", "AsyncResponseStream", "StreamChunk", "TurnStats",
+    "PieceKind",  # what a chunk's text is (StreamChunk.kind): a str enum
     # messages and settings
     "ChatMessage", "Role", "ToolCall", "GenerateParams", "CacheOptions", "CacheInfo", "SpeculativeConfig",
     "ContextPolicy",  # conversations that outlive the context window

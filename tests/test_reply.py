@@ -344,3 +344,27 @@ def test_a_llama3_reply_that_only_starts_like_a_json_call_stays_text(reply):
         pieces = seg.feed(reply[:cut]) + seg.feed(reply[cut:], final=True)
         assert (seg.text, seg.tool_calls) == (reply, []), cut
         assert "".join(p.text for p in pieces) == reply
+
+
+def test_piece_kinds_are_one_enum_equal_to_their_strings():
+    from chatkit import PieceKind
+
+    seg, pieces = run([REPLY])
+    assert {p.kind for p in pieces} == {PieceKind.TEXT, PieceKind.REASONING, PieceKind.TOOL_CALL}
+    assert all(isinstance(p.kind, PieceKind) for p in pieces)
+    assert PieceKind.TOOL_CALL == "tool_call" and f"{PieceKind.REASONING}" == "reasoning"
+    assert [PieceKind(k) for k in ("text", "reasoning", "tool_call", "tool_result")] == list(PieceKind)
+    cut = Segmenter(QWEN_MARKERS)  # inside a call, the segmenter's kind says so (mlx-lm's state is "tool")
+    cut.feed('A<tool_call>{"name": "f"')
+    assert cut.state == "tool" and cut.kind is PieceKind.TOOL_CALL
+
+
+def test_a_chunk_with_a_plain_string_kind_reads_as_its_piece_kind():
+    from chatkit import PieceKind, StreamChunk
+    from chatkit.server.wire import Deltas
+
+    deltas = Deltas()
+    assert deltas.feed(StreamChunk("Hm", 1, kind="reasoning")) == [(PieceKind.REASONING, "Hm")]
+    call = ToolCall("c1", "f", {"x": 1})
+    assert deltas.feed(StreamChunk("", 2, kind="tool_call", tool_call=call)) == [(PieceKind.TOOL_CALL, call)]
+    assert deltas.feed(StreamChunk("Hi", 3, kind="text")) == [("text", "Hi")]

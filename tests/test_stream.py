@@ -1,6 +1,6 @@
 """ResponseStream on its own, over a scripted token source: text, stop strings, commit exactly once."""
 
-from chatkit.decode import DraftCount
+from chatkit.decode import DraftCount, TokenEvent
 from chatkit.session.streams import ResponseStream
 from chatkit.text.reply import Segmenter
 
@@ -32,7 +32,7 @@ def make_stream(pieces, tokens, stop=(), max_tokens=100, fail_at=None):
         for i, t in enumerate(tokens):
             if i == fail_at:
                 raise RuntimeError("boom")
-            yield t, mx.array([0.0]), False
+            yield TokenEvent(t, mx.array([0.0]))
 
     class ScriptedTurn:
         """A stand-in for chatkit.session.turn.Turn: the steps a stream drives, recorded."""

@@ -414,13 +414,15 @@ class Repl:
 
 def _shown(chunk: Any, args: argparse.Namespace, out: Any) -> str:
     """A chunk as the REPL prints it: reasoning dimmed (or hidden), tool calls and results on lines of their own."""
+    from ..text.reply import PieceKind  # here: the REPL starts before the model layers are imported
+
     dim = (lambda t: f"\x1b[2m{t}\x1b[0m") if getattr(out, "isatty", lambda: False)() else (lambda t: t)
-    if chunk.kind == "reasoning":
+    if chunk.kind == PieceKind.REASONING:
         return "" if args.hide_thinking else dim(chunk.text)
-    if chunk.kind == "tool_call":
+    if chunk.kind == PieceKind.TOOL_CALL:
         call = chunk.tool_call
         return "" if call is None else dim(f"\n[tool call] {call.name}({json.dumps(call.arguments)})\n")
-    if chunk.kind == "tool_result":
+    if chunk.kind == PieceKind.TOOL_RESULT:
         return dim(f"[tool result] {chunk.text}\n")
     return chunk.text
 

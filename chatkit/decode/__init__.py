@@ -1,6 +1,6 @@
 """Token sources: what turns a prepared prompt into generated tokens.
 
-A turn hands a source its cache and a :class:`Request` (plain data) and reads back :data:`Token` s.
+A turn hands a source its cache and a :class:`Request` (plain data) and reads back :class:`TokenEvent` s.
 ``local.py`` is mlx-lm's ``generate_step`` or chatkit's speculative loop over one session's cache; a
 batching engine, a sharded model or a constrained decoder stands in behind the same two names.
 """
@@ -9,16 +9,28 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import mlx.core as mx
 
 from ..cache.state import CacheOptions, CacheState
 from ..model.switchable import ActiveAdapter
+from ..model.vision import VisionInput
 from ..params import LogitsProcessor, Sampler
 
-Token = tuple[int, mx.array, bool]
-"""One generated token: (token id, log-probabilities, proposed by a draft model)."""
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token: its id, the log-probabilities it was sampled from, and whether a draft
+    (a draft model or prompt lookup) proposed it."""
+
+    id: int
+    logprobs: mx.array
+    from_draft: bool = False
+
+
+Token = TokenEvent
+"""The older name of :class:`TokenEvent`."""
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -56,16 +68,15 @@ class Request:
     """Where a speculative source counts its drafting (the turn reads it for its stats)."""
     adapter: ActiveAdapter | None = None
     """The session's adapter, applied to the model's forward passes of this turn (``None``: the base)."""
-    embeddings: Any = None
-    """A vision-language prompt: the input embeddings of ``suffix`` (its images' features in place)."""
-    model: Any = None
-    """The model to call for this turn instead of the source's (a vision prompt's, bound to its positions)."""
+    vision: VisionInput | None = None
+    """A vision-language prompt: the input embeddings of ``suffix`` (its images' features in place) and
+    the model to call for this turn instead of the source's (bound to the prompt's positions)."""
 
 
 class TokenSource(Protocol):
     """Generates a turn's tokens over a session's cache."""
 
-    def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
+    def generate(self, cache: CacheState, request: Request) -> Iterator[TokenEvent]:
         """Feed ``request.suffix`` into ``cache`` (its layers updated in place) and yield tokens.
 
         When the consumer stops, the cache holds what was fed plus the tokens yielded (a speculative
@@ -74,4 +85,4 @@ class TokenSource(Protocol):
         ...
 
 
-__all__ = ["DraftCount", "ProgressCallback", "Request", "Token", "TokenSource"]
+__all__ = ["DraftCount", "ProgressCallback", "Request", "Token", "TokenEvent", "TokenSource", "VisionInput"]

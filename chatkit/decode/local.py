@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step, generation_stream, wired_limit
 from ..cache.state import CacheState
 from ..model.switchable import ActiveAdapter, applying, each_step
 from ..params import LogitsProcessor
-from . import Request, Token
+from . import Request, TokenEvent
 from .speculative import SpeculativeConfig, new_policy
 from .speculative.costs import pair_key
 from .speculative.loop import prefill, speculate
@@ -36,11 +36,11 @@ class LocalSource:
             key = pair_key(model, None if draft is None else draft.model) if speculative.adaptive else None
             self.policy = new_policy(speculative.num_draft_tokens, draft_model=draft is not None, key=key)
 
-    def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
+    def generate(self, cache: CacheState, request: Request) -> Iterator[TokenEvent]:
         assert cache.layers is not None, "prepare the cache before generating"
         processors = with_context(request.logits_processors, request.context)
-        if request.model is not None:  # a vision prompt: its embeddings through the model bound to its positions
-            steps = standard_tokens(request.model, cache.layers, request, processors)
+        if request.vision is not None:  # a vision prompt: its embeddings through the model bound to its positions
+            steps = standard_tokens(request.vision.model, cache.layers, request, processors)
         elif self.speculative is None or self.policy is None:
             steps = standard_tokens(self.model, cache.layers, request, processors)
         else:
@@ -66,7 +66,7 @@ def with_context(processors: Sequence[LogitsProcessor], context: Sequence[int]) 
 
 def standard_tokens(
     model: Any, layers: list[Any], request: Request, processors: list[LogitsProcessor]
-) -> Iterator[Token]:
+) -> Iterator[TokenEvent]:
     """mlx-lm's ``generate_step``: feed ``request.suffix`` into ``layers`` (in place), yield tokens.
     When the consumer stops, the cache holds what was fed plus the tokens yielded."""
     options = request.options
@@ -82,12 +82,12 @@ def standard_tokens(
         kv_group_size=options.kv_group_size,
         quantized_kv_start=options.quantized_kv_start,
         prompt_progress_callback=request.progress,
-        input_embeddings=request.embeddings,
+        input_embeddings=None if request.vision is None else request.vision.embeddings,
     )
     with wired_limit(model, [generation_stream]):  # type: ignore[list-item]  # as mlx-lm calls it
         try:
             for token, logprobs in steps:
-                yield int(token), logprobs, False
+                yield TokenEvent(int(token), logprobs)
         finally:
             steps.close()
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 from ..cache.state import CacheState
 from ..distributed import Group, all_gather_ints, all_sum_ints, digest_ints, guarded
 from ..errors import DistributedError
-from . import Request, Token
+from . import Request, TokenEvent
 from .local import standard_tokens, with_context
 
 
@@ -29,7 +29,7 @@ class DistributedSource:
         self.model = model
         self.group = group
 
-    def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
+    def generate(self, cache: CacheState, request: Request) -> Iterator[TokenEvent]:
         assert cache.layers is not None, "prepare the cache before generating"
         processors = with_context(request.logits_processors, request.context)
         watchdog = self.group.watchdog
@@ -56,7 +56,7 @@ def leader_sampler(group: Group, sampler: Callable[[mx.array], mx.array]) -> Cal
     return sample
 
 
-def lockstep(group: Group, request: Request, steps: Iterator[Token]) -> Iterator[Token]:
+def lockstep(group: Group, request: Request, steps: Iterator[TokenEvent]) -> Iterator[TokenEvent]:
     """``steps`` with the turn checked and every stop voted on by all ranks (see the module docstring)."""
     try:
         with guarded(group, "starting a turn"):

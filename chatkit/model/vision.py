@@ -91,6 +91,16 @@ class Positions:
 
 
 @dataclass(frozen=True)
+class VisionInput:
+    """What a vision prompt's turn feeds after the cached tokens: the input ``embeddings`` of the rest of
+    the prompt (its images' features in place), through ``model``, the language model bound to the
+    prompt's positions (called in place of the token source's model)."""
+
+    embeddings: mx.array
+    model: Bound
+
+
+@dataclass(frozen=True)
 class Encoded:
     """One image as a model sees it: its placeholder ``ids`` and their embeddings (``features``),
     and the processor's extra outputs (e.g. ``image_grid_thw``)."""
@@ -220,12 +230,12 @@ class ImageTable:
                     "no pixels of it: send the image again in a message, or save with save_cache(path, images=True)."
                 )
 
-    def inputs(self, prompt: Sequence[int], spans: Sequence[ImageSpan], keep: int) -> tuple[mx.array, Bound]:
+    def inputs(self, prompt: Sequence[int], spans: Sequence[ImageSpan], keep: int) -> VisionInput:
         """What a turn feeds after ``keep`` cached tokens of ``prompt``: the embeddings of the rest, and
         the model bound to the prompt's positions."""
         self.check(spans, keep)
         embeddings = self.vision.embeddings(prompt, spans, keep, self.encoded)
-        return embeddings, Bound(self.vision.text, self.positions(prompt, spans, keep))
+        return VisionInput(embeddings, Bound(self.vision.text, self.positions(prompt, spans, keep)))
 
     def positions(self, prompt: Sequence[int], spans: Sequence[ImageSpan], start: int) -> Positions | None:
         """The M-RoPE positions of ``prompt`` from ``start`` on (``None``: the model's positions are plain).

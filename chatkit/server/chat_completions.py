@@ -16,6 +16,7 @@ from ..messages import ChatMessage, ToolCall
 from ..params import GenerateParams
 from ..session.aio import AsyncResponseStream
 from ..session.results import TurnStats
+from ..text.reply import PieceKind
 from . import trace
 from .body import read_body, read_metadata, read_object
 from .choices import more_choices, read_n
@@ -119,10 +120,10 @@ async def _choice_events(state: ServerState, stream: AsyncResponseStream, req: T
         if read is not None:
             read.feed(chunk)
         for kind, value in deltas.feed(chunk):
-            if kind == "text" and value:
+            if kind == PieceKind.TEXT and value:
                 trace.stamp("text")
             yield _sse(chat_chunk(cid, model, _delta(kind, value, calls), logprobs=taken(), index=index))
-            calls += kind == "call"
+            calls += kind == PieceKind.TOOL_CALL
     for kind, value in deltas.end():
         yield _sse(chat_chunk(cid, model, _delta(kind, value, calls), logprobs=taken(), index=index))
     yield _sse(chat_chunk(cid, model, {}, finish_reason(finish, calls > 0), logprobs=taken(), index=index))
@@ -229,11 +230,11 @@ def chat_chunk(cid: str, model: str, delta: dict[str, Any], finish: str | None =
         chunk["usage"] = usage
     return chunk
 
-def _delta(kind: str, value: Any, calls: int) -> dict[str, Any]:
+def _delta(kind: PieceKind, value: Any, calls: int) -> dict[str, Any]:
     """The stream delta of one piece of the reply (``Deltas``); ``calls``: the tool calls sent before it."""
-    if kind == "call":
+    if kind == PieceKind.TOOL_CALL:
         return {"tool_calls": [tool_call_object(value, calls)]}
-    return {"reasoning_content" if kind == "reasoning" else "content": value}
+    return {"reasoning_content" if kind == PieceKind.REASONING else "content": value}
 
 
 def _sse(data: dict[str, Any]) -> str:

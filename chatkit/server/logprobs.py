@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..session.results import StreamChunk
-from ..text.reply import TEXT
+from ..text.reply import PieceKind
 from .errors import BadRequestError
 from .lease import Lease
 from .state import ServerState
@@ -68,7 +68,7 @@ class Logprobs:
 
     def feed(self, chunk: StreamChunk) -> None:
         """Read one chunk: a text token's first chunk adds its entry."""
-        if chunk.kind != TEXT or chunk.logprobs is None or chunk.logprobs is self._last or chunk.token in self._eos:
+        if chunk.kind != PieceKind.TEXT or chunk.logprobs is None or chunk.logprobs is self._last or chunk.token in self._eos:
             return
         self._last = chunk.logprobs
         entry = self._entry(chunk.token, chunk.token_logprob())

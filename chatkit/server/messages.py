@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..messages import ToolCall
 from ..model.loaded import LoadedModel
+from ..text.reply import PieceKind
 from . import trace
 from .anthropic_wire import (
     SIGNATURE,
@@ -73,37 +74,38 @@ class Blocks:
     a thinking block ends with its signature, a tool call is one block with its input in one delta."""
 
     def __init__(self) -> None:
-        self.index, self.kind = -1, ""
+        self.index = -1
+        self.kind: PieceKind | None = None
 
-    def feed(self, kind: str, value: Any) -> Iterator[str]:
-        if kind == "call" and value.error is not None:  # unreadable: the text it wrote, never a call to run
-            kind, value = "text", value.text or ""
-        if kind != self.kind or kind == "call":
+    def feed(self, kind: PieceKind, value: Any) -> Iterator[str]:
+        if kind == PieceKind.TOOL_CALL and value.error is not None:  # unreadable: the text it wrote, never a call
+            kind, value = PieceKind.TEXT, value.text or ""
+        if kind != self.kind or kind == PieceKind.TOOL_CALL:
             yield from self.close()
             self.index, self.kind = self.index + 1, kind
             yield event("content_block_start", {"index": self.index, "content_block": _start(kind, value)})
-        if kind == "call":
+        if kind == PieceKind.TOOL_CALL:
             partial = {"type": "input_json_delta", "partial_json": _json(value)}
             yield event("content_block_delta", {"index": self.index, "delta": partial})
-        elif kind == "reasoning":
+        elif kind == PieceKind.REASONING:
             yield event("content_block_delta", {"index": self.index, "delta": {"type": "thinking_delta",
                                                                                 "thinking": value}})
         else:
             yield event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": value}})
 
     def close(self) -> Iterator[str]:
-        if self.kind == "reasoning":
+        if self.kind == PieceKind.REASONING:
             yield event("content_block_delta", {"index": self.index, "delta": {"type": "signature_delta",
                                                                                 "signature": SIGNATURE}})
-        if self.kind:
+        if self.kind is not None:
             yield event("content_block_stop", {"index": self.index})
-        self.kind = ""
+        self.kind = None
 
 
-def _start(kind: str, value: Any) -> dict[str, Any]:
-    if kind == "call":
+def _start(kind: PieceKind, value: Any) -> dict[str, Any]:
+    if kind == PieceKind.TOOL_CALL:
         return {**tool_use_block(value), "input": {}}
-    if kind == "reasoning":
+    if kind == PieceKind.REASONING:
         return {"type": "thinking", "thinking": "", "signature": ""}
     return {"type": "text", "text": ""}
 
@@ -125,8 +127,8 @@ async def _events(state: ServerState, lease: Lease, req: TurnRequest, mid: str) 
                 trace.stamp("token")
                 finish = chunk.finish_reason
                 for kind, value in deltas.feed(chunk):
-                    called = called or (kind == "call" and value.error is None)
-                    if kind == "text" and value:
+                    called = called or (kind == PieceKind.TOOL_CALL and value.error is None)
+                    if kind == PieceKind.TEXT and value:
                         trace.stamp("text")
                     for line in blocks.feed(kind, value):
                         yield line
@@ -134,7 +136,7 @@ async def _events(state: ServerState, lease: Lease, req: TurnRequest, mid: str) 
                 for line in blocks.feed(kind, value):
                     yield line
             if blocks.index < 0:  # an empty reply still has its (empty) text block
-                for line in blocks.feed("text", ""):
+                for line in blocks.feed(PieceKind.TEXT, ""):
                     yield line
             for line in blocks.close():
                 yield line

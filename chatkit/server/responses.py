@@ -21,6 +21,7 @@ from ..errors import ChatKitError
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
 from ..session.results import TurnStats
+from ..text.reply import PieceKind
 from . import trace
 from .body import read_body, read_metadata, read_object
 from .errors import BadRequestError, error_body
@@ -122,7 +123,7 @@ async def _events(state: ServerState, turn: ResponseTurn) -> AsyncIterator[str]:
                     if turn.items.read is not None:
                         turn.items.read.feed(chunk)
                     for kind, value in deltas.feed(chunk):
-                        if kind == "text" and value:
+                        if kind == PieceKind.TEXT and value:
                             trace.stamp("text")
                         for text in out.pieces(kind, value):
                             yield text
@@ -153,26 +154,26 @@ class _EventWriter:
     def __init__(self, items: OutputItems) -> None:
         self.items = items
         self._seq = itertools.count()
-        self._kinds: list[str] = []  # the kind of each output item streamed so far, by output_index
-        self._open: str | None = None  # the kind of the reasoning or message item being streamed
+        self._kinds: list[PieceKind] = []  # the kind of each output item streamed so far, by output_index
+        self._open: PieceKind | None = None  # the kind of the reasoning or message item being streamed
         self._text = ""  # its text so far
 
     def event(self, kind: str, **data: Any) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': next(self._seq), **data})}\n\n"
 
-    def pieces(self, kind: str, value: Any) -> Iterator[str]:
+    def pieces(self, kind: PieceKind, value: Any) -> Iterator[str]:
         """The events of one piece of the reply (``Deltas``)."""
         if kind != self._open:
             yield from self._close_item()
             index = len(self._kinds)
             self._kinds.append(kind)
-            if kind == "call":
+            if kind == PieceKind.TOOL_CALL:
                 yield from self._call(value, index)
                 return
             yield from self._open_item(kind, index)
         self._text += value
         where = {"output_index": len(self._kinds) - 1, "content_index": 0, "delta": value}
-        if kind == "reasoning":
+        if kind == PieceKind.REASONING:
             yield self.event("response.reasoning_text.delta", item_id=self.items.id("reasoning"), **where)
         elif value:
             yield self.event("response.output_text.delta", item_id=self.items.id("message"), **where,
@@ -180,16 +181,16 @@ class _EventWriter:
 
     def end(self) -> Iterator[str]:
         """The events that close the output: an empty answer still has its message item."""
-        if not any(k != "reasoning" for k in self._kinds):
-            yield from self.pieces("text", "")
+        if not any(k != PieceKind.REASONING for k in self._kinds):
+            yield from self.pieces(PieceKind.TEXT, "")
         yield from self._close_item()
 
-    def _open_item(self, kind: str, index: int) -> Iterator[str]:
+    def _open_item(self, kind: PieceKind, index: int) -> Iterator[str]:
         """The events that start a reasoning or message item."""
         self._open, self._text = kind, ""
         if kind in self._kinds[:-1]:
-            self.items.renew("reasoning" if kind == "reasoning" else "message")
-        if kind == "reasoning":
+            self.items.renew("reasoning" if kind == PieceKind.REASONING else "message")
+        if kind == PieceKind.REASONING:
             item = {**self.items.reasoning("", "in_progress"), "content": []}
             yield self.event("response.output_item.added", output_index=index, item=item)
         else:
@@ -201,11 +202,11 @@ class _EventWriter:
         """The done events of the reasoning or message item being streamed, if any."""
         kind, text, index = self._open, self._text, len(self._kinds) - 1
         self._open = None
-        if kind == "reasoning":
+        if kind == PieceKind.REASONING:
             where = {"item_id": self.items.id("reasoning"), "output_index": index, "content_index": 0}
             yield self.event("response.reasoning_text.done", **where, text=text)
             yield self.event("response.output_item.done", output_index=index, item=self.items.reasoning(text))
-        elif kind == "text":
+        elif kind == PieceKind.TEXT:
             where = {"item_id": self.items.id("message"), "output_index": index, "content_index": 0}
             part = {"type": "output_text", "text": text, "annotations": [], "logprobs": self.items.logprobs()}
             yield self.event("response.output_text.done", **where, text=text, logprobs=part["logprobs"])

@@ -27,7 +27,7 @@ from ..images import Image, as_image
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
 from ..session.results import StreamChunk
-from ..text.reply import REASONING, TEXT, TOOL_CALL
+from ..text.reply import PieceKind
 from .errors import BadRequestError
 from .tool_choice import read_choice
 
@@ -399,8 +399,8 @@ def compaction_headers(compaction: Mapping[str, int] | None) -> dict[str, str] |
 
 
 class Deltas:
-    """A reply's chunks as the pieces a client is sent, ``("reasoning" | "text", str)`` or ``("call",
-    ToolCall)``, so that they add up to the message the session commits: when a reply reasons or calls
+    """A reply's chunks as the pieces a client is sent, ``(PieceKind.REASONING | PieceKind.TEXT, str)`` or
+    ``(PieceKind.TOOL_CALL, ToolCall)``, so that they add up to the message the session commits: when a reply reasons or calls
     tools, the newlines around the markers are the template's glue and the session drops them
     (``Segmenter.reply``); so newlines at either end of a kind's text are held back until text
     follows them, and at the end are sent only for a plain reply. A client that re-sends what it was
@@ -408,17 +408,17 @@ class Deltas:
 
     def __init__(self) -> None:
         self._glue = False  # the reply has reasoning or a tool call
-        self._started: set[str] = set()
-        self._held: dict[str, str] = {}
+        self._started: set[PieceKind] = set()
+        self._held: dict[PieceKind, str] = {}
 
-    def feed(self, chunk: StreamChunk) -> list[tuple[str, Any]]:
-        if chunk.kind == TOOL_CALL:
+    def feed(self, chunk: StreamChunk) -> list[tuple[PieceKind, Any]]:
+        if chunk.kind == PieceKind.TOOL_CALL:
             self._glue = True
-            return [("call", chunk.tool_call)] if chunk.tool_call is not None else []
-        if chunk.kind not in (TEXT, REASONING) or not chunk.text:
+            return [(PieceKind.TOOL_CALL, chunk.tool_call)] if chunk.tool_call is not None else []
+        if chunk.kind not in (PieceKind.TEXT, PieceKind.REASONING) or not chunk.text:
             return []
         kind, text = chunk.kind, chunk.text
-        self._glue = self._glue or kind == REASONING
+        self._glue = self._glue or kind == PieceKind.REASONING
         held = self._held.pop(kind, "")
         if kind not in self._started:
             body = text.lstrip("\n")
@@ -435,7 +435,7 @@ class Deltas:
         self._held[kind] = held + text
         return []
 
-    def end(self) -> list[tuple[str, Any]]:
+    def end(self) -> list[tuple[PieceKind, Any]]:
         """What is still held back, for a plain reply (a reasoning or tool reply's newlines are glue)."""
         held, self._held = self._held, {}
         return [] if self._glue else [(kind, text) for kind, text in held.items() if text]

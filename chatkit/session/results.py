@@ -8,15 +8,17 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..messages import ToolCall
+from ..text.reply import PieceKind
 
 
 @dataclass(frozen=True)
 class StreamChunk:
     """One generated token and the text it completed (possibly ``""`` while a character is partial).
 
-    ``kind`` says what the text is: ``"text"`` (the answer), ``"reasoning"``, ``"tool_call"`` (the
-    call's own text as it streams; the chunk that completes a call carries it in ``tool_call``) or,
-    between the rounds of a tool loop, ``"tool_result"`` (``tool_call`` names the call answered).
+    ``kind`` (a :class:`PieceKind`, equal to its string) says what the text is: ``"text"`` (the answer),
+    ``"reasoning"``, ``"tool_call"`` (the call's own text as it streams; the chunk that completes a call
+    carries it in ``tool_call``) or, between the rounds of a tool loop, ``"tool_result"`` (``tool_call``
+    names the call answered).
     Markers (``<think>``, ``<tool_call>`` ...) are never part of a chunk's text. A token whose text
     spans two kinds gives one chunk per kind, with the same ``token``. ``finish_reason`` is set on
     the last chunk: ``"stop"`` (end of turn or a stop string) or ``"length"`` (``max_tokens`` or the
@@ -28,7 +30,7 @@ class StreamChunk:
     finish_reason: str | None = None
     from_draft: bool = False
     logprobs: mx.array | None = None
-    kind: str = "text"
+    kind: PieceKind = PieceKind.TEXT
     tool_call: ToolCall | None = None
 
     # ``logprobs`` is the step's log-softmax over the vocabulary: of the logits after the turn's logits

@@ -15,10 +15,10 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from ..decode import DraftCount, Token
+from ..decode import DraftCount, TokenEvent
 from ..errors import ChatKitError
 from ..messages import ChatMessage, ToolCall
-from ..text.reply import Piece, Segmenter
+from ..text.reply import Piece, PieceKind, Segmenter
 from .results import StreamChunk, TurnResult, TurnStats
 
 
@@ -33,7 +33,7 @@ class TurnSteps(Protocol):
     detokenizer: Any
     segmenter: Segmenter
 
-    def start(self) -> tuple[int, Iterator[Token]]:
+    def start(self) -> tuple[int, Iterator[TokenEvent]]:
         """Plan and prefill; (tokens prefilled, the generated tokens)."""
         ...
 
@@ -167,7 +167,7 @@ class ResponseStream(ReplyStream):
         self._pending: list[StreamChunk] = []
         self._result: TurnResult | None = None  # further chunks of the last token (one per kind)
         self._detok_seen = 0  # characters of the detokenizer's text already passed on
-        self._tokens: Iterator[Token] | None = None
+        self._tokens: Iterator[TokenEvent] | None = None
         self._generated: list[int] = []
         self._finish: str | None = None
         self._stats: TurnStats | None = None
@@ -239,7 +239,7 @@ class ResponseStream(ReplyStream):
                 self._abort(None)  # nothing was generated: the session stays as it was
             else:
                 self._finish = self._finish or "cancelled"
-                if self._segments.state == "tool":  # cut inside a call: kept as far as written, unread
+                if self._segments.kind == PieceKind.TOOL_CALL:  # cut inside a call: kept as far as written, unread
                     self._take_pieces(final=True)
                 self._commit()
 
@@ -263,7 +263,8 @@ class ResponseStream(ReplyStream):
             mx.reset_peak_memory()
             self._t_start = time.perf_counter()
             self._prefilled, self._tokens = self._turn.start()
-        token, logprobs, from_draft = next(self._tokens)
+        event = next(self._tokens)
+        token = event.id
         if not self._generated:
             self._t_first = time.perf_counter()
         self._generated.append(token)
@@ -278,7 +279,8 @@ class ResponseStream(ReplyStream):
         if self._segments.stopped:
             finish = "stop"
         chunks = [
-            StreamChunk(p.text, token, finish if i == len(pieces) - 1 else None, from_draft, logprobs, p.kind, p.tool_call)
+            StreamChunk(p.text, token, finish if i == len(pieces) - 1 else None, event.from_draft, event.logprobs, p.kind,
+                        p.tool_call)
             for i, p in enumerate(pieces)
         ]
         if finish is not None:

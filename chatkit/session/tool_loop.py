@@ -17,7 +17,7 @@ from typing import Any
 from ..errors import MissingDependencyError, ToolLoopLimitError
 from ..messages import ChatMessage, ToolCall
 from ..params import LogitsProcessor
-from ..text.reply import TOOL_RESULT
+from ..text.reply import PieceKind
 from ..tools.options import DEFAULT_MAX_TOOL_ROUNDS
 from ..tools.schema import Tool, call_tool, stopped
 from .results import StreamChunk, TurnStats
@@ -205,7 +205,7 @@ class ToolLoopStream(ReplyStream):
             if self._stopped.is_set():
                 return
             for call, result in zip(calls, results, strict=True):
-                yield StreamChunk(result.content, -1, kind=TOOL_RESULT, tool_call=call)
+                yield StreamChunk(result.content, -1, kind=PieceKind.TOOL_RESULT, tool_call=call)
             message = None
 
 

@@ -166,9 +166,7 @@ class Turn:
                 cache.shift(self.prompt, self.fit.dropped_tokens, self.ropes):
             self.shifted = self.fit.dropped_tokens
         self.plan = cache.prepare(self.prompt, self.images)
-        embeddings, model = None, None
-        if self.vision is not None:
-            embeddings, model = self.vision.inputs(self.prompt, self.images, self.plan.keep)
+        vision = None if self.vision is None else self.vision.inputs(self.prompt, self.images, self.plan.keep)
         self.fed.extend(self.plan.suffix)
         request = Request(
             suffix=self.plan.suffix,
@@ -180,8 +178,7 @@ class Turn:
             progress=self._on_progress,
             drafts=self.drafts,
             adapter=self.adapter,
-            embeddings=embeddings,
-            model=model,
+            vision=vision,
         )
         return len(self.plan.suffix), self.source.generate(cache, request)
 

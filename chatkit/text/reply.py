@@ -1,4 +1,4 @@
-"""Splitting a reply's text into its kinds: the answer (``"text"``), ``"reasoning"`` and ``"tool_call"``.
+"""Splitting a reply's text into its kinds (:class:`PieceKind`): the answer, reasoning and tool calls.
 
 The markers come from what mlx-lm knows about the tokenizer (``TokenizerWrapper.has_thinking`` /
 ``think_start`` / ``think_end``, ``has_tool_calling`` / ``tool_call_start`` / ``tool_call_end`` /
@@ -19,6 +19,7 @@ import weakref
 from array import array
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from mlx_lm.generate import TextStateMachine
@@ -27,15 +28,35 @@ from ..errors import InvalidMessageError
 from ..messages import ToolCall, new_tool_call_id
 from . import formats
 
-TEXT, REASONING, TOOL_CALL, TOOL_RESULT = "text", "reasoning", "tool_call", "tool_result"
-_KIND = {"normal": TEXT, "reasoning": REASONING, "tool": TOOL_CALL}
+
+class PieceKind(str, Enum):
+    """What a piece of a reply is, from the text layer to the server: one name per kind. A ``str``, so
+    comparing with ``"text"``, ``"reasoning"``, ``"tool_call"`` or ``"tool_result"`` and JSON keep working."""
+
+    TEXT = "text"
+    """The answer."""
+    REASONING = "reasoning"
+    TOOL_CALL = "tool_call"
+    TOOL_RESULT = "tool_result"
+    """A tool's result, streamed by a tool loop (never from the model)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+# mlx-lm's TextStateMachine names its states ("tool" is its name for a call; the formats and the
+# tokenizer's response_transitions use those names): mapped to a kind here, once.
+_KIND = {"normal": PieceKind.TEXT, "reasoning": PieceKind.REASONING, "tool": PieceKind.TOOL_CALL}
 
 
 @dataclass(frozen=True)
 class Piece:
     """Text of one kind; a completed call carries its ``ToolCall`` (with the call's text so far)."""
 
-    kind: str
+    kind: PieceKind
     text: str
     tool_call: ToolCall | None = None
 
@@ -161,6 +182,12 @@ class Segmenter:
         """The machine's state: ``"normal"``, ``"reasoning"``, ``"tool"`` ...; ``None`` after a stop string."""
         return self._state[0]
 
+    @property
+    def kind(self) -> PieceKind | None:
+        """The kind of the text the machine is in (``None`` after a stop string)."""
+        state = self._state[0]
+        return None if state is None else _KIND.get(state, PieceKind.TEXT)
+
     def feed(self, new: str, *, final: bool = False) -> list[Piece]:
         """The pieces ``new`` text completes; ``final`` at the end of the reply (held-back text that is
         not the start of a marker is let out, an unfinished tool call is read as it is)."""
@@ -170,7 +197,7 @@ class Segmenter:
             self._lead += new
             is_call = self._bare(self._lead, final)
             if is_call is None:
-                return [Piece(TEXT, "")]
+                return [Piece(PieceKind.TEXT, "")]
             new, self._lead, self._bare = self._lead, "", None
             if is_call:
                 self._state = self._machine.make_state("tool")
@@ -186,18 +213,18 @@ class Segmenter:
         for i, (state, text) in enumerate(segments):
             if state in self._hidden:
                 continue  # control text between messages (a harmony header)
-            kind = _KIND.get(state or "normal", TEXT)
-            closes_call = kind == TOOL_CALL and (i < len(segments) - 1 or final or self.stopped)
+            kind = _KIND.get(state or "normal", PieceKind.TEXT)
+            closes_call = kind is PieceKind.TOOL_CALL and (i < len(segments) - 1 or final or self.stopped)
             piece = self._take(kind, text, closes_call)
             if piece.text or piece.tool_call is not None:
                 pieces.append(piece)
-        return pieces or [Piece(_KIND.get(self._state[0] or "normal", TEXT), "")]
+        return pieces or [Piece(_KIND.get(self._state[0] or "normal", PieceKind.TEXT), "")]
 
-    def _take(self, kind: str, text: str, closes_call: bool) -> Piece:
-        if kind == REASONING:
+    def _take(self, kind: PieceKind, text: str, closes_call: bool) -> Piece:
+        if kind is PieceKind.REASONING:
             self._entered_reasoning = True
             self.reasoning += text
-        elif kind == TOOL_CALL:
+        elif kind is PieceKind.TOOL_CALL:
             self._call_text += text
             if closes_call:
                 calls = parse_tool_calls(self._parser, self._call_text, self._tools,
@@ -286,11 +313,8 @@ def _guess_name(text: str) -> str:
 
 
 __all__ = [
-    "REASONING",
-    "TEXT",
-    "TOOL_CALL",
-    "TOOL_RESULT",
     "Piece",
+    "PieceKind",
     "Segmenter",
     "initial_state",
     "parse_tool_calls",

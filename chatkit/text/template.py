@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import InvalidParamsError, TemplateError
+from ..errors import TemplateError
 from ..messages import ChatMessage, check_text
 from ..model import tokenizer as _tokenizer
 from .capabilities import Capabilities, adapt, probe, warn_dropped_tool_messages, warn_ignored_tools
@@ -168,13 +168,4 @@ def _protect_json(value: Any, protect: Callable[[str], str]) -> Any:
     return value
 
 
-def check_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Tool JSON schemas as a list of dicts; ``InvalidParamsError`` for anything else."""
-    if tools is None:
-        return None
-    if isinstance(tools, Mapping) or not all(isinstance(t, Mapping) for t in tools):
-        raise InvalidParamsError("tools must be a list of JSON-schema dicts.")
-    return [dict(t) for t in tools]
-
-
-__all__ = ["ChatTemplate", "check_tools", "read_template"]
+__all__ = ["ChatTemplate", "read_template"]

@@ -141,14 +141,15 @@ class BatchEngine:
         self.close()
 
     # -- the turn's side ----------------------------------------------------------------------
-    def _submit(self, job: Job) -> None:
+    def submit(self, job: Job) -> None:
+        """A turn's job joins the engine (between two steps)."""
         with self._cond:
             self.check_open()
             self._inbox.append(job)
             self._turns += 1
             self._cond.notify_all()
 
-    def _release(self, job: Job) -> list[Any] | None:
+    def release(self, job: Job) -> list[Any] | None:
         """The turn stops reading: take it out of the batch and get its cache back (``None``: none to give,
         because the batch never took the session's layers, the turn was closed on the batch's own thread,
         or the hand-back timed out; a session whose layers the batch took then rebuilds them next turn)."""
@@ -254,7 +255,7 @@ class BatchEngine:
                 job.finish(None, exc)
             return
         for job in jobs:
-            job.out.put(("progress", (len(job.suffix), len(job.suffix))))
+            job.progress(len(job.suffix))
 
     def _step(self, rows: Rows) -> None:
         """One forward pass of the batch: plain, or verifying drafts when a row drafted."""

@@ -13,8 +13,27 @@ from mlx_lm.sample_utils import greedy_sampler
 
 from ...cache._mlx import eval_layers
 from ...params import LogitsProcessor, Sampler
-from .. import DraftCount
+from .. import DraftCount, TokenEvent
 from ..speculative import DraftPolicy, SpeculativeConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """The engine prefilled ``done`` of the job's ``total`` prompt tokens."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """The job left the engine: its reader stops (raising ``error`` when the job failed)."""
+
+    error: BaseException | None = None
+
+
+Event = TokenEvent | Progress | End
+"""What a job's queue carries to the turn's reader."""
 
 
 @dataclass(eq=False)
@@ -35,7 +54,7 @@ class Job:
     drafts: DraftCount = field(default_factory=DraftCount)
     prefilled: int = 0  # tokens of ``suffix[:-1]`` fed
     delivered: int = 0  # tokens handed to the reader
-    out: queue.SimpleQueue[tuple[Any, ...]] = field(default_factory=queue.SimpleQueue)
+    out: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue)
     finished: threading.Event = field(default_factory=threading.Event)
     handback: list[Any] | None = None
     error: BaseException | None = None
@@ -50,7 +69,11 @@ class Job:
         return self.prefilled >= len(self.suffix) - 1
 
     def put(self, token: int, logprobs: mx.array, from_draft: bool) -> None:
-        self.out.put(("token", token, logprobs, from_draft))
+        self.out.put(TokenEvent(token, logprobs, from_draft))
+
+    def progress(self, done: int) -> None:
+        """The prompt is prefilled up to ``done`` of its tokens."""
+        self.out.put(Progress(done, len(self.suffix)))
 
     def finish(self, layers: list[Any] | None, error: BaseException | None = None) -> None:
         """The job leaves the engine: its cache (evaluated here, on the thread that computed it) or
@@ -63,7 +86,7 @@ class Job:
             except Exception as exc:
                 layers, error = None, error or exc
         self.handback = layers
-        self.out.put(("error", error) if error is not None else ("end",))
+        self.out.put(End(error))
         self.finished.set()
 
     def _guarded_sampler(self) -> Sampler:
@@ -92,4 +115,4 @@ class Job:
         return process
 
 
-__all__ = ["Job"]
+__all__ = ["End", "Event", "Job", "Progress"]

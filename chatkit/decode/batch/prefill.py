@@ -70,7 +70,7 @@ class Prefill:
         for job, chunk in zip(self.jobs, chunks):
             job.prefilled += len(chunk)
             if chunk:
-                job.out.put(("progress", (job.prefilled, len(job.suffix))))
+                job.progress(job.prefilled)
         return width * len(chunks)
 
     def leave(self, idx: Sequence[int]) -> list[list[Any]]:

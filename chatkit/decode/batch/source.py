@@ -9,11 +9,11 @@ from mlx_lm.models.cache import KVCache
 
 from ...cache._mlx import layer_offset, trim_layers
 from ...cache.state import CacheState
-from .. import Request, Token
+from .. import Request, TokenEvent
 from ..local import LocalSource
 from ..speculative import SpeculativeConfig
 from ..speculative.policy import new_turn
-from .job import Job
+from .job import End, Job, Progress
 
 
 class Engine(Protocol):
@@ -21,11 +21,17 @@ class Engine(Protocol):
 
     prefill_step_size: int
 
-    def check_open(self) -> None: ...
+    def check_open(self) -> None:
+        """Raise if the engine is closed (before a turn is handed to it)."""
+        ...
 
-    def _submit(self, job: Job) -> None: ...
+    def submit(self, job: Job) -> None:
+        """Take ``job`` into the batch; its events arrive on ``job.out``."""
+        ...
 
-    def _release(self, job: Job) -> list[Any] | None: ...
+    def release(self, job: Job) -> list[Any] | None:
+        """Take ``job`` out of the batch and give its cache back (``None``: none to give)."""
+        ...
 
 
 class BatchSource:
@@ -35,15 +41,15 @@ class BatchSource:
     def __init__(self, engine: Engine, fallback: LocalSource, speculative: SpeculativeConfig | None) -> None:
         self.engine, self.fallback, self.speculative = engine, fallback, speculative
 
-    def generate(self, cache: CacheState, request: Request) -> Iterator[Token]:
+    def generate(self, cache: CacheState, request: Request) -> Iterator[TokenEvent]:
         self.engine.check_open()
         assert cache.layers is not None, "prepare the cache before generating"
         drafting = self.speculative is not None and self.speculative.draft_model is not None
-        if drafting or request.adapter is not None or request.model is not None or not batchable(cache):
+        if drafting or request.adapter is not None or request.vision is not None or not batchable(cache):
             return self.fallback.generate(cache, request)
         return self._tokens(cache, request)
 
-    def _tokens(self, cache: CacheState, request: Request) -> Iterator[Token]:
+    def _tokens(self, cache: CacheState, request: Request) -> Iterator[TokenEvent]:
         layers = cache.layers
         assert layers is not None
         base = layer_offset(layers) or 0
@@ -57,23 +63,23 @@ class BatchSource:
         read, failed = 0, False
         if progress is not None:
             progress(0, len(request.suffix))
-        self.engine._submit(job)
+        self.engine.submit(job)
         try:
             while True:
-                item = job.out.get()
-                if item[0] == "token":
+                event = job.out.get()
+                if isinstance(event, TokenEvent):
                     read += 1
-                    yield item[1], item[2], item[3]
-                elif item[0] == "progress":
+                    yield event
+                elif isinstance(event, Progress):
                     if progress is not None:
-                        progress(*item[1])
-                elif item[0] == "error":
-                    failed = True
-                    raise item[1]
-                else:
+                        progress(event.done, event.total)
+                elif isinstance(event, End):
+                    failed = event.error is not None
+                    if event.error is not None:
+                        raise event.error
                     return
         finally:
-            back = self.engine._release(job)
+            back = self.engine.release(job)
             if back is not None:
                 # What the turn fed and read, no run-ahead; after a failure only the prompt: the turn
                 # commits no reply, and the next one reuses what the cache holds of the prompt.

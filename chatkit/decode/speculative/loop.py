@@ -21,7 +21,7 @@ from mlx_lm.generate import generation_stream, maybe_quantize_kv_cache, wired_li
 from ...cache._mlx import layer_offset, speculation_room, trim_layers
 from ...cache.state import CacheState
 from ...params import LogitsProcessor
-from .. import Request, Token
+from .. import Request, TokenEvent
 from .config import SpeculativeConfig
 from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .lookup import NgramIndex
@@ -30,12 +30,12 @@ from .policy import DraftPolicy, choose, new_turn, record_draft, record_miss, re
 clock = time.perf_counter
 """The clock the draft-length policy's measurements read (tests give their own)."""
 
-Steps = Generator[Token, None, tuple[mx.array, mx.array]]
+Steps = Generator[TokenEvent, None, tuple[mx.array, mx.array]]
 """A step's tokens, then the next token to feed and its log-probabilities."""
 
 
 def speculate(model: Any, cache: CacheState, config: SpeculativeConfig, policy: DraftPolicy, request: Request,
-              processors: Sequence[LogitsProcessor]) -> Iterator[Token]:
+              processors: Sequence[LogitsProcessor]) -> Iterator[TokenEvent]:
     """:func:`speculative_tokens` over ``cache`` with the drafter ``config`` names: its draft model
     (prefilled along with the target, into the cache's draft layers) or prompt lookup."""
     assert cache.layers is not None, "prepare the cache before generating"
@@ -87,7 +87,7 @@ def speculative_tokens(
     request: Request,
     processors: Sequence[LogitsProcessor],
     also_prefill: tuple[Any, list[Any]] | None = None,
-) -> Iterator[Token]:
+) -> Iterator[TokenEvent]:
     """Feed ``request.suffix`` into ``layers`` (in place; also into ``also_prefill`` = (draft model,
     its layers)) and yield tokens, checking the drafts of ``drafter`` when ``policy`` says. Counts go
     to ``request.drafts``. When the consumer stops, the cache holds what was fed plus the tokens
@@ -105,7 +105,7 @@ def speculative_tokens(
             _stop(run)
 
 
-def _decode(run: _Run) -> Iterator[Token]:
+def _decode(run: _Run) -> Iterator[TokenEvent]:
     """The suffix's last token fed, then steps until ``max_tokens``: plain, or drafting when the policy says."""
     suffix, max_tokens, progress = run.request.suffix, run.request.max_tokens, run.request.progress
     y, logprobs = _plain_step(run, mx.array([suffix[-1]], dtype=mx.uint32))
@@ -166,7 +166,7 @@ def _plain(run: _Run, y: mx.array, logprobs: mx.array, queued: bool) -> Steps:
     run.held.append(token)
     run.last = (0, 0, False) if queued else None
     run.out += 1
-    yield token, logprobs, False
+    yield TokenEvent(token, logprobs)
     return following if following is not None else (y, logprobs)
 
 
@@ -178,7 +178,7 @@ def _drafting(run: _Run, y: mx.array, logprobs: mx.array, drafts: mx.array, prob
     _accept(run, taken, drafted, probe)
     for j, t in enumerate(taken):
         run.out += 1
-        yield t, step_logprobs[j], j > 0
+        yield TokenEvent(t, step_logprobs[j], j > 0)
         if run.out == run.request.max_tokens:
             break
     return mx.array([token], dtype=mx.uint32), step_logprobs[-1]
