@@ -33,6 +33,9 @@ class Job:
     lookup: SpeculativeConfig | None = None  # prompt lookup inside the batch
     policy: DraftPolicy | None = None  # the session's draft-length policy (with ``lookup``)
     drafts: DraftCount = field(default_factory=DraftCount)
+    draft: Any = None  # the draft model (an mlx model) the turn drafts with inside the batch
+    draft_layers: list[Any] | None = None  # the session's draft cache (emptied while the batch holds it)
+    draft_back: list[Any] | None = None  # the draft cache handed back with ``handback``
     prefilled: int = 0  # tokens of ``suffix[:-1]`` fed
     delivered: int = 0  # tokens handed to the reader
     out: queue.SimpleQueue[tuple[Any, ...]] = field(default_factory=queue.SimpleQueue)
@@ -59,7 +62,7 @@ class Job:
             return
         if layers is not None:
             try:
-                eval_layers(layers)
+                eval_layers(layers + (self.draft_back or []))
             except Exception as exc:
                 layers, error = None, error or exc
         self.handback = layers
