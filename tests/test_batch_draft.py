@@ -208,3 +208,48 @@ def test_batched_draft_rows_give_their_tokens_alone(lm, poor, kinds, lengths, ma
                 assert_draft_cache_holds_the_conversation(r.session, s.draft)
             else:
                 assert_ledger_matches_cache(r.session)
+
+
+def test_a_draft_batch_catches_up_drafts_and_keeps_only_the_accepted_tokens(lm):
+    """``DraftBatch`` directly, the draft the target itself: three rows whose draft caches held 0, 5 and 9
+    tokens of their prompts when they joined draft together (the catch-up feeds the rest), the target
+    rejects one row's second draft and another row has no room; after ``settle`` each row's draft cache
+    holds exactly its accepted tokens (its keys equal a fresh prefill of them)."""
+    from chatkit.cache._mlx import batch_layer
+    from chatkit.decode.batch.drafts import model_drafts
+    from chatkit.decode.batch.engine import _row
+    from chatkit.decode.batch.job import Job
+    from chatkit.decode.batch.rows import Rows
+
+    from mlx_lm.sample_utils import greedy_sampler
+
+    prompts = [list(range(10, 30)), list(range(40, 52)), list(range(60, 75))]
+    rows = Rows(lm.model)
+    for p, held in zip(prompts, (0, 5, 9)):
+        layers, draft = make_prompt_cache(lm.model), make_prompt_cache(lm.model)
+        lm.model(mx.array([p[:-1]]), cache=layers)
+        if held:
+            lm.model(mx.array([p[:held]]), cache=draft)
+        job = Job(tuple(p[held:]), tuple(p[:held]), 8, greedy_sampler, (), layers, 512, draft=lm.model,
+                  draft_layers=draft)
+        rows.join([_row(job)], [batch_layer(None, [c]) for c in layers], [p[-1]])
+    assert rows.plain() == []  # the prompts' last tokens fed
+    ys = rows.next_tokens()
+    drafts, _ = model_drafts(rows.rows, ys, [(3, False), (3, False), (0, False)], [7, 7, 0], 3)
+    proposals = [drafts[r] for r in rows.rows]
+    assert [len(d) for d in proposals] == [3, 3, 0]
+    proposals[1][1] = (proposals[1][1] + 1) % lm.vocab_size  # the target rejects it
+    out, accepted = rows.verify(proposals)
+    assert accepted == [3, 1, 0]  # the draft is the target: its own drafts are accepted
+    tokens = {id(r.job): [t for job, t, _, _ in out if job is r.job] for r in rows.rows}
+    jobs = [r.job for r in rows.rows]
+    rows.leave([0, 1, 2])
+    for p, job in zip(prompts, jobs):
+        line = p + tokens[id(job)]
+        n = layer_offset(job.draft_back)
+        # the prompt, the next token and the accepted drafts, but the last of a run accepted whole (never fed)
+        assert n == len(p) + min(len(tokens[id(job)]), 3)
+        fresh = make_prompt_cache(lm.model)
+        lm.model(mx.array([line[:n]]), cache=fresh)
+        for mine, theirs in zip(job.draft_back, fresh):
+            assert mx.allclose(mine.keys[..., :n, :], theirs.keys[..., :n, :], atol=1e-4).item()

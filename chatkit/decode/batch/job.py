@@ -31,7 +31,7 @@ class Job:
     layers: list[Any]
     step: int
     lookup: SpeculativeConfig | None = None  # prompt lookup inside the batch
-    policy: DraftPolicy | None = None  # the session's draft-length policy (with ``lookup``)
+    policy: DraftPolicy | None = None  # the session's draft-length policy (with ``lookup`` or ``draft``)
     drafts: DraftCount = field(default_factory=DraftCount)
     draft: Any = None  # the draft model (an mlx model) the turn drafts with inside the batch
     draft_layers: list[Any] | None = None  # the session's draft cache (emptied while the batch holds it)
