@@ -8,7 +8,8 @@ over one ``BatchEngine(lm, max_batch=16, prefix_cache_bytes=0)``, each a distinc
 ``SpeculativeConfig(draft)`` (the adaptive draft length, the default) against without speculation.
 Aggregate tok/s = all tokens / wall time from the first start to the last token (prefill included).
 The two runs of a round are back to back, in alternating order; "paired" is the median of the rounds'
-ratios (the sturdier figure on a busy machine). Every speculative run's tokens must equal the runs'
+ratios (the sturdier figure on a busy machine), "per CPU s" the same for the tokens per CPU second of
+this process (what other processes' load disturbs least). Every speculative run's tokens must equal the runs'
 without speculation. A warm-up round per case first (kernels; the pair's costs, which the process's
 sessions share and a fresh session starts from, as in an application that has served a few turns).
 
@@ -51,7 +52,7 @@ def prompts(case: str, n: int) -> list[str]:
 
 def batch_run(lm, draft, texts: list[str], tokens: int):
     """The turns of ``texts`` at once on a new engine, each with ``draft`` (or none): (aggregate tok/s,
-    each turn's tokens, drafted, accepted)."""
+    each turn's tokens, drafted, accepted, tokens per CPU second of this process)."""
     eos = {t: -1e9 for t in lm.tokenizer.eos_token_ids}
     params = GenerateParams(max_tokens=tokens, temperature=0.0, logit_bias=eos)
     out: list = [None] * len(texts)
@@ -69,23 +70,26 @@ def batch_run(lm, draft, texts: list[str], tokens: int):
             mx.clear_streams()  # what MLX asks of a thread that ran MLX work, before it ends
 
         threads = [threading.Thread(target=turn, args=(i,)) for i in range(len(texts))]
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), time.process_time()
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+        cpu = time.process_time() - cpu
     wall = max(end for end, _ in out) - t0
     stats = [s.last_stats for s in sessions]
-    return (sum(len(t) for _, t in out) / wall, [t for _, t in out], sum(s.draft_tokens_proposed for s in stats),
-            sum(s.draft_tokens_accepted for s in stats))
+    total = sum(len(t) for _, t in out)
+    return (total / wall, [t for _, t in out], sum(s.draft_tokens_proposed for s in stats),
+            sum(s.draft_tokens_accepted for s in stats), total / cpu)
 
 
 def bench(case: str, lm, draft, n: int, tokens: int, rounds: int):
-    """(median tok/s without, with, paired ratio, acceptance, identical) over ``rounds`` rounds."""
+    """(median tok/s without, with, paired ratio, acceptance, identical, paired ratio of tokens per CPU
+    second) over ``rounds`` rounds."""
     texts = prompts(case, n)
     batch_run(lm, draft, texts, min(tokens, 24))  # warm-up (the pair's costs learned here are shared)
     batch_run(lm, None, texts, min(tokens, 24))
-    plain, spec, ratios, drafted, accepted, same = [], [], [], 0, 0, True
+    plain, spec, ratios, cpu, drafted, accepted, same = [], [], [], [], 0, 0, True
     for r in range(rounds):
         order = [None, draft] if r % 2 == 0 else [draft, None]
         got = {id(d): batch_run(lm, d, texts, tokens) for d in order}
@@ -93,11 +97,13 @@ def bench(case: str, lm, draft, n: int, tokens: int, rounds: int):
         plain.append(a[0])
         spec.append(b[0])
         ratios.append(b[0] / a[0])
+        cpu.append(b[4] / a[4])
         same &= a[1] == b[1]
         drafted, accepted = drafted + b[2], accepted + b[3]
         print(f"  {case} x{n} round {r + 1}: no speculation {a[0]:.1f} tok/s, with the draft {b[0]:.1f} tok/s "
-              f"({b[0] / a[0]:.2f}x; {b[3]}/{b[2]} drafts accepted)", flush=True)
-    return median(plain), median(spec), median(ratios), accepted / drafted if drafted else float("nan"), same
+              f"({b[0] / a[0]:.2f}x; per CPU second {b[4] / a[4]:.2f}x; {b[3]}/{b[2]} drafts accepted)", flush=True)
+    acceptance = accepted / drafted if drafted else float("nan")
+    return median(plain), median(spec), median(ratios), acceptance, same, median(cpu)
 
 
 def models(case: str, quick_mode: bool):
@@ -137,16 +143,17 @@ def main() -> int:
             print(f"{case}: skipped ({why})")
             continue
         for n in sizes:
-            plain, spec, paired, acc, same = bench(case, *pair, n, args.tokens, args.rounds)
-            rows.append((case, n, plain, spec, paired, acc, same))
+            plain, spec, paired, acc, same, cpu = bench(case, *pair, n, args.tokens, args.rounds)
+            rows.append((case, n, plain, spec, paired, acc, same, cpu))
             failed |= not same
     print(f"\n{args.tokens} tokens per session, greedy, EOS biased -1e9; medians of {args.rounds} rounds; "
-          "paired: the median of the rounds' ratios")
+          "paired: the median of the rounds' ratios; per CPU s: the same for tokens per CPU second of this process "
+          "(less sensitive to other load)")
     print(f"{'case':>9} | sessions | {'no speculation tok/s':>20} | {'with a draft tok/s':>18} | paired | target | "
-          "acceptance | same tokens")
-    for case, n, plain, spec, paired, acc, same in rows:
+          "per CPU s | acceptance | same tokens")
+    for case, n, plain, spec, paired, acc, same, cpu in rows:
         print(f"{case:>9} | {n:>8} | {plain:>20.1f} | {spec:>18.1f} | {paired:5.2f}x | {TARGETS[case]:5.2f}x | "
-              f"{acc:>10.1%} | {same!s:>11}")
+              f"{cpu:8.2f}x | {acc:>10.1%} | {same!s:>11}")
     print(other.report())
     if failed:
         print("FAIL: batched speculative tokens differ from the batch's without speculation")
