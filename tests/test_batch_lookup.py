@@ -93,7 +93,8 @@ def test_a_lookup_row_stops_at_a_stop_string_and_its_next_turn_reuses_the_cache(
         assert_ledger_matches_cache(session)
 
 
-def test_a_draft_model_session_still_runs_alone_next_to_batched_lookup(lm):
+def test_a_draft_model_session_decodes_in_the_batch(lm):
+    """(Issue 47: a draft model's session no longer runs alone; tests/test_batch_draft.py covers it.)"""
     from chatkit.testing import tiny_model
 
     draft = {"speculative": SpeculativeConfig(tiny_model("qwen3", "bpe", 1), 3)}
@@ -101,7 +102,7 @@ def test_a_draft_model_session_still_runs_alone_next_to_batched_lookup(lm):
     with BatchEngine(lm, max_batch=2) as engine:
         session = session_for(lm, params=params.copy(), engine=engine, **draft)
         assert turn_tokens(session, prompt_of(20)) == alone(lm, prompt_of(20), params, **draft)
-        assert engine.turns == 0
+        assert engine.turns == 1 and session.last_stats.draft_tokens_proposed > 0
 
 
 def test_rows_drafting_different_lengths_in_one_step(lm):

@@ -21,6 +21,7 @@ from .. import TokenSource
 from ..local import LocalSource
 from ..speculative import NgramIndex
 from ..speculative.policy import PLAIN_WINDOW, choose, record_draft, record_miss, record_plain
+from .drafts import model_drafts
 from .job import Job
 from .prefill import Prefill
 from .rows import Delivery, Row, Rows, Seen
@@ -40,8 +41,8 @@ class BatchEngine:
     or ``SessionPool(lm, ..., engine=engine)``. At most ``max_batch`` turns decode at once (more wait
     for a free place); a new turn's prompt is prefilled between the others' decode steps, at most
     ``prefill_step_size`` tokens per step (and in chunks of at most the session's own
-    ``prefill_step_size``). Sessions with prompt lookup (``SpeculativeConfig("prompt_lookup")``)
-    verify their drafts inside the batch. ``prefix_cache_bytes`` bounds the shared prefix cache (0
+    ``prefill_step_size``). Speculative sessions (prompt lookup, a draft model) draft and verify
+    inside the batch. ``prefix_cache_bytes`` bounds the shared prefix cache (0
     turns it off): a session starting from an empty cache reuses the KV of the longest prompt prefix
     another session of this engine already prefilled. Close it (or use it as a context manager) when done.
     """
@@ -116,8 +117,8 @@ class BatchEngine:
         return self._peak
 
     def source(self, speculative: Any = None) -> TokenSource:
-        """The token source of one session: batched (prompt lookup included), or alone (a draft model,
-        other cache kinds)."""
+        """The token source of one session: batched (prompt lookup and draft models included), or alone
+        (an adapter, other cache kinds)."""
         self.check_open()
         return BatchSource(self, LocalSource(self.lm.model, speculative), speculative)
 
@@ -261,7 +262,7 @@ class BatchEngine:
         """One forward pass of the batch: plain, or verifying drafts when a row drafted."""
         t0 = clock()
         try:
-            drafts, wants = self._drafts(rows)
+            drafts, wants, spare = self._drafts(rows)
             if drafts is None:
                 deliveries, accepted = rows.plain(), None
             else:
@@ -271,30 +272,38 @@ class BatchEngine:
             return
         self._steps += 1
         self._peak = max(self._peak, len(rows))
-        self._record(rows, drafts, wants, accepted, clock() - t0)
+        self._record(rows, drafts, wants, accepted, clock() - t0 - spare)
         self._deliver(rows, deliveries)
         if self._steps % CLEAR_EVERY == 0:
             mx.clear_cache()
 
-    def _drafts(self, rows: Rows) -> tuple[list[list[int]] | None, list[tuple[int, bool]]]:
-        """Each row's drafts for the next step (``None``: no row drafts, a plain step), and what each
-        row's policy asked for: (draft length, probe). The step is as wide as the longest draft asked
-        for, and every row it fits in drafts up to that width: its positions are computed anyway."""
+    def _drafts(self, rows: Rows) -> tuple[list[list[int]] | None, list[tuple[int, bool]], float]:
+        """Each row's drafts for the next step (``None``: no row drafts, a plain step), what each row's
+        policy asked for: (draft length, probe), and the seconds the draft models' catch-ups took (no
+        round's cost). The step is as wide as the longest draft asked for, and every row it fits in
+        drafts up to that width: its positions are computed anyway (a draft model's rows, when one of
+        them asks: they draft together)."""
         wants, room = [], []
         for row in rows.rows:
-            k, probe = (0, False) if row.policy is None or row.index is None or row.fresh else choose(row.policy)
-            left = 0 if row.index is None or row.fresh else max(0, row.job.max_tokens - row.job.delivered - 1)
+            drafter = row.index is not None or row.draft is not None
+            k, probe = (0, False) if row.policy is None or not drafter or row.fresh else choose(row.policy)
+            left = 0 if not drafter or row.fresh else max(0, row.job.max_tokens - row.job.delivered - 1)
             wants.append((min(k, left), probe))
             room.append(left)
         width = max(k for k, _ in wants)
         if not width:
-            return None, wants
+            return None, wants, 0.0
+        ys = rows.next_tokens()
+        by_model, spare = model_drafts(rows.rows, ys, wants, room, width)
         drafts = []
-        for row, y, (k, probe), left in zip(rows.rows, rows.next_tokens(), wants, room):
-            drafts.append(row.propose(y, min(width, left)) if left else [])
+        for row, y, (k, probe), left in zip(rows.rows, ys, wants, room):
+            if row.draft is not None:
+                drafts.append(by_model.get(row, []))
+            else:
+                drafts.append(row.propose(y, min(width, left)) if left and row.index is not None else [])
             if k and not drafts[-1] and row.policy is not None:
                 record_miss(row.policy, probe)
-        return (drafts if any(drafts) else None), wants
+        return (drafts if any(drafts) else None), wants, spare
 
     def _record(self, rows: Rows, drafts: list[list[int]] | None, wants: list[tuple[int, bool]],
                 accepted: list[int] | None, seconds: float) -> None:
@@ -306,7 +315,7 @@ class BatchEngine:
             self._plain_times = [*self._plain_times[1 - PLAIN_WINDOW:], seconds]
         plain = statistics.median(self._plain_times) if self._plain_times else None
         for e, row in enumerate(rows.rows):
-            if row.policy is None or row.index is None:
+            if row.policy is None or (row.index is None and row.draft is None):
                 continue
             if drafts is None or accepted is None:
                 record_plain(row.policy, seconds)

@@ -50,8 +50,11 @@ class Job:
     layers: list[Any]
     step: int
     lookup: SpeculativeConfig | None = None  # prompt lookup inside the batch
-    policy: DraftPolicy | None = None  # the session's draft-length policy (with ``lookup``)
+    policy: DraftPolicy | None = None  # the session's draft-length policy (with ``lookup`` or ``draft``)
     drafts: DraftCount = field(default_factory=DraftCount)
+    draft: Any = None  # the draft model (an mlx model) the turn drafts with inside the batch
+    draft_layers: list[Any] | None = None  # the session's draft cache (emptied while the batch holds it)
+    draft_back: list[Any] | None = None  # the draft cache handed back with ``handback``
     prefilled: int = 0  # tokens of ``suffix[:-1]`` fed
     delivered: int = 0  # tokens handed to the reader
     out: queue.SimpleQueue[Event] = field(default_factory=queue.SimpleQueue)
@@ -82,7 +85,7 @@ class Job:
             return
         if layers is not None:
             try:
-                eval_layers(layers)
+                eval_layers(layers + (self.draft_back or []))
             except Exception as exc:
                 layers, error = None, error or exc
         self.handback = layers

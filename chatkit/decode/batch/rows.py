@@ -9,7 +9,9 @@ evaluation for the batch) and keeps them in order until one differs from its dra
 row's rejected positions: the shortest rejection from every row (a trim), the rest by
 rolling each row right by its own count into its left padding (mlx-lm's ``finalize`` of right-padded
 prompts), so that every row ends at the batch's write position again. A row joins with its prompt's
-last token still to feed (``fresh``): its first step hands nothing out.
+last token still to feed (``fresh``): its first step hands nothing out. Rows with a draft model draft
+with it (``drafts.py``: one batched draft cache per draft model, joining and leaving with the rows);
+a verifying step then drops each row's rejected drafts from its draft cache too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mlx_lm.models.cache import KVCache
 
 from ...cache._mlx import batch_layer
 from ..speculative import DraftPolicy, NgramIndex
+from .drafts import DraftBatch, drop
 from .job import Job
 
 Delivery = tuple[Job, int, mx.array, bool]
@@ -59,6 +62,9 @@ class Row:
     index: NgramIndex | None = None  # prompt lookup: the row's tokens, indexed by n-grams
     indexed: int = 0  # tokens of ``held`` (and a ``y`` after them) in ``index``
     fresh: bool = True  # the next step feeds the prompt's last token (not handed out)
+    draft: DraftBatch | None = None  # the draft model's batch the row drafts in
+    dbase: int = 0  # tokens its draft cache held when it joined
+    dfed: int = 0  # tokens fed to the target (prompt but the last, then ``held``) the draft cache holds too
 
     @property
     def policy(self) -> DraftPolicy | None:
@@ -82,6 +88,7 @@ class Rows:
         self.rows: list[Row] = []
         self.next: mx.array | None = None  # each row's next token to feed (lazy)
         self.next_logprobs: list[mx.array | None] = []  # None: a fresh row's (nothing to hand out)
+        self.drafters: dict[int, DraftBatch] = {}  # the draft batches, by id of their draft model
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -109,15 +116,20 @@ class Rows:
         self.next = new if self.next is None else mx.concatenate([self.next, new])
         self.next_logprobs.extend([None] * len(rows))
         self.rows.extend(rows)
+        drafting = [r for r in rows if r.job.draft is not None and r.job.draft_layers is not None]
+        for model in {id(r.job.draft): r.job.draft for r in drafting}.values():
+            batch = self.drafters.setdefault(id(model), DraftBatch(model))
+            batch.join([r for r in drafting if r.job.draft is model])
 
     def clear(self) -> None:
-        self.layers, self.rows, self.next, self.next_logprobs = [], [], None, []
+        self.layers, self.rows, self.next, self.next_logprobs, self.drafters = [], [], None, [], {}
 
     def leave(self, idx: Sequence[int]) -> list[list[Any]]:
         """Rows ``idx`` leave; their caches (plain ``KVCache`` layers), in the order of ``idx``. The
         batch's layers shrink one at a time (see :meth:`join`)."""
         gone = set(idx)
         keep = [i for i in range(len(self.rows)) if i not in gone]
+        self._leave_drafts([self.rows[i] for i in idx])
         caches: list[list[Any]] = [[] for _ in idx]
         for n, c in enumerate(self.layers):
             for cache, i in zip(caches, idx):
@@ -136,6 +148,16 @@ class Rows:
         self.next_logprobs = [self.next_logprobs[i] for i in keep]
         self.rows = [self.rows[i] for i in keep]
         return caches
+
+    def _leave_drafts(self, leaving: list[Row]) -> None:
+        """The leaving rows' draft caches, extracted from their draft batches, to their jobs."""
+        for key, batch in list(self.drafters.items()):
+            mine = [r for r in leaving if r.draft is batch]
+            if mine:
+                for row, cache in zip(mine, batch.leave(mine)):
+                    row.job.draft_back = cache
+            if not batch:
+                del self.drafters[key]
 
     def next_tokens(self) -> list[int]:
         """The tokens the next step feeds (evaluated)."""
@@ -206,23 +228,12 @@ class Rows:
             accepted.append(len(taken) - 1)
             following.append(token)
             following_lp.append(lp)
-        self._drop([width - 1 - a for a in accepted])
+        drop(self.layers, [width - 1 - a for a in accepted])
+        for batch in self.drafters.values():
+            batch.settle(dict(zip(self.rows, accepted)))
         self.next, self.next_logprobs = mx.array(following, dtype=mx.uint32), following_lp
         mx.async_eval(self.next_logprobs)
         return out, accepted
-
-    def _drop(self, rejected: list[int]) -> None:
-        """Drop each row's last ``rejected[e]`` positions (see the module docstring)."""
-        common = min(rejected)
-        if common:
-            for c in self.layers:
-                c.trim(common)
-        rest = [r - common for r in rejected]
-        if any(rest):
-            for c in self.layers:  # one layer at a time, as in join
-                c.prepare(right_padding=rest)
-                c.finalize()
-                mx.eval(c.state)
 
 
 def _positions(row: Row, logits: mx.array, logprobs: mx.array, greedy: mx.array, y: int,

@@ -44,21 +44,22 @@ class BatchSource:
     def generate(self, cache: CacheState, request: Request) -> Iterator[TokenEvent]:
         self.engine.check_open()
         assert cache.layers is not None, "prepare the cache before generating"
-        drafting = self.speculative is not None and self.speculative.draft_model is not None
-        if drafting or request.adapter is not None or request.vision is not None or not batchable(cache):
+        if request.adapter is not None or request.vision is not None or not batchable(cache):
             return self.fallback.generate(cache, request)
         return self._tokens(cache, request)
 
     def _tokens(self, cache: CacheState, request: Request) -> Iterator[TokenEvent]:
-        layers = cache.layers
+        layers, drafts = cache.layers, cache.draft_layers
         assert layers is not None
-        base = layer_offset(layers) or 0
+        base, draft_base = layer_offset(layers) or 0, layer_offset(drafts or []) or 0
         policy = self.fallback.policy if self.speculative is not None else None
         if policy is not None:
             new_turn(policy)
         step = min(self.engine.prefill_step_size, request.options.prefill_step_size)
+        model = self.speculative.draft_model if self.speculative is not None else None
         job = Job(request.suffix, request.context, request.max_tokens, request.sampler,
-                  tuple(request.logits_processors), layers, step, self.speculative, policy, request.drafts)
+                  tuple(request.logits_processors), layers, step, None if model else self.speculative, policy,
+                  request.drafts, draft=model.model if model else None, draft_layers=drafts if model else None)
         progress: Callable[[int, int], None] | None = request.progress
         read, failed = 0, False
         if progress is not None:
@@ -80,25 +81,29 @@ class BatchSource:
                     return
         finally:
             back = self.engine.release(job)
+            draft_back, job.draft_back = job.draft_back, None
+            # What the turn fed and read, no run-ahead; after a failure only the prompt: the turn
+            # commits no reply, and the next one reuses what the cache holds of the prompt.
+            fed = len(request.suffix) + (0 if failed else read)
             if back is not None:
-                # What the turn fed and read, no run-ahead; after a failure only the prompt: the turn
-                # commits no reply, and the next one reuses what the cache holds of the prompt.
-                target = base + len(request.suffix) + (0 if failed else read)
-                trim_layers(back, target)
+                trim_layers(back, base + fed)
                 layers[:] = back
-            elif not layers:  # handed to the batch and not given back: rebuild next turn
-                cache.reset()
+            if draft_back is not None and drafts is not None:  # a prefix of the target's: at most as long
+                trim_layers(draft_back, min(layer_offset(draft_back) or 0, draft_base + fed))
+                drafts[:] = draft_back
+            if not layers or (drafts is not None and not drafts):  # handed to the batch, not given back
+                cache.reset()  # rebuild next turn
 
 
 def batchable(cache: CacheState) -> bool:
-    """Whether a session's cache can join the batch: plain ``KVCache`` layers, no quantization."""
+    """Whether a session's cache can join the batch: plain ``KVCache`` layers (a draft model's too), no
+    quantization."""
     options = cache.options
     return (
         cache.layers is not None
         and options.kv_bits is None
         and options.max_kv_size is None
-        and cache.draft_layers is None
-        and all(type(c) is KVCache for c in cache.layers)
+        and all(type(c) is KVCache for c in [*cache.layers, *(cache.draft_layers or [])])
     )
 
 
