@@ -5,7 +5,8 @@ layers (moved in when the rows join the decode batch, extracted when they leave,
 for the target's). A row's draft cache holds a prefix of what its target cache holds (``dfed``
 tokens past what it held when the row joined): it lags after plain steps and after the prompt,
 whose prefill the draft skips. A draft pass first feeds every row what it lacks (in chunks, right-padded,
-rolled into the left padding: ``catch-up``, not part of a round's cost, as in the loop alone), then
+rolled into the left padding: ``catch-up``, not part of a round's cost: here it also carries a
+prompt's first feed, which the loop alone prefills, so it would overstate the first rounds), then
 each row's next token and its drafts one step at a time, greedily (a draft only has to be likely;
 the row's logits processors shape it as they shape the target). Once the target has verified,
 :meth:`DraftBatch.settle` drops each row's rejected drafts from the draft cache: it then holds
