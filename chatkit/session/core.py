@@ -6,7 +6,7 @@ runs the tool loop's rounds, and how prompts are rendered through the context wi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from typing_extensions import Self
@@ -19,7 +19,7 @@ from ..decode.batch import BatchEngine
 from ..decode.local import fill
 from ..decode.sources import source_for
 from ..decode.speculative import SpeculativeConfig, vocab_limit
-from ..errors import ChatKitError, InvalidParamsError
+from ..errors import InvalidParamsError
 from ..messages import ChatMessage, Role
 from ..model import tokenizer as _tokenizer
 from ..model.loaded import LoadedModel
@@ -28,7 +28,7 @@ from ..model.vision import ImageTable
 from ..params import GenerateParams, LogitsProcessor
 from ..text.template import ChatTemplate
 from .builder import tool_tokenizer
-from .compaction import Prepared, Preparer, Snapshot
+from .compaction import Compactor
 from .config import SessionConfig
 from .context import ContextPolicy, Fitter, Window, summarizer_for, system_text, window_size
 from .conversation import Conversation, pending_calls
@@ -62,8 +62,8 @@ class SessionCore:
         )
         self._conversation = Conversation(history, self._new_cache(c.cache_options))
         self._ropes, self._budget = self._shift_ropes(c.context_policy, c.cache_options), self._kv_budget(c.max_kv_bytes, c.cache_options)
-        self._gate, self._preparer = TurnGate(), Preparer()
-        self._between_turns: Callable[[Callable[[], None]], None] | None = None  # runs work between turns (a pool's)
+        self._gate = TurnGate()
+        self._compactor = self._new_compactor()  # compactions prepared between turns
         self._last_stats: TurnStats | None = None
         self._guided: tuple[ChatMessage, dict[str, Any]] | None = None  # the last guided prompt and its spec
 
@@ -108,10 +108,10 @@ class SessionCore:
         self._gate.take_turn(loop)
         try:
             base, message = self._conversation.prompt_of(message, regenerate)
-            prepared = self._prepared()
+            prepared = self._compactor.prepared()
             tokenizer = self._template.tokenizer
             turn = Turn.prepare(
-                self._prompting(), self._fitter(params, summaries=not self._preparer.running), self._conversation,
+                self._prompting(), self._fitter(params, summaries=not self._compactor.preparer.running), self._conversation,
                 base, message, params, context_length=self._context_length, source=self._source,
                 settle=self._settle, progress=self._config.prefill_progress, detokenizer=_tokenizer.new_detokenizer(tokenizer),
                 eos_token_ids=frozenset(tokenizer.eos_token_ids), constraints=constraints,
@@ -120,7 +120,7 @@ class SessionCore:
             )
             if prepared is not None and turn.fit is not None and turn.fit.window == prepared.compacted:
                 self._conversation.cache = prepared.cache  # its compacted context is prefilled already
-                self._preparer.used()
+                self._compactor.preparer.used()
             return ResponseStream(turn)
         except BaseException:
             self._gate.release()
@@ -132,7 +132,7 @@ class SessionCore:
             self._last_stats = result.stats
         self._gate.release()
         if result is not None:
-            self._prepare_between_turns()
+            self._compactor.after_turn()
 
     def _tool_loop(self, message: ChatMessage, *, strict: bool = False, params: GenerateParams | None = None) -> ToolLoopStream:
         """The rounds of a reply with tools (``tool_loop``), over this session's turns; with ``strict``
@@ -168,7 +168,7 @@ class SessionCore:
     def _loop_ended(self, hold: LoopHold) -> None:
         """A tool loop is over: the session is free again (and the next compaction may be prepared)."""
         self._gate.let_go(hold)
-        self._prepare_between_turns()
+        self._compactor.after_turn()
 
     def _append(self, messages: Sequence[ChatMessage], loop: LoopHold | None = None) -> None:
         """Tool results enter the history (the next round prefills them)."""
@@ -211,95 +211,18 @@ class SessionCore:
         summarize = summarizer_for(self._config.context_policy, self._lm, size, self._summary_session) if summaries else None
         return Fitter(self._config.context_policy, size, render, lambda text: len(self._lm.tokenizer.encode(text)), summarize)
 
-    def _prepared(self) -> Prepared | None:
-        """The compaction prepared for this conversation as it is, if any (``fallback="wait"``: after the
-        preparation running now has ended)."""
-        if self._preparer.running:
-            if self._config.context_policy.fallback != "wait":
-                return None  # still being made (its cache too): this turn compacts by itself
-            self._preparer.wait()
-        return self._preparer.get(self._conversation.messages, self._conversation.window)
-
-    def _claim_preparation(self) -> Callable[[], None] | None:
-        """After an async turn, before its caller hears of the end: claim the next compaction's preparation
-        and take its snapshot (so the next turn waits for it, or knows it is coming), and return the work,
-        which runs between turns. A failure there is the next turn's to report (it compacts by itself, and
-        a summarizer that fails raises then, changing nothing)."""
-        try:
-            snapshot = self._claim()
-        except ChatKitError:
-            return None
-        if snapshot is None:
-            return None
-
-        def work() -> None:
-            try:
-                self._prepare_from(snapshot)
-            except ChatKitError:
-                pass
-        return work
-
-    def _prepare_between_turns(self) -> None:
-        """When a pool runs this session's work between turns (``_between_turns``): claim the next
-        compaction's preparation now, as the turn ends (so a turn that comes next knows it is coming),
-        and hand the work over. Never raises: the turn has committed, and the next one compacts by itself."""
-        run = self._between_turns
-        if run is None or self._gate.busy:  # a tool loop between its rounds: prepared once it ends
-            return
-        try:
-            work = self._claim_preparation()
-        except Exception:  # a preparation is only a saving
-            return
-        if work is not None:
-            try:
-                run(work)
-            except Exception:  # it will not run: the next turn must not wait for it
-                self._preparer.finish(None)
-
     def _can_prepare(self) -> bool:
         """Preparations are for policies that compact, in one process (sharded ranks must run in step)."""
-        group = self._lm.distributed
-        return (self._config.context_policy.mode != "error" and not self._config.context_policy.shift and not (group is not None and group.sharded)
+        group, policy = self._lm.distributed, self._config.context_policy
+        return (policy.mode != "error" and not policy.shift and not (group is not None and group.sharded)
                 and self._images is None)
 
-    def _prepare_compaction(self) -> bool:
-        """See ``ChatSession.prepare_compaction``."""
-        snapshot = self._claim()
-        return False if snapshot is None else self._prepare_from(snapshot)
-
-    def _claim(self) -> Snapshot | None:
-        """Claim the next compaction's preparation and take its snapshot: ``None`` when there is nothing to
-        prepare or one is running (a snapshot that fails releases the claim and raises)."""
-        if not self._can_prepare() or not self._preparer.start():
-            return None
-        try:
-            return self._snapshot()
-        except BaseException:
-            self._preparer.finish(None)
-            raise
-
-    def _snapshot(self) -> Snapshot:
-        """What a preparation works on, taken while no turn runs; its own work does not hold the session."""
-        with self._gate.idle("prepare a compaction"):
-            c = self._conversation
-            earlier = self._preparer.get(c.messages, c.window)
-            spare = earlier.cache if earlier is not None else c.cache.copy()
-            return Snapshot(c.messages, c.window, self._config.generate_params.copy(), earlier, spare)
-
-    def _prepare_from(self, s: Snapshot) -> bool:
-        """Prepare from a snapshot (a still good preparation: only top its cache up with the exchanges
-        since); the preparer is told the outcome whatever happens."""
-        prepared = None
-        try:
-            compacted = s.earlier.compacted if s.earlier is not None else (
-                self._fitter(s.params).ahead(s.window, s.messages, s.spare.ledger.opaque, self._config.context_policy.room(s.params.max_tokens)))
-            ids = self._rendered_ids(compacted, s.messages, s.params) if compacted is not None else []
-            if compacted is not None and ids:  # (a conversation compacted to nothing has no prompt to prefill)
-                fill(s.spare, ids, self._lm.model, self._draft_model, self._config.adapter)
-                prepared = Prepared(s.messages, s.window, compacted, s.spare)
-            return prepared is not None
-        finally:
-            self._preparer.finish(prepared)
+    def _new_compactor(self) -> Compactor:
+        return Compactor(
+            self._gate, lambda: self._conversation, lambda: self._config.context_policy,
+            lambda: self._config.generate_params, self._fitter, self._rendered_ids,
+            lambda cache, ids: fill(cache, ids, self._lm.model, self._draft_model, self._config.adapter), self._can_prepare,
+        )
 
     @property
     def _context_length(self) -> int | None:

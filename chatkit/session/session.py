@@ -212,7 +212,7 @@ class ChatSession(SessionCore):
         after they end. A turn that comes meanwhile waits for it or compacts without a new summary (the
         policy's ``fallback``); a change to the conversation makes the preparation stale (unused).
         ``SessionBusyError`` while a turn is open."""
-        return self._prepare_compaction()
+        return self._compactor.prepare()
 
     @property
     def busy(self) -> bool:
@@ -266,8 +266,8 @@ class ChatSession(SessionCore):
         with self._gate.idle("change the adapter"):
             if (None if active is None else active.key) != (None if self._config.adapter is None else self._config.adapter.key):
                 tool_format = self._tool_format_for(active)  # the adapter's tool-call format: raises before changes
-                self._preparer.wait()  # a compaction being prepared with the old adapter: let it end, then drop it
-                self._preparer.discard()
+                self._compactor.preparer.wait()  # a compaction being prepared with the old adapter: let it end, then drop it
+                self._compactor.preparer.discard()
                 self._config = replace(self._config, adapter=active)
                 if tool_format is not None:
                     self._template, self._strict = tool_format
@@ -282,7 +282,7 @@ class ChatSession(SessionCore):
         conversation again."""
         with self._gate.idle("release the cache"):
             self._conversation.cache.reset()
-            self._preparer.discard()
+            self._compactor.preparer.discard()
 
     def save_cache(self, path: str | os.PathLike[str], *, images: bool = False) -> int:
         """Save the KV cache with the conversation to ``path`` (a ``.safetensors`` file), atomically.
@@ -417,7 +417,7 @@ class ChatSession(SessionCore):
         stop = threading.Event()  # stream_respond may still wait on the previous async turn's
         inner = self.stream_respond(prompt, **options)
         kind = AsyncGuidedStream if isinstance(inner, GuidedStream) else AsyncResponseStream
-        after = self._claim_preparation if self._config.context_policy.mode != "error" else None
+        after = self._compactor.claim if self._config.context_policy.mode != "error" else None
         stream = kind(inner, stop=stop, after=after)  # type: ignore[arg-type]
         self._gate.async_stop = stop
         return stream
