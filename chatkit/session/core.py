@@ -37,7 +37,7 @@ from .options import TurnOptions
 from .results import TurnResult, TurnStats
 from .streams import GuidedStream, ResponseStream
 from .tool_loop import StrictCalls, ToolLoopStream
-from .turn import Prompting, Turn
+from .turn import Prompting, Turn, TurnRequest
 
 
 class SessionCore:
@@ -110,14 +110,14 @@ class SessionCore:
             base, message = self._conversation.prompt_of(message, regenerate)
             prepared = self._compactor.prepared()
             tokenizer = self._template.tokenizer
-            turn = Turn.prepare(
+            turn = Turn.prepare(TurnRequest(
                 self._prompting(), self._fitter(params, summaries=not self._compactor.preparer.running), self._conversation,
-                base, message, params, context_length=self._context_length, source=self._source,
-                settle=self._settle, progress=self._config.prefill_progress, detokenizer=_tokenizer.new_detokenizer(tokenizer),
-                eos_token_ids=frozenset(tokenizer.eos_token_ids), constraints=constraints,
+                base, message, params, self._source, self._settle, _tokenizer.new_detokenizer(tokenizer),
+                frozenset(tokenizer.eos_token_ids), context_length=self._context_length,
+                progress=self._config.prefill_progress, constraints=constraints,
                 prepared=prepared.compacted if prepared is not None else None, adapter=self._config.adapter,
                 ropes=self._ropes if self._config.context_policy.shift else None,
-            )
+            ))
             if prepared is not None and turn.fit is not None and turn.fit.window == prepared.compacted:
                 self._conversation.cache = prepared.cache  # its compacted context is prefilled already
                 self._compactor.preparer.used()
