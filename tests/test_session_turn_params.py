@@ -2,8 +2,10 @@
 siblings apply to that turn only; the session's own settings (``config``) are unchanged (invariant 12)."""
 
 import asyncio
+import json
 
 from chatkit import ChatSession, GenerateParams, InvalidParamsError
+from chatkit.testing import Scripted
 
 import mlx.core as mx
 import pytest
@@ -100,3 +102,24 @@ def test_async_turns_take_them_too(tiny):
         return stream
     assert asyncio.run(streamed()).stats.generation_tokens <= 2
     assert session.respond("Once more.") and session.last_stats.generation_tokens == 8
+
+
+def test_every_round_of_a_tool_loop_uses_the_turns_own_options(tiny):
+    """The script that writes the tool call and the answer is this turn's processor, not the session's:
+    both rounds of the loop run with it."""
+    def get_weather(city: str) -> str:
+        """The weather of a city.
+
+        Args:
+            city: The city's name.
+        """
+        return "sunny"
+
+    lm = tiny(tokenizer="bpe-think")
+    session = ChatSession.builder(lm).tools([get_weather]).generate_params(GenerateParams(max_tokens=80)).build()
+    call = "<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}}) + "\n</tool_call>"
+    script = Scripted(lm.tokenizer, [f"<think>\nLook.\n</think>\n\n{call}", "Sunny."])
+    with session.stream_respond("Weather in Paris?", logits_processors=[script]) as stream:
+        list(stream)
+    assert stream.rounds == 2 and stream.text == "Sunny."
+    assert session.history[-2].content == "sunny" and not session.generate_params.logits_processors
