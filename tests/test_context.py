@@ -308,7 +308,7 @@ def test_async_turns_prepare_the_next_compaction_by_themselves(lm):
     stats = asyncio.run(chat())
     crossing = [s for s in stats if s.compacted]
     assert crossing and all(s.prefilled_tokens < 45 for s in crossing)  # every compaction was ready
-    assert len(calls) == len(crossing) + (1 if session._preparer.get(tuple(session.history), session._conversation.window) else 0)
+    assert len(calls) == len(crossing) + (1 if session._compactor.preparer.get(tuple(session.history), session._conversation.window) else 0)
 
 
 def test_a_pooled_session_prepares_its_next_compaction_in_the_background(lm, tmp_path):
@@ -333,11 +333,11 @@ def test_a_pooled_session_prepares_its_next_compaction_in_the_background(lm, tmp
     assert crossing and all(s.prefilled_tokens < 45 for s in crossing)  # every compaction was ready
     assert len(calls) >= len(crossing) and [m.content for m in session.history[::2]] == PROMPTS[:24]
     assert_answers_as_fresh(pool.session("a"), ["And now?", "And then?"])
-    assert pool.wait_idle(60) and session._preparer.get(tuple(session.history), session._conversation.window)
+    assert pool.wait_idle(60) and session._compactor.preparer.get(tuple(session.history), session._conversation.window)
     pool.enforce_budget()  # nothing to evict under the budget; with none, the prepared cache goes too
     pool._budget = 0
     assert pool.enforce_budget() == ["a"]
-    assert session._preparer.get(tuple(session.history), session._conversation.window) is None
+    assert session._compactor.preparer.get(tuple(session.history), session._conversation.window) is None
 
 
 def test_a_pooled_turn_that_comes_during_a_preparation_never_fails(lm, tmp_path):

@@ -86,7 +86,7 @@ class SessionPool:
                 builder = ChatSession.builder(self._lm).engine(self._engine)
                 session = (self._configure(builder) if self._configure else builder).build()
                 self._sessions[key] = session
-                session._between_turns = self._between.submit
+                session._compactor.between_turns = self._between.submit
             self._sessions.move_to_end(key)
             if key in self._evicted:
                 self._evicted.discard(key)
@@ -115,7 +115,7 @@ class SessionPool:
             if old is not None and old is not session and old.busy:
                 raise SessionBusyError(f"The session {key!r} is generating a reply: replace it once its stream is closed.")
             self._sessions[key] = session
-            session._between_turns = self._between.submit
+            session._compactor.between_turns = self._between.submit
             self._sessions.move_to_end(key)
             self._evicted.discard(key)  # the new session's cache is in memory; a saved file is stale
             self.enforce_budget(keep=key)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from typing_extensions import Unpack
@@ -18,25 +19,26 @@ from typing_extensions import Unpack
 from ..cache.prompt import PromptCache
 from ..cache.state import CacheInfo, CacheOptions, CacheState
 from ..decode.batch import BatchEngine
-from ..decode.speculative import SpeculativeConfig, check_cache_options
+from ..decode.speculative import SpeculativeConfig, check_cache_options, vocab_limit
 from ..errors import InvalidMessageError, InvalidParamsError, NoCacheAvailableError
-from ..messages import ChatMessage, MessageLike, Role, ToolCall, as_message, check_instructions
+from ..messages import ChatMessage, MessageLike, Role, ToolCall, check_instructions
 from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
 from ..model.switchable import activate
 from ..params import GenerateParams
 from ..tools import as_tools
-from ..tools.mcp import mcp_servers
 from . import saved
 from .aio import AsyncGuidedStream, AsyncResponseStream
-from .builder import ChatSessionBuilder, SessionSettings
+from .builder import ChatSessionBuilder
+from .config import SessionConfig
 from .context import ContextPolicy, system_text, window_size
 from .conversation import pending_calls
 from .core import SessionCore
-from .options import TurnKeywords, TurnOptions
+from .options import TurnKeywords, TurnOptions, checked_params, prompt_messages
 from .results import TurnStats
 from .streams import GuidedStream, ReplyStream, drain
 from .tool_loop import strict_grammar
+from .turn import fitted
 
 
 class ChatSession(SessionCore):
@@ -50,13 +52,21 @@ class ChatSession(SessionCore):
     @staticmethod
     def builder(model: LoadedModel | Any, tokenizer: Any = None) -> ChatSessionBuilder[ChatSession]:
         """Start building a session over a loaded model (``chatkit.load``) or a model and tokenizer."""
-        return ChatSessionBuilder(model, tokenizer, factory=ChatSession._from_settings)
+        return ChatSessionBuilder(model, tokenizer, factory=ChatSession._start)
 
 
     # -- conversation state -------------------------------------------------------------------
     @property
     def model(self) -> LoadedModel:
         return self._lm
+
+    @property
+    def config(self) -> SessionConfig:
+        """This session's settings, one frozen ``SessionConfig`` (its ``generate_params`` a copy: mutating it
+        changes nothing). The setters below (``instructions``, ``generate_params``, ...) replace it; a turn's
+        own ``params=`` never change it. ``ChatSession(lm, dataclasses.replace(session.config, ...))`` builds
+        a new session with changed settings."""
+        return replace(self._config, generate_params=self._config.generate_params.copy())
 
     @property
     def history(self) -> list[ChatMessage]:
@@ -66,36 +76,36 @@ class ChatSession(SessionCore):
     @property
     def instructions(self) -> str | None:
         """The system prompt, rendered at the start of every turn's prompt; ``None`` for none."""
-        return self._instructions
+        return self._config.instructions
 
     @instructions.setter
     def instructions(self, value: str | None) -> None:
         with self._gate.idle("change the instructions"):
-            self._instructions = check_instructions(value)
+            self._config = replace(self._config, instructions=check_instructions(value))
 
     @property
     def generate_params(self) -> GenerateParams:
         """The sampling settings; mutate them or assign new ones, they apply from the next turn."""
-        return self._params
+        return self._config.generate_params
 
     @generate_params.setter
     def generate_params(self, value: GenerateParams) -> None:
         if not isinstance(value, GenerateParams):
             raise InvalidParamsError(f"generate_params must be a GenerateParams, got {type(value).__name__}.")
-        self._params = value
+        self._config = replace(self._config, generate_params=value)
 
     @property
     def tools(self) -> list[dict[str, Any]] | None:
         """Tool JSON schemas passed to the chat template every turn (set functions or schema dicts)."""
-        return None if self._tools is None else [dict(t.schema) for t in self._tools]
+        return None if self._config.tools is None else [dict(t.schema) for t in self._config.tools]
 
     @tools.setter
     def tools(self, value: Sequence[Any] | None) -> None:
-        tools = as_tools(value, self._tool_options.timeout)
-        if self._tool_options.strict and tools is not None:
+        tools = as_tools(value, self._config.tool_options.timeout)
+        if self._config.tool_options.strict and tools is not None:
             strict_grammar(self._template.tokenizer, tools)  # raises before anything changes
         with self._gate.idle("change the tools"):
-            self._tools = tools
+            self._config = replace(self._config, tools=None if tools is None else tuple(tools))
 
     @property
     def pending_tool_calls(self) -> list[ToolCall]:
@@ -106,12 +116,12 @@ class ChatSession(SessionCore):
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """The draft model setup, when decoding is speculative."""
-        return self._speculative
+        return self._config.speculative
 
     @property
     def engine(self) -> BatchEngine | None:
         """The ``BatchEngine`` this session's turns are decoded by, if any."""
-        return self._engine
+        return self._config.engine
 
     @property
     def last_stats(self) -> TurnStats | None:
@@ -122,21 +132,21 @@ class ChatSession(SessionCore):
     def context_policy(self) -> ContextPolicy:
         """What a turn does when the conversation outgrows the window (``ContextPolicy``); applies from the
         next turn. The history always keeps every message."""
-        return self._policy
+        return self._config.context_policy
 
     @context_policy.setter
     def context_policy(self, policy: ContextPolicy) -> None:
         if not isinstance(policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(policy).__name__}.")
         ropes = self._shift_ropes(policy.checked(), self._conversation.cache.options)
-        self._policy, self._ropes = policy, ropes
+        self._config, self._ropes = replace(self._config, context_policy=policy.checked()), ropes
 
     @property
     def context(self) -> list[ChatMessage]:
         """What the model sees now: the system prompt (the instructions, then the summary of what a policy
         dropped) and the kept messages. A fresh session built from it answers as this one does."""
         window = self._conversation.window
-        system = system_text(self._instructions, window.summary)
+        system = system_text(self._config.instructions, window.summary)
         return [*([ChatMessage.system(system)] if system is not None else []), *window.visible(self.history)]
 
     @property
@@ -160,26 +170,39 @@ class ChatSession(SessionCore):
     def prompt_cache(self) -> PromptCache | None:
         """The prompt cache this session shares KV blocks through (by default its model's process-wide
         one: ``session.prompt_cache.usage()``), ``None`` when off. Set with ``builder.prompt_cache``."""
-        return self._prompt_cache
+        cache = self._config.prompt_cache
+        return cache if isinstance(cache, PromptCache) else None
 
     @property
     def token_count(self) -> int:
         """Tokens of the context as the model sees it now (what the cache holds after a turn)."""
         return self._conversation.cache.ledger.opaque + len(self._rendered_ids(self._conversation.window, self.history))
 
-    def count_tokens(self, prompt: str | MessageLike | Sequence[MessageLike]) -> int:
+    def count_tokens(self, prompt: str | MessageLike | Sequence[MessageLike], *, params: GenerateParams | None = None) -> int:
         """How many tokens ``prompt`` (a message, or a list of messages of any role: a history) would add
-        to the next prompt: ``token_count + count_tokens(m)`` is the next turn's prompt if it does not compact."""
+        to the next prompt: ``token_count + count_tokens(m)`` is the next turn's prompt if it does not
+        compact. ``params``: a turn's own settings (their template switches, e.g. ``thinking``, shape the
+        prompt); by default the session's. Nothing runs on the model."""
+        params = checked_params(params, self._config.generate_params, vocab_limit(self._lm, self._config.speculative))
+        history, window = self._conversation.messages, self._conversation.window
+        messages = prompt_messages(prompt, history, reads_images=self._lm.vision is not None, method="count_tokens")
+        before = self._rendered_ids(window, history, params)
+        return len(self._rendered_ids(window, [*history, *messages], params, add_generation_prompt=True)) - len(before)
+
+    def check_fits(self, prompt: str | MessageLike | Sequence[MessageLike], *, params: GenerateParams | None = None) -> None:
+        """Raise the ``ContextWindowExceededError`` that a turn sending ``prompt`` now would raise, before any
+        work: no prefill, no summary written, nothing changes; returns ``None`` when it fits. ``prompt`` is
+        what ``respond`` takes, or a list of messages (the earlier ones join the history first, e.g. the
+        other tool results of a reply; the last one is answered). ``params``: that turn's own settings (by
+        default the session's). Under a policy that compacts, what must fit is the instructions, the summary
+        so far and the exchange being answered."""
+        params = checked_params(params, self._config.generate_params, vocab_limit(self._lm, self._config.speculative))
         history = self._conversation.messages
-        if isinstance(prompt, (str, ChatMessage, Mapping)):
-            messages = [TurnOptions().message(prompt, history, reads_images=self._lm.vision is not None)]
-        elif isinstance(prompt, (list, tuple)):
-            messages = [ChatMessage.user(m) if isinstance(m, str) else as_message(m) for m in prompt]
-        else:
-            raise InvalidMessageError(f"count_tokens() takes a prompt, a message or a list of messages, got "
-                                      f"{type(prompt).__name__}.")
-        full = self._rendered_ids(self._conversation.window, [*history, *messages], add_generation_prompt=True)
-        return self._conversation.cache.ledger.opaque + len(full) - self.token_count
+        messages = prompt_messages(prompt, history, reads_images=self._lm.vision is not None, method="check_fits")
+        if not messages:
+            raise InvalidMessageError("check_fits() takes a prompt or a non-empty list of messages.")
+        fitted(self._fitter(params, summaries=False), self._conversation, [*history, *messages[:-1]], messages[-1],
+               params, self._context_length)
 
     def prepare_compaction(self) -> bool:
         """Prepare the next compaction now, between turns (e.g. while the user types): once the context is
@@ -189,7 +212,7 @@ class ChatSession(SessionCore):
         after they end. A turn that comes meanwhile waits for it or compacts without a new summary (the
         policy's ``fallback``); a change to the conversation makes the preparation stale (unused).
         ``SessionBusyError`` while a turn is open."""
-        return self._prepare_compaction()
+        return self._compactor.prepare()
 
     @property
     def busy(self) -> bool:
@@ -212,10 +235,11 @@ class ChatSession(SessionCore):
         if not isinstance(options, CacheOptions):
             raise InvalidParamsError(f"cache_options must be a CacheOptions, got {type(options).__name__}.")
         options.validate(self._lm.head_dim)
-        check_cache_options(self._speculative, options)
+        check_cache_options(self._config.speculative, options)
         with self._gate.idle("change the cache options"):
             if options != self.cache_options:
                 self._conversation = self._conversation.with_cache(self._new_cache(options))
+            self._config = replace(self._config, cache_options=options)
 
     # -- the adapter ----------------------------------------------------------------------------
     @property
@@ -223,7 +247,7 @@ class ChatSession(SessionCore):
         """The LoRA/DoRA adapter applied to this session's turns (``None``: the base model). Assigning
         one sets it at scale 1 (:meth:`set_adapter` for another scale) and, when it changes, drops the KV
         cache now: the next turn prefills the conversation again."""
-        return None if self._adapter is None else self._adapter.adapter
+        return None if self._config.adapter is None else self._config.adapter.adapter
 
     @adapter.setter
     def adapter(self, adapter: Adapter | None) -> None:
@@ -232,7 +256,7 @@ class ChatSession(SessionCore):
     @property
     def adapter_scale(self) -> float | None:
         """The scale the adapter is applied at (times its own), ``None`` without an adapter."""
-        return None if self._adapter is None else self._adapter.scale
+        return None if self._config.adapter is None else self._config.adapter.scale
 
     def set_adapter(self, adapter: Adapter | None, scale: float = 1.0) -> None:
         """Apply ``adapter`` at ``scale`` from the next turn on (``None``: the base model); the KV cache
@@ -240,11 +264,11 @@ class ChatSession(SessionCore):
         not fit the model; nothing changes then."""
         active = activate(self._lm, adapter, scale)
         with self._gate.idle("change the adapter"):
-            if (None if active is None else active.key) != (None if self._adapter is None else self._adapter.key):
+            if (None if active is None else active.key) != (None if self._config.adapter is None else self._config.adapter.key):
                 tool_format = self._tool_format_for(active)  # the adapter's tool-call format: raises before changes
-                self._preparer.wait()  # a compaction being prepared with the old adapter: let it end, then drop it
-                self._preparer.discard()
-                self._adapter = active
+                self._compactor.preparer.wait()  # a compaction being prepared with the old adapter: let it end, then drop it
+                self._compactor.preparer.discard()
+                self._config = replace(self._config, adapter=active)
                 if tool_format is not None:
                     self._template, self._strict = tool_format
                 self._conversation = self._conversation.with_cache(self._new_cache(self.cache_options))
@@ -258,7 +282,7 @@ class ChatSession(SessionCore):
         conversation again."""
         with self._gate.idle("release the cache"):
             self._conversation.cache.reset()
-            self._preparer.discard()
+            self._compactor.preparer.discard()
 
     def save_cache(self, path: str | os.PathLike[str], *, images: bool = False) -> int:
         """Save the KV cache with the conversation to ``path`` (a ``.safetensors`` file), atomically.
@@ -276,18 +300,16 @@ class ChatSession(SessionCore):
             if cache.empty or cache.layers is None:
                 raise NoCacheAvailableError("There is no KV cache to save yet: run a turn first.")
             c = self._conversation
-            context = saved.SavedContext(self._policy, c.window, c.earlier)
-            conversation = saved.SavedConversation(self._instructions, c.messages, self._params, None, context,
-                                                   tuple(mcp_servers(self._tools)))
+            conversation = saved.SavedConversation.of_session(self._config, c.messages, c.window, c.earlier)
             return saved.save(path, self._lm, cache.layers, cache.ledger, cache.checkpoints, conversation, cache.options,
-                              self._adapter, images=images)
+                              self._config.adapter, images=images)
 
     def restore_cache(self, path: str | os.PathLike[str]) -> None:
         """Put back the KV cache of a file this session's conversation was saved to (e.g. by a pool
         that evicted it), checked against the model's fingerprint. The conversation itself stays as
         it is: turns reuse as much of the restored cache as matches it."""
         with self._gate.idle("restore the cache"):
-            loaded = saved.load(self._lm, path, raw=False, adapter=self._adapter)
+            loaded = saved.load(self._lm, path, raw=False, adapter=self._config.adapter)
             # A draft's cache is not saved: it is refilled from the ledger at the next turn.
             self._use_cache(CacheState.restored(
                 self._lm.model, self.cache_options, loaded.layers, loaded.ledger, loaded.checkpoints, self._draft_model
@@ -309,12 +331,16 @@ class ChatSession(SessionCore):
         generated again, from the same results (no tool runs again, and a call in the new reply is not
         run). To redo the whole exchange, ``undo()`` then ``respond()`` the prompt again. After a tool
         loop that stopped once its tools ran (closed, or failed), it answers their results.
+
+        It samples with the session's own settings (``config.generate_params``): a turn's own ``params=`` /
+        ``logits_processors=`` are not remembered. To answer again with them, ``undo()`` then
+        ``respond(prompt, params=...)``.
         """
         return drain(self.stream_regenerate())
 
     def stream_regenerate(self) -> ReplyStream:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
-        strict = self._tool_options.strict and self._tools is not None
+        strict = self._config.tool_options.strict and self._config.tools is not None
         if self._runs_tools() and self._conversation.ends_with_tool_round():
             return self._open_turn(None, strict=strict)  # the history's last message, a tool result, is answered
         history = self._conversation.messages
@@ -326,7 +352,7 @@ class ChatSession(SessionCore):
             def render(message: ChatMessage) -> str:
                 return self._text([*history[:-2], message])
 
-            _, constraint = guide(prompt, self._template.tokenizer, render, **spec, include_schema=False, params=self._params)
+            _, constraint = guide(prompt, self._template.tokenizer, render, **spec, include_schema=False, params=self._config.generate_params)
             return GuidedStream(self._open_turn(None, regenerate=True, constraint=constraint), constraint)
         return self._open_turn(None, regenerate=True, strict=strict)
 
@@ -337,12 +363,7 @@ class ChatSession(SessionCore):
         without prefilling the past again.
         """
         with self._gate.idle("fork"):
-            other = ChatSession._from_settings(SessionSettings(
-                self._lm, self._instructions, (), self._params.copy(), self._template.template, self._tools,
-                self._tool_options, self.cache_options, self._progress, self._speculative,
-                self._template.allow_special_in_content, self._engine, self._policy, adapter=self._adapter,
-                prompt_cache=self._prompt_cache,
-            ))
+            other = ChatSession(self._lm, replace(self._config, generate_params=self._config.generate_params.copy()))
             other._conversation = self._conversation.copy()
             other._images = self._images.copy() if self._images is not None else None  # encoded images too
             other._template.continue_from(self._template)  # the prompt tokenized so far, too
@@ -372,17 +393,21 @@ class ChatSession(SessionCore):
         ``IncompleteOutputError`` if ``max_tokens`` cut it short); ``include_schema`` appends the spec's
         description to a text prompt. ``strict_tools=True`` (default: the builder's ``strict_tools``)
         constrains every tool call of every round to the tools' schemas; ``False`` turns that off for
-        this prompt. Every option is checked before anything changes (:class:`TurnOptions`).
+        this prompt. ``params=GenerateParams(...)`` samples this turn (every round of its tool loop) with
+        its own settings, ``logits_processors=[...]`` adds processors after them; the session's own
+        (``config``) stay as they were for the next turn. Every option is checked before anything changes
+        (:class:`TurnOptions`).
         """
         checked = TurnOptions.of(options)
         message = checked.message(prompt, self._conversation.messages, reads_images=self._lm.vision is not None)
-        if checked.strict_tools and self._tools is None:
+        if checked.strict_tools and self._config.tools is None:
             raise InvalidParamsError("strict_tools=True but the session has no tools: set them with builder.tools([...]).")
         if checked.guided:
             return self._guided_turn(message, checked)
-        strict = self._tool_options.strict if checked.strict_tools is None else checked.strict_tools
-        plain = self._open_turn(message) if self._tools is None and message.role is not Role.TOOL else None
-        opened = plain if plain is not None else self._tool_loop(message, strict=strict)
+        params = checked.turn_params(self._config.generate_params, vocab_limit(self._lm, self._config.speculative))
+        strict = self._config.tool_options.strict if checked.strict_tools is None else checked.strict_tools
+        plain = self._open_turn(message, params=params) if self._config.tools is None and message.role is not Role.TOOL else None
+        opened = plain if plain is not None else self._tool_loop(message, strict=strict, params=params)
         self._guided = None  # the last reply is not guided: regenerate() answers it freely, even to the same text
         return opened
 
@@ -392,7 +417,7 @@ class ChatSession(SessionCore):
         stop = threading.Event()  # stream_respond may still wait on the previous async turn's
         inner = self.stream_respond(prompt, **options)
         kind = AsyncGuidedStream if isinstance(inner, GuidedStream) else AsyncResponseStream
-        after = self._claim_preparation if self._policy.mode != "error" else None
+        after = self._compactor.claim if self._config.context_policy.mode != "error" else None
         stream = kind(inner, stop=stop, after=after)  # type: ignore[arg-type]
         self._gate.async_stop = stop
         return stream

@@ -85,6 +85,50 @@ class Prompting:
         return [*system, *messages]
 
 
+def fitted(fitter: Fitter, conversation: Conversation, base: Sequence[ChatMessage], message: ChatMessage,
+           params: GenerateParams, context_length: int | None, prepared: Window | None = None) -> tuple[Fit, int]:
+    """The prompt of ``message`` after ``base`` fitted into the conversation's window, and the tokens the
+    model sees (the cache's opaque prefix + the prompt): ``ContextWindowExceededError`` when it does not
+    fit. A turn's first step, and all of ``ChatSession.check_fits``."""
+    opaque = conversation.cache.ledger.opaque  # a restored raw cache stays in front
+    room = fitter.policy.room(params.max_tokens)
+    fit = fitter.fit(conversation.window, base, message, room=room, opaque=opaque, prepared=prepared)
+    needed = opaque + len(fit.prompt)
+    if context_length is not None and needed >= context_length:
+        raise ContextWindowExceededError(
+            f"The prompt is {needed} tokens but the model's context window is {context_length}: "
+            "shorten the conversation (e.g. clear(), or a context policy: builder.context_policy(...)).",
+            prompt_tokens=needed,
+            context_length=context_length,
+        )
+    return fit, needed
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """Everything one turn is made from (``Turn.prepare``): how the session renders (``prompting``) and
+    fits (``fitter``) the prompt, the ``conversation`` and the ``message`` it answers after ``base``, the
+    turn's sampling ``params`` (checked), the ``source`` that decodes it, ``settle`` (called once it ends),
+    and how its reply is read (``detokenizer``, ``eos_token_ids``)."""
+
+    prompting: Prompting
+    fitter: Fitter
+    conversation: Conversation
+    base: Sequence[ChatMessage]
+    message: ChatMessage
+    params: GenerateParams
+    source: TokenSource
+    settle: Callable[[TurnResult | None], None]
+    detokenizer: Any
+    eos_token_ids: frozenset[int]
+    context_length: int | None = None  # the window prompt and reply must fit (None: unknown)
+    progress: ProgressCallback | None = None
+    constraints: Sequence[LogitsProcessor] = ()  # applied last (strict tool calls)
+    prepared: Window | None = None  # a compaction made ahead, used when it fits
+    adapter: ActiveAdapter | None = None  # the session's adapter: part of what shapes this turn's KV
+    ropes: Sequence[Any] | None = None  # each cache layer's rotation when the policy shifts the cache
+
+
 @dataclass
 class Turn:
     """One prepared turn: answer ``message`` after ``base`` (see the module docstring)."""
@@ -115,44 +159,22 @@ class Turn:
     shifted: int = 0  # tokens a context shift dropped from the cache for this turn
 
     @classmethod
-    def prepare(
-        cls,
-        prompting: Prompting,
-        fitter: Fitter,
-        conversation: Conversation,
-        base: Sequence[ChatMessage],
-        message: ChatMessage,
-        params: GenerateParams,
-        *,
-        context_length: int | None,
-        prepared: Window | None = None,
-        **rest: Any,
-    ) -> Turn:
-        """Render the prompt through the conversation's window, compacted when the policy says (through
-        ``prepared``, a compaction made ahead, when it fits); check it: ``ContextWindowExceededError`` if
-        it does not fit."""
-        opaque = conversation.cache.ledger.opaque  # a restored raw cache stays in front
-        room = fitter.policy.room(params.max_tokens)
-        fit = fitter.fit(conversation.window, base, message, room=room, opaque=opaque, prepared=prepared)
-        prompt = fit.prompt
-        needed = opaque + len(prompt)
-        if context_length is not None and needed >= context_length:
-            raise ContextWindowExceededError(
-                f"The prompt is {needed} tokens but the model's context window is {context_length}: "
-                "shorten the conversation (e.g. clear(), or a context policy: builder.context_policy(...)).",
-                prompt_tokens=needed,
-                context_length=context_length,
-            )
-        room = params.max_tokens if context_length is None else min(params.max_tokens, context_length - needed)
+    def prepare(cls, r: TurnRequest) -> Turn:
+        """The turn factory: render the prompt through the conversation's window, compacted when the policy
+        says (through ``r.prepared``, a compaction made ahead, when it fits); check it:
+        ``ContextWindowExceededError`` if it does not fit."""
+        fit, needed = fitted(r.fitter, r.conversation, r.base, r.message, r.params, r.context_length, r.prepared)
+        prompt, prompting, params = fit.prompt, r.prompting, r.params
+        room = params.max_tokens if r.context_length is None else min(params.max_tokens, r.context_length - needed)
         segmenter = Segmenter(prompting.template.tokenizer, stop=params.stop, prompt=prompt, tools=prompting.tools)
         images: tuple[ImageSpan, ...] = ()
         if prompting.vision is not None:
-            shown = prompting.images(fit.window.visible([*base, message]))
+            shown = prompting.images(fit.window.visible([*r.base, r.message]))
             images = locate(prompt, shown, prompting.vision.placeholder, prompting.vision.ids, prompting.vision.layout)
         return cls(
-            conversation, base=tuple(base), message=message, params=params, prompt=prompt,
-            prompt_tokens=needed, max_tokens=room, stop=tuple(params.stop), segmenter=segmenter, fit=fit,
-            vision=prompting.vision, images=images, **rest,
+            r.conversation, r.source, tuple(r.base), r.message, params, prompt, needed, room, r.settle, r.progress,
+            r.detokenizer, r.eos_token_ids, segmenter, stop=tuple(params.stop), constraints=r.constraints, fit=fit,
+            adapter=r.adapter, vision=prompting.vision, images=images, ropes=r.ropes,
         )
 
     def start(self) -> tuple[int, Iterator[Token]]:
@@ -214,4 +236,4 @@ class Turn:
             self.progress(done, total)
 
 
-__all__ = ["Prompting", "Turn"]
+__all__ = ["Prompting", "Turn", "TurnRequest", "fitted"]
