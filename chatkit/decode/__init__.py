@@ -29,8 +29,6 @@ class TokenEvent:
     from_draft: bool = False
 
 
-Token = TokenEvent
-"""The older name of :class:`TokenEvent`."""
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -85,4 +83,4 @@ class TokenSource(Protocol):
         ...
 
 
-__all__ = ["DraftCount", "ProgressCallback", "Request", "Token", "TokenEvent", "TokenSource", "VisionInput"]
+__all__ = ["DraftCount", "ProgressCallback", "Request", "TokenEvent", "TokenSource", "VisionInput"]

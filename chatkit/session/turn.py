@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..cache.planner import Plan
-from ..decode import DraftCount, ProgressCallback, Request, Token, TokenSource
+from ..decode import DraftCount, ProgressCallback, Request, TokenEvent, TokenSource
 from ..errors import ContextWindowExceededError, InvalidMessageError
 from ..images import Image, ImageSpan
 from ..messages import ChatMessage
@@ -177,7 +177,7 @@ class Turn:
             adapter=r.adapter, vision=prompting.vision, images=images, ropes=r.ropes,
         )
 
-    def start(self) -> tuple[int, Iterator[Token]]:
+    def start(self) -> tuple[int, Iterator[TokenEvent]]:
         """Plan reuse, then prefill and generate through the token source; (tokens prefilled, tokens)."""
         if self.params.seed is not None:
             mx.random.seed(self.params.seed)
