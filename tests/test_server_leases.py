@@ -35,17 +35,17 @@ def with_app(lm, scenario):
 
 
 def test_a_handler_failing_after_it_opened_the_turn_frees_the_slot(lm, monkeypatch):
-    from chatkit.server import chat_completions
+    from chatkit.server import turns
 
-    real = chat_completions.new_id
+    real = turns.new_id
 
     def failing(prefix):
         raise RuntimeError("boom")
 
     async def scenario(app, client):
-        monkeypatch.setattr(chat_completions, "new_id", failing)
+        monkeypatch.setattr(turns, "new_id", failing)
         failed = await client.post("/v1/chat/completions", json=BODY)
-        monkeypatch.setattr(chat_completions, "new_id", real)
+        monkeypatch.setattr(turns, "new_id", real)
         after = await client.post("/v1/chat/completions", json=BODY)
         return failed.status_code, after.status_code
 

@@ -57,9 +57,4 @@ JSON_MEMO = 2048
 _remembered_json = functools.lru_cache(maxsize=JSON_MEMO)(_to_json)
 
 
-def conversation_key(instructions: str | None, history: Sequence[ChatMessage], tools: Tools = None) -> str:
-    """The index key of a conversation: a hash of its instructions, tools and messages."""
-    return prefix_keys(instructions, history, tools)[-1]
-
-
-__all__ = ["Tools", "conversation_key", "message_json", "prefix_keys"]
+__all__ = ["Tools", "message_json", "prefix_keys"]

@@ -6,6 +6,7 @@ import weakref
 from dataclasses import dataclass
 
 from ..messages import ChatMessage, Role
+from ..params import GenerateParams
 from ..session.aio import AsyncResponseStream
 from ..session.session import ChatSession
 
@@ -50,4 +51,14 @@ class Lease:
                 "summary_tokens": stats.summary_tokens}
 
 
-__all__ = ["Lease"]
+def sample_with(session: ChatSession, params: GenerateParams, choice: int = 0) -> None:
+    """The one place the server applies a request's sampling (``params``: the request's, with its tool
+    choice's bias and constraint) to the pooled session its turn runs on (on the worker thread, before
+    the turn opens). ``choice``: chat completions' ``n``: with a ``seed``, choice ``i`` samples with
+    ``seed + i``."""
+    if choice and params.seed is not None:
+        params = params.copy(seed=(params.seed + choice) % 2**64)
+    session.generate_params = params
+
+
+__all__ = ["Lease", "sample_with"]

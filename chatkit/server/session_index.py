@@ -43,7 +43,7 @@ from ..session.pool import SessionPool
 from ..session.session import ChatSession
 from . import manifest, trace
 from .keys import Tools, message_json, prefix_keys
-from .lease import Lease
+from .lease import Lease, sample_with
 from .write_behind import Job, WriteBehind
 
 log = logging.getLogger("chatkit.server")
@@ -82,8 +82,8 @@ class SessionIndex:
         self._folder = Path(folder)
         self.pool = SessionPool(lm, folder=self._folder / "caches", max_cache_bytes=max_cache_bytes, engine=engine)
         self._max = max_conversations
-        self._index: dict[str, str] = {}  # conversation_key -> pool key
-        self._key_of: dict[str, str] = {}  # pool key -> its conversation_key
+        self._index: dict[str, str] = {}  # a conversation's key -> pool key
+        self._key_of: dict[str, str] = {}  # pool key -> its conversation's key
         self._prefixes: dict[str, str] = {}  # a prefix's key -> a pool key whose conversation starts so
         self._chain_of: dict[str, list[str]] = {}  # pool key -> its prefix keys
         self._tools: dict[str, tuple[Mapping[str, Any], ...]] = {}  # pool key -> its tools, when it has some
@@ -134,7 +134,7 @@ class SessionIndex:
                 trace.stamp("session")
                 if tools or added[-1].role is Role.TOOL:
                     self._check_fits(session, added[-1])
-                session.generate_params = params
+                sample_with(session, params)
                 return session, len(session.history), session.astream_respond(added[-1], **extra)
 
             try:
@@ -198,7 +198,7 @@ class SessionIndex:
         that is built for it and dropped: no cache work, no conversation touched."""
         def count() -> int:
             session = self._build(instructions, (*history, *added[:-1]), tuple(tools) if tools else None)
-            session.generate_params = params
+            sample_with(session, params)
             return session.token_count + session.count_tokens(added[-1])
         return await self._run(count)
 
@@ -441,9 +441,12 @@ class SessionIndex:
         if self._behind is not None:
             await self._behind.wait(conv)
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the worker thread, in this request's context (its trace, ``trace.py``)."""
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the index's worker thread (the one that does all of the server's blocking
+        MLX work, in the order it is asked for), in this request's context (its trace, ``trace.py``)."""
         return await asyncio.get_running_loop().run_in_executor(self._io, contextvars.copy_context().run, fn, *args)
+
+    _run = run
 
 
 __all__ = ["SessionIndex"]
