@@ -13,6 +13,7 @@ from typing import Any, TypedDict
 from ..errors import InvalidMessageError, InvalidOutputSpecError, InvalidParamsError
 from ..images import images_refused
 from ..messages import ChatMessage, MessageLike, Role, ToolCall, as_message
+from ..params import GenerateParams
 from .conversation import pending_calls
 
 
@@ -108,6 +109,27 @@ class TurnOptions:
         return message
 
 
+def prompt_messages(prompt: str | MessageLike | Sequence[MessageLike], history: Sequence[ChatMessage], *,
+                    reads_images: bool, method: str) -> list[ChatMessage]:
+    """The messages ``prompt`` adds after ``history``: one prompt or message (checked as a turn checks it),
+    or a list of messages of any role (the last is the one a turn would answer)."""
+    if isinstance(prompt, (str, ChatMessage, Mapping)):
+        return [TurnOptions().message(prompt, history, reads_images=reads_images)]
+    if isinstance(prompt, (list, tuple)):
+        return [ChatMessage.user(m) if isinstance(m, str) else as_message(m) for m in prompt]
+    raise InvalidMessageError(f"{method}() takes a prompt, a message or a list of messages, got {type(prompt).__name__}.")
+
+
+def checked_params(params: GenerateParams | None, default: GenerateParams, vocab_size: int | None) -> GenerateParams:
+    """A turn's own sampling settings (``None``: the session's, ``default``), checked before any work."""
+    if params is None:
+        return default
+    if not isinstance(params, GenerateParams):
+        raise InvalidParamsError(f"params= takes a chatkit.GenerateParams, got {type(params).__name__}.")
+    params.validate(vocab_size)
+    return params
+
+
 def _answering(message: ChatMessage, pending: list[ToolCall]) -> ChatMessage:
     """A tool result with the id and name of the call it answers (the only pending call, if not given)."""
     if message.tool_call_id is None:
@@ -127,4 +149,4 @@ def _answering(message: ChatMessage, pending: list[ToolCall]) -> ChatMessage:
     return replace(message, name=message.name or call.name)
 
 
-__all__ = ["TurnKeywords", "TurnOptions"]
+__all__ = ["TurnKeywords", "TurnOptions", "checked_params", "prompt_messages"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from typing_extensions import Unpack
@@ -18,9 +18,9 @@ from typing_extensions import Unpack
 from ..cache.prompt import PromptCache
 from ..cache.state import CacheInfo, CacheOptions, CacheState
 from ..decode.batch import BatchEngine
-from ..decode.speculative import SpeculativeConfig, check_cache_options
+from ..decode.speculative import SpeculativeConfig, check_cache_options, vocab_limit
 from ..errors import InvalidMessageError, InvalidParamsError, NoCacheAvailableError
-from ..messages import ChatMessage, MessageLike, Role, ToolCall, as_message, check_instructions
+from ..messages import ChatMessage, MessageLike, Role, ToolCall, check_instructions
 from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
 from ..model.switchable import activate
@@ -33,10 +33,11 @@ from .builder import ChatSessionBuilder, SessionSettings
 from .context import ContextPolicy, system_text, window_size
 from .conversation import pending_calls
 from .core import SessionCore
-from .options import TurnKeywords, TurnOptions
+from .options import TurnKeywords, TurnOptions, checked_params, prompt_messages
 from .results import TurnStats
 from .streams import GuidedStream, ReplyStream, drain
 from .tool_loop import strict_grammar
+from .turn import fitted
 
 
 class ChatSession(SessionCore):
@@ -167,19 +168,31 @@ class ChatSession(SessionCore):
         """Tokens of the context as the model sees it now (what the cache holds after a turn)."""
         return self._conversation.cache.ledger.opaque + len(self._rendered_ids(self._conversation.window, self.history))
 
-    def count_tokens(self, prompt: str | MessageLike | Sequence[MessageLike]) -> int:
+    def count_tokens(self, prompt: str | MessageLike | Sequence[MessageLike], *, params: GenerateParams | None = None) -> int:
         """How many tokens ``prompt`` (a message, or a list of messages of any role: a history) would add
-        to the next prompt: ``token_count + count_tokens(m)`` is the next turn's prompt if it does not compact."""
+        to the next prompt: ``token_count + count_tokens(m)`` is the next turn's prompt if it does not
+        compact. ``params``: a turn's own settings (their template switches, e.g. ``thinking``, shape the
+        prompt); by default the session's. Nothing runs on the model."""
+        params = checked_params(params, self._params, vocab_limit(self._lm, self._speculative))
+        history, window = self._conversation.messages, self._conversation.window
+        messages = prompt_messages(prompt, history, reads_images=self._lm.vision is not None, method="count_tokens")
+        before = self._rendered_ids(window, history, params)
+        return len(self._rendered_ids(window, [*history, *messages], params, add_generation_prompt=True)) - len(before)
+
+    def check_fits(self, prompt: str | MessageLike | Sequence[MessageLike], *, params: GenerateParams | None = None) -> None:
+        """Raise the ``ContextWindowExceededError`` that a turn sending ``prompt`` now would raise, before any
+        work: no prefill, no summary written, nothing changes; returns ``None`` when it fits. ``prompt`` is
+        what ``respond`` takes, or a list of messages (the earlier ones join the history first, e.g. the
+        other tool results of a reply; the last one is answered). ``params``: that turn's own settings (by
+        default the session's). Under a policy that compacts, what must fit is the instructions, the summary
+        so far and the exchange being answered."""
+        params = checked_params(params, self._params, vocab_limit(self._lm, self._speculative))
         history = self._conversation.messages
-        if isinstance(prompt, (str, ChatMessage, Mapping)):
-            messages = [TurnOptions().message(prompt, history, reads_images=self._lm.vision is not None)]
-        elif isinstance(prompt, (list, tuple)):
-            messages = [ChatMessage.user(m) if isinstance(m, str) else as_message(m) for m in prompt]
-        else:
-            raise InvalidMessageError(f"count_tokens() takes a prompt, a message or a list of messages, got "
-                                      f"{type(prompt).__name__}.")
-        full = self._rendered_ids(self._conversation.window, [*history, *messages], add_generation_prompt=True)
-        return self._conversation.cache.ledger.opaque + len(full) - self.token_count
+        messages = prompt_messages(prompt, history, reads_images=self._lm.vision is not None, method="check_fits")
+        if not messages:
+            raise InvalidMessageError("check_fits() takes a prompt or a non-empty list of messages.")
+        fitted(self._fitter(params, summaries=False), self._conversation, [*history, *messages[:-1]], messages[-1],
+               params, self._context_length)
 
     def prepare_compaction(self) -> bool:
         """Prepare the next compaction now, between turns (e.g. while the user types): once the context is

@@ -85,6 +85,25 @@ class Prompting:
         return [*system, *messages]
 
 
+def fitted(fitter: Fitter, conversation: Conversation, base: Sequence[ChatMessage], message: ChatMessage,
+           params: GenerateParams, context_length: int | None, prepared: Window | None = None) -> tuple[Fit, int]:
+    """The prompt of ``message`` after ``base`` fitted into the conversation's window, and the tokens the
+    model sees (the cache's opaque prefix + the prompt): ``ContextWindowExceededError`` when it does not
+    fit. A turn's first step, and all of ``ChatSession.check_fits``."""
+    opaque = conversation.cache.ledger.opaque  # a restored raw cache stays in front
+    room = fitter.policy.room(params.max_tokens)
+    fit = fitter.fit(conversation.window, base, message, room=room, opaque=opaque, prepared=prepared)
+    needed = opaque + len(fit.prompt)
+    if context_length is not None and needed >= context_length:
+        raise ContextWindowExceededError(
+            f"The prompt is {needed} tokens but the model's context window is {context_length}: "
+            "shorten the conversation (e.g. clear(), or a context policy: builder.context_policy(...)).",
+            prompt_tokens=needed,
+            context_length=context_length,
+        )
+    return fit, needed
+
+
 @dataclass
 class Turn:
     """One prepared turn: answer ``message`` after ``base`` (see the module docstring)."""
@@ -131,18 +150,8 @@ class Turn:
         """Render the prompt through the conversation's window, compacted when the policy says (through
         ``prepared``, a compaction made ahead, when it fits); check it: ``ContextWindowExceededError`` if
         it does not fit."""
-        opaque = conversation.cache.ledger.opaque  # a restored raw cache stays in front
-        room = fitter.policy.room(params.max_tokens)
-        fit = fitter.fit(conversation.window, base, message, room=room, opaque=opaque, prepared=prepared)
+        fit, needed = fitted(fitter, conversation, base, message, params, context_length, prepared)
         prompt = fit.prompt
-        needed = opaque + len(prompt)
-        if context_length is not None and needed >= context_length:
-            raise ContextWindowExceededError(
-                f"The prompt is {needed} tokens but the model's context window is {context_length}: "
-                "shorten the conversation (e.g. clear(), or a context policy: builder.context_policy(...)).",
-                prompt_tokens=needed,
-                context_length=context_length,
-            )
         room = params.max_tokens if context_length is None else min(params.max_tokens, context_length - needed)
         segmenter = Segmenter(prompting.template.tokenizer, stop=params.stop, prompt=prompt, tools=prompting.tools)
         images: tuple[ImageSpan, ...] = ()
@@ -217,4 +226,4 @@ class Turn:
             self.progress(done, total)
 
 
-__all__ = ["Prompting", "Turn"]
+__all__ = ["Prompting", "Turn", "fitted"]
