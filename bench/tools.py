@@ -225,7 +225,7 @@ def mcp_case(lm):
     call = ToolCall("c1", "calculate", {"expression": "25 + 30"})
 
     def call_of(s):
-        tools = s._tools
+        tools = list(s.config.tools)
 
         def run():
             t0 = time.perf_counter()

@@ -12,6 +12,7 @@ The whole public API is here (``chatkit.X``); submodules are implementation::
     session.save_cache(path); builder.cache(path)       persistence (inspect_cache -> CacheFileInfo)
     ChatMessage, Role, ToolCall                         messages (reasoning and tool calls apart)
     GenerateParams, CacheOptions, SpeculativeConfig     settings;  TurnStats, CacheInfo: what it cost
+    SessionConfig                                       a session's settings, one frozen value (session.config)
     SessionPool                                         many sessions over one model, a memory budget
     BatchEngine(lm, max_batch=16); builder.engine(e)    concurrent sessions' turns decoded together
     PromptCache(folder, ram_bytes=, disk_bytes=)        KV blocks shared by every session (builder.prompt_cache)
@@ -64,6 +65,7 @@ from .model.loaded import LoadedModel
 from .params import GenerateParams
 from .session.aio import AsyncResponseStream
 from .session.builder import ChatSessionBuilder
+from .session.config import SessionConfig
 from .session.context import ContextPolicy
 from .session.pool import SessionPool
 from .session.results import StreamChunk, TurnStats
@@ -110,6 +112,7 @@ __all__ = [
     "ResponseStream",
     "Role",
     "SessionBusyError",
+    "SessionConfig",
     "SessionPool",
     "SpeculativeCacheRestoreError",
     "SummaryError",

@@ -11,6 +11,7 @@ PUBLIC = {
     # messages and settings
     "ChatMessage", "Role", "ToolCall", "GenerateParams", "CacheOptions", "CacheInfo", "SpeculativeConfig",
     "ContextPolicy",  # conversations that outlive the context window
+    "SessionConfig",  # a session's settings, one frozen value (session.config)
     "load_adapter", "Adapter",  # LoRA/DoRA adapters per session (docs/adapters.md)
     "MCPServer", "MCPServerError",  # tools from MCP servers (docs/tools.md)
     # persistence

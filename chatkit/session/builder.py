@@ -1,15 +1,16 @@
 """``ChatSessionBuilder``: a session's settings, checked at ``build()``, including a cache to restore.
 
 The builder knows the session only through the factory ``ChatSession.builder`` hands it: it collects
-:class:`SessionSettings` (plain data) and the factory makes the session from them.
+:class:`~chatkit.SessionConfig` (one frozen value) with the history (and a cache to restore), and the factory
+makes the session from them.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
-from typing import Any, Generic, TypeVar
+from dataclasses import asdict, fields, replace
+from typing import Any, Generic, TypeVar, cast
 
 from ..cache.prompt import PromptCache
 from ..cache.state import CacheOptions, CacheState
@@ -26,36 +27,11 @@ from ..text.template import read_template
 from ..tools import as_tools
 from ..tools.options import DEFAULT_MAX_TOOL_ROUNDS, DEFAULT_TOOL_TIMEOUT, ToolOptions
 from . import saved
+from .config import SessionConfig
 from .context import ContextPolicy, Window
 from .tool_loop import strict_grammar
 
 S = TypeVar("S")
-
-
-@dataclass(frozen=True)
-class SessionSettings:
-    """Everything a session is made from: what a builder collected and checked (``cache``: a restored
-    cache to start from)."""
-
-    lm: LoadedModel
-    instructions: str | None = None
-    history: tuple[ChatMessage, ...] = ()
-    generate_params: GenerateParams | None = None
-    chat_template: str | None = None
-    tools: Sequence[Any] | None = None
-    tool_options: ToolOptions = ToolOptions()
-    cache_options: CacheOptions = CacheOptions()
-    prefill_progress: ProgressCallback | None = None
-    speculative: SpeculativeConfig | None = None
-    allow_special_in_content: bool = False
-    engine: Any = None
-    context_policy: ContextPolicy = ContextPolicy()
-    cache: CacheState | None = None
-    window: Window = Window()  # what the model sees of ``history`` (a restored context policy's window)
-    earlier: tuple[tuple[int, Window], ...] = ()
-    adapter: ActiveAdapter | None = None  # the LoRA adapter applied to the model, checked and installed
-    prompt_cache: PromptCache | None | str = "default"  # "default": the model's process-wide one
-    max_kv_bytes: int | None = None  # the KV cache's budget: the window becomes the tokens that fit
 
 
 def tool_tokenizer(lm: LoadedModel, adapter: ActiveAdapter | None) -> Any:
@@ -94,31 +70,32 @@ class ChatSessionBuilder(Generic[S]):
     over that ``LoadedModel`` makes a session that runs in lockstep on every rank (docs/distributed.md).
     """
 
-    def __init__(self, model: LoadedModel | Any, tokenizer: Any = None, *, factory: Callable[[SessionSettings], S]) -> None:
-        """Prefer ``ChatSession.builder(model)``, which hands the builder its factory."""
+    def __init__(self, model: LoadedModel | Any, tokenizer: Any = None, *, factory: Callable[..., S]) -> None:
+        """Prefer ``ChatSession.builder(model)``, which hands the builder its factory (``ChatSession._start``)."""
         self._factory = factory
         self._lm = _as_loaded(model, tokenizer)
-        self._instructions: str | None = None
+        self._config = SessionConfig()
+        self._given: set[str] = set()  # settings given here (a restored file's give way to them)
         self._history: list[ChatMessage] = []
-        self._params: GenerateParams | None = None
-        self._template: str | None = None
-        self._tools: Sequence[Any] | None = None
-        self._tool_options = ToolOptions()
         self._cache_options: dict[str, Any] = {}
-        self._progress: ProgressCallback | None = None
         self._restore: tuple[Any, bool] | None = None
-        self._speculative: SpeculativeConfig | None = None
-        self._allow_special = False
-        self._engine: Any = None
-        self._max_kv_bytes: int | None = None
-        self._context_policy: ContextPolicy | None = None  # None: the default, or a restored file's
-        self._adapter: ActiveAdapter | None = None
-        self._prompt_cache: PromptCache | None | str = "default"
+
+    def _set(self, **settings: Any) -> ChatSessionBuilder[S]:
+        self._config = replace(self._config, **settings)
+        self._given.update(settings)
+        return self
+
+    def config(self, config: SessionConfig) -> ChatSessionBuilder[S]:
+        """Start from ``config`` (e.g. another session's ``session.config``): every setting at once; the
+        methods called after it change single settings."""
+        if not isinstance(config, SessionConfig):
+            raise InvalidParamsError(f"config() takes a chatkit.SessionConfig, got {type(config).__name__}.")
+        self._cache_options = asdict(config.cache_options)
+        return self._set(**{f.name: getattr(config, f.name) for f in fields(config)})
 
     def instructions(self, text: str | None) -> ChatSessionBuilder[S]:
         """The system prompt."""
-        self._instructions = check_instructions(text)
-        return self
+        return self._set(instructions=check_instructions(text))
 
     def history(self, messages: Iterable[MessageLike]) -> ChatSessionBuilder[S]:
         """Earlier messages to continue from. A leading system message becomes the instructions."""
@@ -128,13 +105,11 @@ class ChatSessionBuilder(Generic[S]):
     def generate_params(self, params: GenerateParams) -> ChatSessionBuilder[S]:
         if not isinstance(params, GenerateParams):
             raise InvalidParamsError(f"generate_params takes a GenerateParams, got {type(params).__name__}.")
-        self._params = params
-        return self
+        return self._set(generate_params=params)
 
     def chat_template(self, template: str | os.PathLike[str]) -> ChatSessionBuilder[S]:
         """Use this jinja template (its text or a file path) instead of the tokenizer's own."""
-        self._template = read_template(template)
-        return self
+        return self._set(chat_template=read_template(template))
 
     def tools(
         self,
@@ -174,9 +149,8 @@ class ChatSessionBuilder(Generic[S]):
         options.validate()
         checked = as_tools(tools, options.timeout)  # an MCPServer's tools listed within the tool timeout
         if strict_tools and checked is not None:
-            strict_grammar(tool_tokenizer(self._lm, self._adapter), checked)
-        self._tools, self._tool_options = checked, options
-        return self
+            strict_grammar(tool_tokenizer(self._lm, self._config.adapter), checked)
+        return self._set(tools=None if checked is None else tuple(checked), tool_options=options)
 
     def max_kv_size(self, tokens: int | None) -> ChatSessionBuilder[S]:
         """Keep at most this many tokens in a rotating KV cache."""
@@ -188,8 +162,7 @@ class ChatSessionBuilder(Generic[S]):
         (``kv_bytes_per_token``, never more than the model's), and the context policy works at that window."""
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise InvalidParamsError(f"max_kv_bytes({n!r}): use an int of bytes >= 1, or None.")
-        self._max_kv_bytes = n
-        return self
+        return self._set(max_kv_bytes=n)
 
     def kv_bits(self, bits: int | None, *, group_size: int = 64, start: int = 0) -> ChatSessionBuilder[S]:
         """Quantize the KV cache to ``bits`` once it holds ``start`` tokens."""
@@ -202,8 +175,7 @@ class ChatSessionBuilder(Generic[S]):
         only). See docs/caching.md."""
         if cache is not None and not isinstance(cache, PromptCache):
             raise InvalidParamsError(f"prompt_cache() takes a chatkit.PromptCache or None, got {type(cache).__name__}.")
-        self._prompt_cache = cache
-        return self
+        return self._set(prompt_cache=cache)
 
     def prefill_step_size(self, tokens: int) -> ChatSessionBuilder[S]:
         """Process prompts in chunks of this many tokens."""
@@ -214,8 +186,7 @@ class ChatSessionBuilder(Generic[S]):
         """Called as ``callback(done, total)`` while a prompt is prefilled."""
         if callback is not None and not callable(callback):
             raise InvalidParamsError(f"prefill_progress() takes a callable (done, total) or None, got {type(callback).__name__}.")
-        self._progress = callback
-        return self
+        return self._set(prefill_progress=callback)
 
     def cache(self, source: str | os.PathLike[str] | Sequence[Any], *, verify: bool = True) -> ChatSessionBuilder[S]:
         """Restore a saved cache: a file from ``save_cache`` (conversation and cache) or a raw mlx-lm
@@ -239,8 +210,7 @@ class ChatSessionBuilder(Generic[S]):
         :meth:`cache`; prompt lookup can."""
         if config is not None and not isinstance(config, SpeculativeConfig):
             raise InvalidParamsError(f"speculative() takes a SpeculativeConfig, got {type(config).__name__}.")
-        self._speculative = config
-        return self
+        return self._set(speculative=config)
 
     def allow_special_in_content(self, allow: bool = True) -> ChatSessionBuilder[S]:
         """Read special-token strings inside message content as the special tokens they name.
@@ -250,22 +220,19 @@ class ChatSessionBuilder(Generic[S]):
         """
         if not isinstance(allow, bool):
             raise InvalidParamsError(f"allow_special_in_content takes a bool, got {type(allow).__name__}.")
-        self._allow_special = allow
-        return self
+        return self._set(allow_special_in_content=allow)
 
     def engine(self, engine: Any) -> ChatSessionBuilder[S]:
         """Decode this session's turns on a shared ``chatkit.BatchEngine`` (built over the same model),
         together with the other sessions' turns running at the same time; ``None``: alone."""
-        self._engine = engine
-        return self
+        return self._set(engine=engine)
 
     def context_policy(self, policy: ContextPolicy) -> ChatSessionBuilder[S]:
         """What a turn does when the conversation outgrows the context window (``chatkit.ContextPolicy``:
         ``error()``, the default, ``rolling(...)`` or ``summarize(...)``). The history keeps every message."""
         if not isinstance(policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy() takes a chatkit.ContextPolicy, got {type(policy).__name__}.")
-        self._context_policy = policy.checked()
-        return self
+        return self._set(context_policy=policy.checked())
 
     def adapter(self, adapter: Adapter | None, scale: float = 1.0) -> ChatSessionBuilder[S]:
         """Apply a LoRA/DoRA adapter (``chatkit.load_adapter(path)``) to this session's turns, at ``scale``
@@ -275,62 +242,57 @@ class ChatSessionBuilder(Generic[S]):
         it was trained to write (``Adapter.tool_parser_type``) makes the session read its calls in that
         format. See docs/adapters.md."""
         active = activate(self._lm, adapter, scale)
-        if self._tool_options.strict and self._tools is not None:
-            strict_grammar(tool_tokenizer(self._lm, active), self._tools)  # the adapter's tool-call format
-        self._adapter = active
-        return self
+        if self._config.tool_options.strict and self._config.tools is not None:
+            strict_grammar(tool_tokenizer(self._lm, active), self._config.tools)  # the adapter's tool-call format
+        return self._set(adapter=active)
 
     def build(self) -> S:
         """Check the settings (and load the cache to restore) and return the session."""
-        instructions, history = self._instructions, list(self._history)
+        config, history = self._config, list(self._history)
         if history and history[0].role is Role.SYSTEM:
-            if instructions is not None:
+            if config.instructions is not None:
                 raise InvalidMessageError(
                     "Both instructions() and a leading system message in history(): give the system prompt once."
                 )
-            instructions, history = history[0].content, history[1:]
-        if self._speculative is not None and self._speculative.draft_model is not None and self._restore is not None:
+            config, history = replace(config, instructions=history[0].content), history[1:]
+        speculative = config.speculative
+        if speculative is not None and speculative.draft_model is not None and self._restore is not None:
             # A draft model's cache is not in the file and cannot be rebuilt for a raw cache's opaque
             # prefix; prompt lookup has no cache of its own, so it restores like standard decoding.
             raise SpeculativeCacheRestoreError(
                 "Speculative decoding with a draft model cannot start from a restored cache: drop "
                 ".speculative(...) or .cache(...), or use SpeculativeConfig(draft=\"prompt_lookup\")."
             )
-        if self._speculative is not None:
-            check_draft(self._lm, self._speculative)
+        if speculative is not None:
+            check_draft(self._lm, speculative)
         options = CacheOptions(**self._cache_options)
         options.validate(self._lm.head_dim)
-        params = self._params.copy() if self._params is not None else None
-        if params is not None:
-            params.validate()
-        settings = SessionSettings(
-            self._lm, instructions, tuple(history), params, self._template, self._tools, self._tool_options, options,
-            self._progress, self._speculative, self._allow_special, self._engine, self._context_policy or ContextPolicy(),
-            adapter=self._adapter, prompt_cache=self._prompt_cache, max_kv_bytes=self._max_kv_bytes,
-        )
-        return self._factory(settings if self._restore is None else self._restored(settings))
+        config.generate_params.validate()
+        config = replace(config, cache_options=options, generate_params=config.generate_params.copy())
+        if self._restore is None:
+            return self._factory(self._lm, config, history)
+        return self._factory(self._lm, *self._restored(config, history))
 
-    def _restored(self, settings: SessionSettings) -> SessionSettings:
-        """``settings`` with the cache to restore, and the file's conversation and settings where the
-        builder was given none (the builder's win: the transcript is the truth, the cache only saves work)."""
+    def _restored(self, config: SessionConfig, history: list[ChatMessage]) -> tuple[Any, ...]:
+        """(config, history, the cache to restore, window, earlier windows): the file's conversation and
+        settings where the builder was given none (the builder's win: the transcript is the truth, the
+        cache only saves work)."""
         source, verify = self._restore  # type: ignore[misc]
-        loaded = saved.load(self._lm, source, verify=verify, adapter=self._adapter)
-        options = settings.cache_options
+        loaded = saved.load(self._lm, source, verify=verify, adapter=config.adapter)
+        window, earlier = Window(), cast(tuple[tuple[int, Window], ...], ())
         if loaded.info.kind == "chatkit":
             conversation = saved.SavedConversation.of(loaded.info)
-            if self._instructions is None and not self._history:
-                settings = replace(settings, instructions=conversation.instructions)
-            if not self._history:
-                context = conversation.context
-                settings = replace(settings, history=conversation.messages, window=context.window,
-                                   earlier=context.earlier)
-                if self._context_policy is None and context.policy is not None:
-                    settings = replace(settings, context_policy=context.policy)
-            if settings.generate_params is None and conversation.generate_params is not None:
-                settings = replace(settings, generate_params=conversation.generate_params)
-            options = self._saved_options(conversation.cache_options, options)
-        cache = CacheState.restored(self._lm.model, options, loaded.layers, loaded.ledger, loaded.checkpoints)
-        return replace(settings, cache_options=options, cache=cache)
+            keep: set[str] = {name for name in ("generate_params", "context_policy") if name in self._given}
+            if self._history:  # (a leading system message in it gave the instructions)
+                keep |= {"instructions", "history", "context_policy"}
+            elif self._config.instructions is not None:
+                keep.add("instructions")
+            config = conversation.onto(config, keep)
+            if "history" not in keep:
+                history, window, earlier = list(conversation.messages), conversation.context.window, conversation.context.earlier
+            config = replace(config, cache_options=self._saved_options(conversation.cache_options, config.cache_options))
+        cache = CacheState.restored(self._lm.model, config.cache_options, loaded.layers, loaded.ledger, loaded.checkpoints)
+        return config, history, cache, window, earlier
 
     def _saved_options(self, saved_options: Any, options: CacheOptions) -> CacheOptions:
         """The file's cache options under the builder's; a rotating cache keeps its window."""
@@ -354,4 +316,4 @@ def _is_layer_list(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(hasattr(c, "state") for c in value)
 
 
-__all__ = ["ChatSessionBuilder", "SessionSettings"]
+__all__ = ["ChatSessionBuilder"]

@@ -7,31 +7,29 @@ runs the tool loop's rounds, and how prompts are rendered through the context wi
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import fields
 from typing import Any
 
 from typing_extensions import Self
 
-from ..cache.prompt import PromptCache, default_prompt_cache
+from ..cache.prompt import PromptCache
 from ..cache.shift import shift_problem
 from ..cache.state import CacheOptions, CacheState
-from ..decode import ProgressCallback, TokenSource
-from ..decode.batch import BatchEngine, check_engine
+from ..decode import TokenSource
+from ..decode.batch import BatchEngine
 from ..decode.local import fill
 from ..decode.sources import source_for
-from ..decode.speculative import SpeculativeConfig, check_cache_options, vocab_limit
+from ..decode.speculative import SpeculativeConfig, vocab_limit
 from ..errors import ChatKitError, InvalidParamsError
-from ..messages import ChatMessage, Role, check_instructions
+from ..messages import ChatMessage, Role
 from ..model import tokenizer as _tokenizer
 from ..model.loaded import LoadedModel
 from ..model.switchable import ActiveAdapter
 from ..model.vision import ImageTable
 from ..params import GenerateParams, LogitsProcessor
 from ..text.template import ChatTemplate
-from ..tools import as_tools
-from ..tools.options import ToolOptions
-from .builder import SessionSettings, tool_tokenizer
+from .builder import tool_tokenizer
 from .compaction import Prepared, Preparer, Snapshot
+from .config import SessionConfig
 from .context import ContextPolicy, Fitter, Window, summarizer_for, system_text, window_size
 from .conversation import Conversation, pending_calls
 from .gate import LoopHold, TurnGate
@@ -45,66 +43,39 @@ from .turn import Prompting, Turn
 class SessionCore:
     """The state of a session and its turn pipeline (see the module docstring); use ``ChatSession``."""
 
-    def __init__(
-        self,
-        lm: LoadedModel,
-        *,
-        instructions: str | None = None,
-        history: Sequence[ChatMessage] = (),
-        generate_params: GenerateParams | None = None,
-        chat_template: str | None = None,
-        tools: Sequence[Any] | None = None,
-        tool_options: ToolOptions = ToolOptions(),
-        cache_options: CacheOptions = CacheOptions(),
-        prefill_progress: ProgressCallback | None = None,
-        speculative: SpeculativeConfig | None = None,
-        allow_special_in_content: bool = False,
-        engine: BatchEngine | None = None,
-        context_policy: ContextPolicy = ContextPolicy(),
-        adapter: ActiveAdapter | None = None,
-        prompt_cache: PromptCache | None | str = "default",
-        max_kv_bytes: int | None = None,
-    ) -> None:
-        """Prefer :meth:`builder`, which also restores saved caches; every argument is checked here."""
+    def __init__(self, lm: LoadedModel, config: SessionConfig | None = None, *, history: Sequence[ChatMessage] = (),
+                 **settings: Any) -> None:
+        """Prefer :meth:`builder`, which also restores saved caches. ``config`` (default: the defaults) with
+        ``settings`` (``SessionConfig`` field names, e.g. ``instructions=``) over it; all checked here."""
         if not isinstance(lm, LoadedModel):
             raise InvalidParamsError(f"A session needs a chatkit.load(...) result, got {type(lm).__name__}.")
-        check_engine(engine, lm.model)
-        cache_options.validate(lm.head_dim)
-        check_cache_options(speculative, cache_options)
-        self._lm, self._images = lm, _image_table(lm, speculative, engine)
-        self._adapter = adapter if adapter is None or isinstance(adapter, ActiveAdapter) else _bad_adapter()
-        self._template = ChatTemplate(tool_tokenizer(lm, self._adapter), chat_template,
-                                      allow_special_in_content=allow_special_in_content)
-        self._instructions = check_instructions(instructions)
-        self._params = generate_params if generate_params is not None else GenerateParams()
-        self._tools = as_tools(tools)
-        tool_options.validate()
-        self._tool_options, self._strict = tool_options, StrictCalls(self._template.tokenizer)
-        if tool_options.strict and self._tools is not None:
-            self._strict.grammar(self._tools)  # a format or schema that cannot be constrained raises here
-        self._speculative, self._engine, self._prompt_cache = speculative, engine, _prompt_cache(lm, prompt_cache)
+        self._lm = lm
+        self._config = c = SessionConfig.of(config, settings).checked(lm)
+        self._images = _image_table(lm, c.speculative, c.engine)
+        self._template = ChatTemplate(tool_tokenizer(lm, c.adapter), c.chat_template,
+                                      allow_special_in_content=c.allow_special_in_content)
+        self._strict = StrictCalls(self._template.tokenizer)
+        if c.tool_options.strict and c.tools is not None:
+            self._strict.grammar(c.tools)  # a format or schema that cannot be constrained raises here
         self._source: TokenSource = (
-            engine.source(speculative) if engine is not None else source_for(lm.model, lm.distributed, speculative)
+            c.engine.source(c.speculative) if c.engine is not None else source_for(lm.model, lm.distributed, c.speculative)
         )
-        self._conversation = Conversation(history, self._new_cache(cache_options))
-        if not isinstance(context_policy, ContextPolicy):
-            raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(context_policy).__name__}.")
-        self._policy = context_policy.checked()
-        self._ropes, self._budget = self._shift_ropes(self._policy, cache_options), self._kv_budget(max_kv_bytes, cache_options)
-        self._progress, self._gate, self._preparer = prefill_progress, TurnGate(), Preparer()
+        self._conversation = Conversation(history, self._new_cache(c.cache_options))
+        self._ropes, self._budget = self._shift_ropes(c.context_policy, c.cache_options), self._kv_budget(c.max_kv_bytes, c.cache_options)
+        self._gate, self._preparer = TurnGate(), Preparer()
         self._between_turns: Callable[[Callable[[], None]], None] | None = None  # runs work between turns (a pool's)
         self._last_stats: TurnStats | None = None
         self._guided: tuple[ChatMessage, dict[str, Any]] | None = None  # the last guided prompt and its spec
 
     @classmethod
-    def _from_settings(cls, s: SessionSettings) -> Self:
-        """The session a builder's settings describe (the factory ``builder()`` hands the builder)."""
-        own = ("lm", "cache", "window", "earlier")
-        session = cls(s.lm, **{f.name: getattr(s, f.name) for f in fields(s) if f.name not in own})
-        session._conversation = Conversation(session._conversation.messages, session._conversation.cache, s.window,
-                                             s.earlier)
-        if s.cache is not None:
-            session._use_cache(s.cache)
+    def _start(cls, lm: LoadedModel, config: SessionConfig, history: Sequence[ChatMessage] = (),
+               cache: CacheState | None = None, window: Window = Window(), earlier: tuple[tuple[int, Window], ...] = ()) -> Self:
+        """The session a builder describes: ``config`` over ``history`` (seen through ``window``, a restored
+        context policy's), going on from ``cache`` when one is restored."""
+        session = cls(lm, config, history=history)
+        session._conversation = Conversation(session._conversation.messages, session._conversation.cache, window, earlier)
+        if cache is not None:
+            session._use_cache(cache)
         return session
 
     def _guided_turn(self, message: ChatMessage, options: TurnOptions) -> GuidedStream:
@@ -113,7 +84,7 @@ class SessionCore:
 
         history = self._conversation.messages
         message, constraint = guide(message, self._template.tokenizer, lambda m: self._text([*history, m]), **options.spec,
-                                    include_schema=options.include_schema, params=self._params)
+                                    include_schema=options.include_schema, params=self._config.generate_params)
         stream = GuidedStream(self._open_turn(message, constraint=constraint), constraint)
         self._guided = (message, options.spec)
         return stream
@@ -127,11 +98,11 @@ class SessionCore:
         (guided output) masks every step after the session's own processors; ``strict`` constrains the
         reply's tool calls (after every other processor). The turn is held until the stream commits or
         aborts. ``loop``: the tool loop this turn is a round of."""
-        params = self._params.copy()
+        params = self._config.generate_params.copy()
         if constraint is not None:
             params = params.copy(logits_processors=[*params.logits_processors, constraint])
-        params.validate(vocab_limit(self._lm, self._speculative))
-        constraints = [self._strict.constraint(self._tools, params.stop)] if strict and self._tools is not None else []
+        params.validate(vocab_limit(self._lm, self._config.speculative))
+        constraints = [self._strict.constraint(self._config.tools, params.stop)] if strict and self._config.tools is not None else []
         self._gate.take_turn(loop)
         try:
             base, message = self._conversation.prompt_of(message, regenerate)
@@ -140,10 +111,10 @@ class SessionCore:
             turn = Turn.prepare(
                 self._prompting(), self._fitter(params, summaries=not self._preparer.running), self._conversation,
                 base, message, params, context_length=self._context_length, source=self._source,
-                settle=self._settle, progress=self._progress, detokenizer=_tokenizer.new_detokenizer(tokenizer),
+                settle=self._settle, progress=self._config.prefill_progress, detokenizer=_tokenizer.new_detokenizer(tokenizer),
                 eos_token_ids=frozenset(tokenizer.eos_token_ids), constraints=constraints,
-                prepared=prepared.compacted if prepared is not None else None, adapter=self._adapter,
-                ropes=self._ropes if self._policy.shift else None,
+                prepared=prepared.compacted if prepared is not None else None, adapter=self._config.adapter,
+                ropes=self._ropes if self._config.context_policy.shift else None,
             )
             if prepared is not None and turn.fit is not None and turn.fit.window == prepared.compacted:
                 self._conversation.cache = prepared.cache  # its compacted context is prefilled already
@@ -164,9 +135,9 @@ class SessionCore:
     def _tool_loop(self, message: ChatMessage, *, strict: bool = False) -> ToolLoopStream:
         """The rounds of a reply with tools (``tool_loop``), over this session's turns; with ``strict``
         every round's tool calls are constrained."""
-        options, tools = self._tool_options, self._tools or []
-        if strict and self._tools is not None:
-            self._strict.grammar(self._tools)  # before anything changes: a format or schema that cannot be constrained
+        options, tools = self._config.tool_options, self._config.tools or []
+        if strict and self._config.tools is not None:
+            self._strict.grammar(self._config.tools)  # before anything changes: a format or schema that cannot be constrained
         waiting = [c for c in pending_calls(self._conversation.messages) if c.id != message.tool_call_id]
         if message.role is Role.TOOL and waiting:  # more results to come: nothing to generate yet
             self._append([message])
@@ -187,8 +158,8 @@ class SessionCore:
         if tokenizer is self._template.tokenizer:
             return None
         strict = StrictCalls(tokenizer)
-        if self._tool_options.strict and self._tools is not None:
-            strict.grammar(self._tools)
+        if self._config.tool_options.strict and self._config.tools is not None:
+            strict.grammar(self._config.tools)
         template = self._template
         return ChatTemplate(tokenizer, template.template, allow_special_in_content=template.allow_special_in_content), strict
 
@@ -205,26 +176,26 @@ class SessionCore:
     # -- internals ------------------------------------------------------------------------------
     def _runs_tools(self) -> bool:
         """Whether replies run an automatic tool loop (so an exchange spans its tool rounds)."""
-        tools = self._tools or []
-        return self._tool_options.execution == "auto" and any(t.function is not None for t in tools)
+        tools = self._config.tools or []
+        return self._config.tool_options.execution == "auto" and any(t.function is not None for t in tools)
 
     def _prompting(self, summary: str | None = None) -> Prompting:
-        schemas = None if self._tools is None else [t.schema for t in self._tools]
-        return Prompting(self._template, self._instructions, schemas, summary, self._images)
+        schemas = None if self._config.tools is None else [t.schema for t in self._config.tools]
+        return Prompting(self._template, self._config.instructions, schemas, summary, self._images)
 
     def _text(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` through the current window."""
         window = self._conversation.window
-        return self._prompting(window.summary).text(window.visible(messages), self._params,
+        return self._prompting(window.summary).text(window.visible(messages), self._config.generate_params,
                                                     add_generation_prompt=add_generation_prompt)
 
     def _rendered_ids(self, window: Window, messages: Sequence[ChatMessage], params: GenerateParams | None = None, *,
                       add_generation_prompt: bool = False) -> list[int]:
         """The ids of ``messages`` through ``window`` (by default as a finished conversation)."""
         visible = window.visible(messages)
-        if not visible and system_text(self._instructions, window.summary) is None:
+        if not visible and system_text(self._config.instructions, window.summary) is None:
             return []
-        return self._prompting(window.summary).ids(visible, params or self._params,
+        return self._prompting(window.summary).ids(visible, params or self._config.generate_params,
                                                    add_generation_prompt=add_generation_prompt)
 
     def _fitter(self, params: GenerateParams, *, summaries: bool = True) -> Fitter:
@@ -234,14 +205,14 @@ class SessionCore:
             return self._rendered_ids(window, messages, params, add_generation_prompt=True)
 
         size = window_size(self._context_length, self._conversation.cache.options.max_kv_size)
-        summarize = summarizer_for(self._policy, self._lm, size, self._summary_session) if summaries else None
-        return Fitter(self._policy, size, render, lambda text: len(self._lm.tokenizer.encode(text)), summarize)
+        summarize = summarizer_for(self._config.context_policy, self._lm, size, self._summary_session) if summaries else None
+        return Fitter(self._config.context_policy, size, render, lambda text: len(self._lm.tokenizer.encode(text)), summarize)
 
     def _prepared(self) -> Prepared | None:
         """The compaction prepared for this conversation as it is, if any (``fallback="wait"``: after the
         preparation running now has ended)."""
         if self._preparer.running:
-            if self._policy.fallback != "wait":
+            if self._config.context_policy.fallback != "wait":
                 return None  # still being made (its cache too): this turn compacts by itself
             self._preparer.wait()
         return self._preparer.get(self._conversation.messages, self._conversation.window)
@@ -285,7 +256,7 @@ class SessionCore:
     def _can_prepare(self) -> bool:
         """Preparations are for policies that compact, in one process (sharded ranks must run in step)."""
         group = self._lm.distributed
-        return (self._policy.mode != "error" and not self._policy.shift and not (group is not None and group.sharded)
+        return (self._config.context_policy.mode != "error" and not self._config.context_policy.shift and not (group is not None and group.sharded)
                 and self._images is None)
 
     def _prepare_compaction(self) -> bool:
@@ -310,7 +281,7 @@ class SessionCore:
             c = self._conversation
             earlier = self._preparer.get(c.messages, c.window)
             spare = earlier.cache if earlier is not None else c.cache.copy()
-            return Snapshot(c.messages, c.window, self._params.copy(), earlier, spare)
+            return Snapshot(c.messages, c.window, self._config.generate_params.copy(), earlier, spare)
 
     def _prepare_from(self, s: Snapshot) -> bool:
         """Prepare from a snapshot (a still good preparation: only top its cache up with the exchanges
@@ -318,10 +289,10 @@ class SessionCore:
         prepared = None
         try:
             compacted = s.earlier.compacted if s.earlier is not None else (
-                self._fitter(s.params).ahead(s.window, s.messages, s.spare.ledger.opaque, self._policy.room(s.params.max_tokens)))
+                self._fitter(s.params).ahead(s.window, s.messages, s.spare.ledger.opaque, self._config.context_policy.room(s.params.max_tokens)))
             ids = self._rendered_ids(compacted, s.messages, s.params) if compacted is not None else []
             if compacted is not None and ids:  # (a conversation compacted to nothing has no prompt to prefill)
-                fill(s.spare, ids, self._lm.model, self._draft_model, self._adapter)
+                fill(s.spare, ids, self._lm.model, self._draft_model, self._config.adapter)
                 prepared = Prepared(s.messages, s.window, compacted, s.spare)
             return prepared is not None
         finally:
@@ -344,7 +315,7 @@ class SessionCore:
             return None  # no cache that grows with the context
         tokens = max_kv_bytes // per_token
         needed = len(self._rendered_ids(Window(), [ChatMessage.user("Hi")], add_generation_prompt=True)) + \
-            self._policy.room(self._params.max_tokens)
+            self._config.context_policy.room(self._config.generate_params.max_tokens)
         if tokens < needed:
             raise InvalidParamsError(
                 f"max_kv_bytes={max_kv_bytes} holds {tokens} tokens of this model's KV cache ({per_token} bytes "
@@ -357,7 +328,7 @@ class SessionCore:
         ``InvalidParamsError`` naming why when this session cannot shift its cache."""
         if not policy.shift:
             return None
-        why = shift_obstacle(self._lm, options, self._speculative, self._engine)
+        why = shift_obstacle(self._lm, options, self._config.speculative, self._config.engine)
         ropes = shift_problem(self._lm.model) if why is None else why
         if isinstance(ropes, str):
             raise InvalidParamsError(f"ContextPolicy.rolling(shift=True) cannot work here: {ropes}. "
@@ -366,7 +337,7 @@ class SessionCore:
 
     @property
     def _draft_model(self) -> Any:
-        draft = self._speculative.draft_model if self._speculative is not None else None
+        draft = self._config.speculative.draft_model if self._config.speculative is not None else None
         return draft.model if draft is not None else None
 
     def _use_cache(self, cache: CacheState) -> None:
@@ -385,20 +356,20 @@ class SessionCore:
         """The prompt cache bound to what shapes this session's KV (the model's fingerprint, the adapter and
         its scale, the KV quantization); without one, the engine's prefix cache when the session runs on a
         ``BatchEngine`` that has one (and has no adapter: the prefixes there are the base model's)."""
-        if self._prompt_cache is not None:
-            return self._prompt_cache.bind({
-                "model": self._lm.fingerprint, "adapter": None if self._adapter is None else self._adapter.key,
+        c = self._config
+        if isinstance(c.prompt_cache, PromptCache):  # (checked: "default" is resolved)
+            return c.prompt_cache.bind({
+                "model": self._lm.fingerprint, "adapter": None if c.adapter is None else c.adapter.key,
                 "kv": [o.kv_bits, o.kv_group_size, o.quantized_kv_start] if o.kv_bits is not None else None,
             })
-        return None if self._engine is None or self._adapter is not None else self._engine.prefix_cache
+        return None if c.engine is None or c.adapter is not None else c.engine.prefix_cache
 
     def _summary_session(self, model: LoadedModel, instructions: str | None, history: Sequence[ChatMessage],
                          max_tokens: int) -> SessionCore:
         """The session a context policy's summary is written in: greedy, over the dropped messages."""
-        return self._from_settings(SessionSettings(
-            model, instructions, tuple(history), GenerateParams(max_tokens=max_tokens, temperature=0.0),
-            context_policy=ContextPolicy.rolling(),
-        ))
+        config = SessionConfig(instructions, GenerateParams(max_tokens=max_tokens, temperature=0.0),
+                               context_policy=ContextPolicy.rolling())
+        return type(self)(model, config, history=history)
 
 
 def _image_table(lm: LoadedModel, speculative: SpeculativeConfig | None, engine: BatchEngine | None) -> ImageTable | None:
@@ -408,20 +379,6 @@ def _image_table(lm: LoadedModel, speculative: SpeculativeConfig | None, engine:
     if speculative is not None or engine is not None:
         raise InvalidParamsError("A vision-language model runs its sessions alone: no speculative decoding or batch engine.")
     return ImageTable(lm.vision)
-
-
-def _prompt_cache(lm: LoadedModel, chosen: PromptCache | None | str) -> PromptCache | None:
-    """The session's prompt cache: ``"default"`` is the model's process-wide one; none for a model sharded
-    over processes (every rank must take the same decisions, and each rank's cache could differ)."""
-    sharded = lm.distributed is not None and lm.distributed.sharded
-    if chosen == "default":
-        return None if sharded else default_prompt_cache(lm)
-    if chosen is not None and not isinstance(chosen, PromptCache):
-        raise InvalidParamsError(f"prompt_cache takes a chatkit.PromptCache or None, got {type(chosen).__name__}.")
-    if chosen is not None and sharded:
-        raise InvalidParamsError("A model sharded over processes cannot use a prompt cache (its ranks must prefill "
-                                 "alike): drop prompt_cache(...) or give None.")
-    return chosen
 
 
 def shift_obstacle(lm: LoadedModel, options: CacheOptions, speculative: SpeculativeConfig | None,
@@ -438,10 +395,6 @@ def shift_obstacle(lm: LoadedModel, options: CacheOptions, speculative: Speculat
     if speculative is not None or engine is not None:
         return "a draft model's or batch engine's cache would have to shift too"
     return None
-
-
-def _bad_adapter() -> ActiveAdapter:
-    raise InvalidParamsError("adapter: use builder.adapter(adapter, scale) or session.adapter = adapter.")
 
 
 __all__ = ["SessionCore"]

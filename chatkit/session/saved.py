@@ -8,8 +8,8 @@ The KV part and the file's format are the cache layer's (``chatkit.cache.file``)
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .. import distributed
@@ -24,6 +24,8 @@ from ..messages import ChatMessage, saved_dict
 from ..model.loaded import LoadedModel
 from ..model.switchable import ActiveAdapter
 from ..params import GenerateParams
+from ..tools.mcp import mcp_servers
+from .config import SessionConfig
 from .context import ContextPolicy, Window
 
 _ROLES = {"system", "user", "assistant", "tool"}
@@ -73,6 +75,27 @@ class SavedConversation:
         messages = tuple(ChatMessage.from_dict(m) for m in info.messages)
         context = SavedContext.from_dict(info.context, len(messages))
         return cls(info.instructions, messages, params, info.cache_options, context, tuple(info.mcp_servers))
+
+
+    @classmethod
+    def of_session(cls, config: SessionConfig, messages: Sequence[ChatMessage], window: Window,
+                   earlier: tuple[tuple[int, Window], ...]) -> SavedConversation:
+        """What a file keeps of a session: its conversation and the settings of ``config`` that are data
+        (instructions, sampling settings, cache options, context policy, the MCP servers of its tools)."""
+        return cls(config.instructions, tuple(messages), config.generate_params, asdict(config.cache_options),
+                   SavedContext(config.context_policy, window, earlier), tuple(mcp_servers(config.tools)))
+
+    def onto(self, config: SessionConfig, keep: Collection[str] = ()) -> SessionConfig:
+        """``config`` with this file's settings (instructions, sampling settings, context policy), but for
+        those named in ``keep`` (a builder's own); the cache options are merged by the builder."""
+        changes: dict[str, Any] = {}
+        if "instructions" not in keep:
+            changes["instructions"] = self.instructions
+        if "generate_params" not in keep and self.generate_params is not None:
+            changes["generate_params"] = self.generate_params
+        if "context_policy" not in keep and self.context.policy is not None:
+            changes["context_policy"] = self.context.policy
+        return replace(config, **changes)
 
 
 def check(info: CacheFileInfo) -> CacheFileInfo:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from typing_extensions import Unpack
@@ -26,10 +27,10 @@ from ..model.loaded import LoadedModel
 from ..model.switchable import activate
 from ..params import GenerateParams
 from ..tools import as_tools
-from ..tools.mcp import mcp_servers
 from . import saved
 from .aio import AsyncGuidedStream, AsyncResponseStream
-from .builder import ChatSessionBuilder, SessionSettings
+from .builder import ChatSessionBuilder
+from .config import SessionConfig
 from .context import ContextPolicy, system_text, window_size
 from .conversation import pending_calls
 from .core import SessionCore
@@ -51,13 +52,21 @@ class ChatSession(SessionCore):
     @staticmethod
     def builder(model: LoadedModel | Any, tokenizer: Any = None) -> ChatSessionBuilder[ChatSession]:
         """Start building a session over a loaded model (``chatkit.load``) or a model and tokenizer."""
-        return ChatSessionBuilder(model, tokenizer, factory=ChatSession._from_settings)
+        return ChatSessionBuilder(model, tokenizer, factory=ChatSession._start)
 
 
     # -- conversation state -------------------------------------------------------------------
     @property
     def model(self) -> LoadedModel:
         return self._lm
+
+    @property
+    def config(self) -> SessionConfig:
+        """This session's settings, one frozen ``SessionConfig`` (its ``generate_params`` a copy: mutating it
+        changes nothing). The setters below (``instructions``, ``generate_params``, ...) replace it; a turn's
+        own ``params=`` never change it. ``ChatSession(lm, dataclasses.replace(session.config, ...))`` builds
+        a new session with changed settings."""
+        return replace(self._config, generate_params=self._config.generate_params.copy())
 
     @property
     def history(self) -> list[ChatMessage]:
@@ -67,36 +76,36 @@ class ChatSession(SessionCore):
     @property
     def instructions(self) -> str | None:
         """The system prompt, rendered at the start of every turn's prompt; ``None`` for none."""
-        return self._instructions
+        return self._config.instructions
 
     @instructions.setter
     def instructions(self, value: str | None) -> None:
         with self._gate.idle("change the instructions"):
-            self._instructions = check_instructions(value)
+            self._config = replace(self._config, instructions=check_instructions(value))
 
     @property
     def generate_params(self) -> GenerateParams:
         """The sampling settings; mutate them or assign new ones, they apply from the next turn."""
-        return self._params
+        return self._config.generate_params
 
     @generate_params.setter
     def generate_params(self, value: GenerateParams) -> None:
         if not isinstance(value, GenerateParams):
             raise InvalidParamsError(f"generate_params must be a GenerateParams, got {type(value).__name__}.")
-        self._params = value
+        self._config = replace(self._config, generate_params=value)
 
     @property
     def tools(self) -> list[dict[str, Any]] | None:
         """Tool JSON schemas passed to the chat template every turn (set functions or schema dicts)."""
-        return None if self._tools is None else [dict(t.schema) for t in self._tools]
+        return None if self._config.tools is None else [dict(t.schema) for t in self._config.tools]
 
     @tools.setter
     def tools(self, value: Sequence[Any] | None) -> None:
-        tools = as_tools(value, self._tool_options.timeout)
-        if self._tool_options.strict and tools is not None:
+        tools = as_tools(value, self._config.tool_options.timeout)
+        if self._config.tool_options.strict and tools is not None:
             strict_grammar(self._template.tokenizer, tools)  # raises before anything changes
         with self._gate.idle("change the tools"):
-            self._tools = tools
+            self._config = replace(self._config, tools=None if tools is None else tuple(tools))
 
     @property
     def pending_tool_calls(self) -> list[ToolCall]:
@@ -107,12 +116,12 @@ class ChatSession(SessionCore):
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """The draft model setup, when decoding is speculative."""
-        return self._speculative
+        return self._config.speculative
 
     @property
     def engine(self) -> BatchEngine | None:
         """The ``BatchEngine`` this session's turns are decoded by, if any."""
-        return self._engine
+        return self._config.engine
 
     @property
     def last_stats(self) -> TurnStats | None:
@@ -123,21 +132,21 @@ class ChatSession(SessionCore):
     def context_policy(self) -> ContextPolicy:
         """What a turn does when the conversation outgrows the window (``ContextPolicy``); applies from the
         next turn. The history always keeps every message."""
-        return self._policy
+        return self._config.context_policy
 
     @context_policy.setter
     def context_policy(self, policy: ContextPolicy) -> None:
         if not isinstance(policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(policy).__name__}.")
         ropes = self._shift_ropes(policy.checked(), self._conversation.cache.options)
-        self._policy, self._ropes = policy, ropes
+        self._config, self._ropes = replace(self._config, context_policy=policy.checked()), ropes
 
     @property
     def context(self) -> list[ChatMessage]:
         """What the model sees now: the system prompt (the instructions, then the summary of what a policy
         dropped) and the kept messages. A fresh session built from it answers as this one does."""
         window = self._conversation.window
-        system = system_text(self._instructions, window.summary)
+        system = system_text(self._config.instructions, window.summary)
         return [*([ChatMessage.system(system)] if system is not None else []), *window.visible(self.history)]
 
     @property
@@ -161,7 +170,8 @@ class ChatSession(SessionCore):
     def prompt_cache(self) -> PromptCache | None:
         """The prompt cache this session shares KV blocks through (by default its model's process-wide
         one: ``session.prompt_cache.usage()``), ``None`` when off. Set with ``builder.prompt_cache``."""
-        return self._prompt_cache
+        cache = self._config.prompt_cache
+        return cache if isinstance(cache, PromptCache) else None
 
     @property
     def token_count(self) -> int:
@@ -173,7 +183,7 @@ class ChatSession(SessionCore):
         to the next prompt: ``token_count + count_tokens(m)`` is the next turn's prompt if it does not
         compact. ``params``: a turn's own settings (their template switches, e.g. ``thinking``, shape the
         prompt); by default the session's. Nothing runs on the model."""
-        params = checked_params(params, self._params, vocab_limit(self._lm, self._speculative))
+        params = checked_params(params, self._config.generate_params, vocab_limit(self._lm, self._config.speculative))
         history, window = self._conversation.messages, self._conversation.window
         messages = prompt_messages(prompt, history, reads_images=self._lm.vision is not None, method="count_tokens")
         before = self._rendered_ids(window, history, params)
@@ -186,7 +196,7 @@ class ChatSession(SessionCore):
         other tool results of a reply; the last one is answered). ``params``: that turn's own settings (by
         default the session's). Under a policy that compacts, what must fit is the instructions, the summary
         so far and the exchange being answered."""
-        params = checked_params(params, self._params, vocab_limit(self._lm, self._speculative))
+        params = checked_params(params, self._config.generate_params, vocab_limit(self._lm, self._config.speculative))
         history = self._conversation.messages
         messages = prompt_messages(prompt, history, reads_images=self._lm.vision is not None, method="check_fits")
         if not messages:
@@ -225,10 +235,11 @@ class ChatSession(SessionCore):
         if not isinstance(options, CacheOptions):
             raise InvalidParamsError(f"cache_options must be a CacheOptions, got {type(options).__name__}.")
         options.validate(self._lm.head_dim)
-        check_cache_options(self._speculative, options)
+        check_cache_options(self._config.speculative, options)
         with self._gate.idle("change the cache options"):
             if options != self.cache_options:
                 self._conversation = self._conversation.with_cache(self._new_cache(options))
+            self._config = replace(self._config, cache_options=options)
 
     # -- the adapter ----------------------------------------------------------------------------
     @property
@@ -236,7 +247,7 @@ class ChatSession(SessionCore):
         """The LoRA/DoRA adapter applied to this session's turns (``None``: the base model). Assigning
         one sets it at scale 1 (:meth:`set_adapter` for another scale) and, when it changes, drops the KV
         cache now: the next turn prefills the conversation again."""
-        return None if self._adapter is None else self._adapter.adapter
+        return None if self._config.adapter is None else self._config.adapter.adapter
 
     @adapter.setter
     def adapter(self, adapter: Adapter | None) -> None:
@@ -245,7 +256,7 @@ class ChatSession(SessionCore):
     @property
     def adapter_scale(self) -> float | None:
         """The scale the adapter is applied at (times its own), ``None`` without an adapter."""
-        return None if self._adapter is None else self._adapter.scale
+        return None if self._config.adapter is None else self._config.adapter.scale
 
     def set_adapter(self, adapter: Adapter | None, scale: float = 1.0) -> None:
         """Apply ``adapter`` at ``scale`` from the next turn on (``None``: the base model); the KV cache
@@ -253,11 +264,11 @@ class ChatSession(SessionCore):
         not fit the model; nothing changes then."""
         active = activate(self._lm, adapter, scale)
         with self._gate.idle("change the adapter"):
-            if (None if active is None else active.key) != (None if self._adapter is None else self._adapter.key):
+            if (None if active is None else active.key) != (None if self._config.adapter is None else self._config.adapter.key):
                 tool_format = self._tool_format_for(active)  # the adapter's tool-call format: raises before changes
                 self._preparer.wait()  # a compaction being prepared with the old adapter: let it end, then drop it
                 self._preparer.discard()
-                self._adapter = active
+                self._config = replace(self._config, adapter=active)
                 if tool_format is not None:
                     self._template, self._strict = tool_format
                 self._conversation = self._conversation.with_cache(self._new_cache(self.cache_options))
@@ -289,18 +300,16 @@ class ChatSession(SessionCore):
             if cache.empty or cache.layers is None:
                 raise NoCacheAvailableError("There is no KV cache to save yet: run a turn first.")
             c = self._conversation
-            context = saved.SavedContext(self._policy, c.window, c.earlier)
-            conversation = saved.SavedConversation(self._instructions, c.messages, self._params, None, context,
-                                                   tuple(mcp_servers(self._tools)))
+            conversation = saved.SavedConversation.of_session(self._config, c.messages, c.window, c.earlier)
             return saved.save(path, self._lm, cache.layers, cache.ledger, cache.checkpoints, conversation, cache.options,
-                              self._adapter, images=images)
+                              self._config.adapter, images=images)
 
     def restore_cache(self, path: str | os.PathLike[str]) -> None:
         """Put back the KV cache of a file this session's conversation was saved to (e.g. by a pool
         that evicted it), checked against the model's fingerprint. The conversation itself stays as
         it is: turns reuse as much of the restored cache as matches it."""
         with self._gate.idle("restore the cache"):
-            loaded = saved.load(self._lm, path, raw=False, adapter=self._adapter)
+            loaded = saved.load(self._lm, path, raw=False, adapter=self._config.adapter)
             # A draft's cache is not saved: it is refilled from the ledger at the next turn.
             self._use_cache(CacheState.restored(
                 self._lm.model, self.cache_options, loaded.layers, loaded.ledger, loaded.checkpoints, self._draft_model
@@ -327,7 +336,7 @@ class ChatSession(SessionCore):
 
     def stream_regenerate(self) -> ReplyStream:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
-        strict = self._tool_options.strict and self._tools is not None
+        strict = self._config.tool_options.strict and self._config.tools is not None
         if self._runs_tools() and self._conversation.ends_with_tool_round():
             return self._open_turn(None, strict=strict)  # the history's last message, a tool result, is answered
         history = self._conversation.messages
@@ -339,7 +348,7 @@ class ChatSession(SessionCore):
             def render(message: ChatMessage) -> str:
                 return self._text([*history[:-2], message])
 
-            _, constraint = guide(prompt, self._template.tokenizer, render, **spec, include_schema=False, params=self._params)
+            _, constraint = guide(prompt, self._template.tokenizer, render, **spec, include_schema=False, params=self._config.generate_params)
             return GuidedStream(self._open_turn(None, regenerate=True, constraint=constraint), constraint)
         return self._open_turn(None, regenerate=True, strict=strict)
 
@@ -350,12 +359,7 @@ class ChatSession(SessionCore):
         without prefilling the past again.
         """
         with self._gate.idle("fork"):
-            other = ChatSession._from_settings(SessionSettings(
-                self._lm, self._instructions, (), self._params.copy(), self._template.template, self._tools,
-                self._tool_options, self.cache_options, self._progress, self._speculative,
-                self._template.allow_special_in_content, self._engine, self._policy, adapter=self._adapter,
-                prompt_cache=self._prompt_cache,
-            ))
+            other = ChatSession(self._lm, replace(self._config, generate_params=self._config.generate_params.copy()))
             other._conversation = self._conversation.copy()
             other._images = self._images.copy() if self._images is not None else None  # encoded images too
             other._template.continue_from(self._template)  # the prompt tokenized so far, too
@@ -389,12 +393,12 @@ class ChatSession(SessionCore):
         """
         checked = TurnOptions.of(options)
         message = checked.message(prompt, self._conversation.messages, reads_images=self._lm.vision is not None)
-        if checked.strict_tools and self._tools is None:
+        if checked.strict_tools and self._config.tools is None:
             raise InvalidParamsError("strict_tools=True but the session has no tools: set them with builder.tools([...]).")
         if checked.guided:
             return self._guided_turn(message, checked)
-        strict = self._tool_options.strict if checked.strict_tools is None else checked.strict_tools
-        plain = self._open_turn(message) if self._tools is None and message.role is not Role.TOOL else None
+        strict = self._config.tool_options.strict if checked.strict_tools is None else checked.strict_tools
+        plain = self._open_turn(message) if self._config.tools is None and message.role is not Role.TOOL else None
         opened = plain if plain is not None else self._tool_loop(message, strict=strict)
         self._guided = None  # the last reply is not guided: regenerate() answers it freely, even to the same text
         return opened
@@ -405,7 +409,7 @@ class ChatSession(SessionCore):
         stop = threading.Event()  # stream_respond may still wait on the previous async turn's
         inner = self.stream_respond(prompt, **options)
         kind = AsyncGuidedStream if isinstance(inner, GuidedStream) else AsyncResponseStream
-        after = self._claim_preparation if self._policy.mode != "error" else None
+        after = self._claim_preparation if self._config.context_policy.mode != "error" else None
         stream = kind(inner, stop=stop, after=after)  # type: ignore[arg-type]
         self._gate.async_stop = stop
         return stream
