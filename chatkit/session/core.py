@@ -83,22 +83,24 @@ class SessionCore:
         from ..guided.guide import guide  # the guided extra
 
         history = self._conversation.messages
-        message, constraint = guide(message, self._template.tokenizer, lambda m: self._text([*history, m]), **options.spec,
-                                    include_schema=options.include_schema, params=self._config.generate_params)
-        stream = GuidedStream(self._open_turn(message, constraint=constraint), constraint)
+        params = options.turn_params(self._config.generate_params, vocab_limit(self._lm, self._config.speculative))
+        message, constraint = guide(message, self._template.tokenizer, lambda m: self._text([*history, m], params), **options.spec,
+                                    include_schema=options.include_schema, params=params or self._config.generate_params)
+        stream = GuidedStream(self._open_turn(message, constraint=constraint, params=params), constraint)
         self._guided = (message, options.spec)
         return stream
 
     def _open_turn(
         self, message: ChatMessage | None, *, regenerate: bool = False, constraint: LogitsProcessor | None = None,
-        strict: bool = False, loop: LoopHold | None = None,
+        strict: bool = False, loop: LoopHold | None = None, params: GenerateParams | None = None,
     ) -> ResponseStream:
         """Take the turn and prepare it: answer ``message`` after the history, or (``None``) the
         history's last message (a tool round), or (``regenerate``) the last prompt again; ``constraint``
         (guided output) masks every step after the session's own processors; ``strict`` constrains the
         reply's tool calls (after every other processor). The turn is held until the stream commits or
-        aborts. ``loop``: the tool loop this turn is a round of."""
-        params = self._config.generate_params.copy()
+        aborts. ``loop``: the tool loop this turn is a round of; ``params``: the turn's own settings (checked;
+        ``None``: the session's)."""
+        params = (params or self._config.generate_params).copy()
         if constraint is not None:
             params = params.copy(logits_processors=[*params.logits_processors, constraint])
         params.validate(vocab_limit(self._lm, self._config.speculative))
@@ -132,9 +134,9 @@ class SessionCore:
         if result is not None:
             self._prepare_between_turns()
 
-    def _tool_loop(self, message: ChatMessage, *, strict: bool = False) -> ToolLoopStream:
+    def _tool_loop(self, message: ChatMessage, *, strict: bool = False, params: GenerateParams | None = None) -> ToolLoopStream:
         """The rounds of a reply with tools (``tool_loop``), over this session's turns; with ``strict``
-        every round's tool calls are constrained."""
+        every round's tool calls are constrained; every round samples with ``params`` (``None``: the session's)."""
         options, tools = self._config.tool_options, self._config.tools or []
         if strict and self._config.tools is not None:
             self._strict.grammar(self._config.tools)  # before anything changes: a format or schema that cannot be constrained
@@ -144,7 +146,7 @@ class SessionCore:
             return ToolLoopStream(self._open_turn, self._append, tools, message, generate=False)
         hold = self._gate.hold()
         return ToolLoopStream(
-            lambda m: self._open_turn(m, strict=strict, loop=hold), lambda ms: self._append(ms, loop=hold),
+            lambda m: self._open_turn(m, strict=strict, loop=hold, params=params), lambda ms: self._append(ms, loop=hold),
             tools, message, execute=self._runs_tools(), max_rounds=options.max_rounds,
             raise_errors=options.errors == "raise", timeout=options.timeout, on_end=lambda: self._loop_ended(hold),
             images=self._lm.vision is not None,
@@ -183,10 +185,11 @@ class SessionCore:
         schemas = None if self._config.tools is None else [t.schema for t in self._config.tools]
         return Prompting(self._template, self._config.instructions, schemas, summary, self._images)
 
-    def _text(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True) -> str:
+    def _text(self, messages: Sequence[ChatMessage], params: GenerateParams | None = None, *,
+              add_generation_prompt: bool = True) -> str:
         """The prompt text of ``messages`` through the current window."""
         window = self._conversation.window
-        return self._prompting(window.summary).text(window.visible(messages), self._config.generate_params,
+        return self._prompting(window.summary).text(window.visible(messages), params or self._config.generate_params,
                                                     add_generation_prompt=add_generation_prompt)
 
     def _rendered_ids(self, window: Window, messages: Sequence[ChatMessage], params: GenerateParams | None = None, *,

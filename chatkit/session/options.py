@@ -13,7 +13,7 @@ from typing import Any, TypedDict
 from ..errors import InvalidMessageError, InvalidOutputSpecError, InvalidParamsError
 from ..images import images_refused
 from ..messages import ChatMessage, MessageLike, Role, ToolCall, as_message
-from ..params import GenerateParams
+from ..params import GenerateParams, LogitsProcessor
 from .conversation import pending_calls
 
 
@@ -28,6 +28,8 @@ class TurnKeywords(TypedDict, total=False):
     include_schema: bool
     strict_tools: bool | None
     images: Sequence[Any]
+    params: GenerateParams | None
+    logits_processors: Sequence[LogitsProcessor]
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,9 @@ class TurnOptions:
     """How to send one prompt. ``role`` / ``tool_call_id``: who the prompt's text is from (a tool result
     answers the call it names); ``output`` / ``regex`` / ``grammar``: a guided reply (its value is the
     result), ``include_schema`` appends the spec's description to the prompt; ``strict_tools``: constrain
-    this reply's tool calls to the tools' schemas (``None``: the session's default)."""
+    this reply's tool calls to the tools' schemas (``None``: the session's default); ``params``: this
+    turn's sampling settings instead of the session's (every round of its tool loop), ``logits_processors``:
+    run after the turn's own; neither changes the session's ``config``."""
 
     role: Role | str = Role.USER
     tool_call_id: str | None = None
@@ -45,6 +49,8 @@ class TurnOptions:
     include_schema: bool = True
     strict_tools: bool | None = None
     images: Sequence[Any] = ()
+    params: GenerateParams | None = None
+    logits_processors: Sequence[LogitsProcessor] = ()
 
     @classmethod
     def of(cls, keywords: Mapping[str, Any]) -> TurnOptions:
@@ -75,6 +81,10 @@ class TurnOptions:
 
     def check(self) -> None:
         self._images()
+        if self.params is not None and not isinstance(self.params, GenerateParams):
+            raise InvalidParamsError(f"params= takes a chatkit.GenerateParams, got {type(self.params).__name__}.")
+        if not isinstance(self.logits_processors, (list, tuple)) or not all(callable(p) for p in self.logits_processors):
+            raise InvalidParamsError("logits_processors= takes a list of callables (tokens, logits) -> logits.")
         if self.strict_tools is not None and not isinstance(self.strict_tools, bool):
             raise InvalidParamsError(f"strict_tools={self.strict_tools!r}: use True, False or None (the session's default).")
         if self.strict_tools and self.guided:
@@ -82,6 +92,16 @@ class TurnOptions:
                 "strict_tools=True with output=/regex=/grammar=: a guided reply is a value and calls no tools. "
                 "Drop one of them."
             )
+
+    def turn_params(self, default: GenerateParams, vocab_size: int | None) -> GenerateParams | None:
+        """This turn's own sampling settings (``params`` or the session's ``default``, with the turn's
+        ``logits_processors`` after theirs), checked; ``None`` when the turn gives none (the session's)."""
+        if self.params is None and not self.logits_processors:
+            return None
+        params = (self.params or default).copy()
+        params = params.copy(logits_processors=[*params.logits_processors, *self.logits_processors])
+        params.validate(vocab_size)
+        return params
 
     def message(self, prompt: str | MessageLike, history: Sequence[ChatMessage] = (), *,
                 reads_images: bool = True) -> ChatMessage:

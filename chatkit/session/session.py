@@ -331,6 +331,10 @@ class ChatSession(SessionCore):
         generated again, from the same results (no tool runs again, and a call in the new reply is not
         run). To redo the whole exchange, ``undo()`` then ``respond()`` the prompt again. After a tool
         loop that stopped once its tools ran (closed, or failed), it answers their results.
+
+        It samples with the session's own settings (``config.generate_params``): a turn's own ``params=`` /
+        ``logits_processors=`` are not remembered. To answer again with them, ``undo()`` then
+        ``respond(prompt, params=...)``.
         """
         return drain(self.stream_regenerate())
 
@@ -389,7 +393,10 @@ class ChatSession(SessionCore):
         ``IncompleteOutputError`` if ``max_tokens`` cut it short); ``include_schema`` appends the spec's
         description to a text prompt. ``strict_tools=True`` (default: the builder's ``strict_tools``)
         constrains every tool call of every round to the tools' schemas; ``False`` turns that off for
-        this prompt. Every option is checked before anything changes (:class:`TurnOptions`).
+        this prompt. ``params=GenerateParams(...)`` samples this turn (every round of its tool loop) with
+        its own settings, ``logits_processors=[...]`` adds processors after them; the session's own
+        (``config``) stay as they were for the next turn. Every option is checked before anything changes
+        (:class:`TurnOptions`).
         """
         checked = TurnOptions.of(options)
         message = checked.message(prompt, self._conversation.messages, reads_images=self._lm.vision is not None)
@@ -397,9 +404,10 @@ class ChatSession(SessionCore):
             raise InvalidParamsError("strict_tools=True but the session has no tools: set them with builder.tools([...]).")
         if checked.guided:
             return self._guided_turn(message, checked)
+        params = checked.turn_params(self._config.generate_params, vocab_limit(self._lm, self._config.speculative))
         strict = self._config.tool_options.strict if checked.strict_tools is None else checked.strict_tools
-        plain = self._open_turn(message) if self._config.tools is None and message.role is not Role.TOOL else None
-        opened = plain if plain is not None else self._tool_loop(message, strict=strict)
+        plain = self._open_turn(message, params=params) if self._config.tools is None and message.role is not Role.TOOL else None
+        opened = plain if plain is not None else self._tool_loop(message, strict=strict, params=params)
         self._guided = None  # the last reply is not guided: regenerate() answers it freely, even to the same text
         return opened
 
