@@ -19,7 +19,7 @@ from ..session.aio import AsyncResponseStream
 from ..session.session import ChatSession
 from ..session.streams import ReplyStream
 from .errors import BadRequestError
-from .lease import Lease, sample_with
+from .lease import Lease, turn_params
 
 Run = Callable[..., Awaitable[Any]]  # ``SessionIndex.run``
 
@@ -55,14 +55,14 @@ async def more_choices(lease: Lease, n: int, run: Run) -> AsyncIterator[Choice]:
     before was read (the caller closes its stream); none once choice 0 did not commit. ``run``: the
     server's one worker thread for blocking work (``SessionIndex.run``): the fork and its turn's
     opening are one hop to it."""
-    params = lease.session.generate_params
+    params = lease.params if lease.params is not None else lease.session.generate_params
     for index in range(1, n):
         if lease.reply() is None:
             return
 
         def fork(index: int = index) -> tuple[ChatSession, ReplyStream]:
-            session = lease.session.fork()
-            sample_with(session, params, index)
+            session = lease.session.fork()  # not pooled: it regenerates with its own settings, the choice's
+            session.generate_params = turn_params(params, index)
             return session, session.stream_regenerate()
         session, stream = await run(fork)
         yield Choice(index, session, AsyncResponseStream(stream))

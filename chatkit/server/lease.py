@@ -25,6 +25,7 @@ class Lease:
     model: str = ""  # the served model's id as replies show it (``<id>:<adapter>`` with an adapter)
     settled: bool = False  # closed, re-indexed and its slot freed (``ServerState.settled``)
     delivered: bool = False  # some of the reply reached the client (``app._Settling``): a stop then commits it
+    params: GenerateParams | None = None  # the turn's own sampling (``turn_params``)
 
     def keep_when_stopped(self) -> None:
         """A turn stopped before its end (the client went away) commits what it produced only once some
@@ -51,14 +52,14 @@ class Lease:
                 "summary_tokens": stats.summary_tokens}
 
 
-def sample_with(session: ChatSession, params: GenerateParams, choice: int = 0) -> None:
-    """The one place the server applies a request's sampling (``params``: the request's, with its tool
-    choice's bias and constraint) to the pooled session its turn runs on (on the worker thread, before
-    the turn opens). ``choice``: chat completions' ``n``: with a ``seed``, choice ``i`` samples with
-    ``seed + i``."""
+def turn_params(params: GenerateParams, choice: int = 0) -> GenerateParams:
+    """The one place the server decides a turn's sampling: ``params`` (the request's, with its tool
+    choice's bias and constraint; ``ServerState.open_turn``), for chat completions' choice ``choice``:
+    with a ``seed``, choice ``i`` samples with ``seed + i``. A turn takes it as its own (``params=``): a
+    pooled session's settings never change."""
     if choice and params.seed is not None:
-        params = params.copy(seed=(params.seed + choice) % 2**64)
-    session.generate_params = params
+        return params.copy(seed=(params.seed + choice) % 2**64)
+    return params
 
 
-__all__ = ["Lease", "sample_with"]
+__all__ = ["Lease", "turn_params"]

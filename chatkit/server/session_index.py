@@ -43,7 +43,7 @@ from ..session.pool import SessionPool
 from ..session.session import ChatSession
 from . import manifest, trace
 from .keys import ConversationIndex, Tools, message_json, prefix_keys
-from .lease import Lease, sample_with
+from .lease import Lease, turn_params
 from .write_behind import Job, WriteBehind
 
 log = logging.getLogger("chatkit.server")
@@ -132,8 +132,8 @@ class SessionIndex:
                 trace.stamp("session")
                 if tools or added[-1].role is Role.TOOL:  # its turn opens only as its stream is read: a 413 now
                     session.check_fits(added[-1], params=params)
-                sample_with(session, params)
-                return session, len(session.history), session.astream_respond(added[-1], **extra)
+                turn = session.astream_respond(added[-1], params=turn_params(params), **extra)
+                return session, len(session.history), turn
 
             try:
                 session, base, stream = await self.run(open_turn)
@@ -148,7 +148,7 @@ class SessionIndex:
             stream.start()
             if conv is not None:
                 self._convs[conv].leased = True
-            return Lease(session, stream, conv, base, replaces, asked=added[-1] if schema is not None else None)
+            return Lease(session, stream, conv, base, replaces, added[-1] if schema is not None else None, params=params)
 
     def _continue(self, conv: str, added: Sequence[ChatMessage],
                   keep: bool) -> tuple[Callable[[], ChatSession], str | None, bool]:
