@@ -311,3 +311,24 @@ def test_every_error_has_anthropics_type_and_chatkits_status(exc, status, kind):
     got, body = error_body(exc)
     assert (got, body["type"], body["error"]["type"]) == (status, "error", kind)
     assert "secret" not in body["error"]["message"]
+
+
+@pytest.mark.parametrize("anthropic_choice, openai_choice", [
+    (None, {}),
+    ({"type": "auto"}, {"tool_choice": "auto"}),
+    ({"type": "none"}, {"tool_choice": "none"}),
+    ({"type": "any"}, {"tool_choice": "required"}),
+    ({"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+     {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "parallel_tool_calls": False}),
+])
+def test_anthropics_tools_and_tool_choice_read_as_openais_by_the_one_reader(anthropic_choice, openai_choice):
+    from chatkit.server.anthropic_wire import parse_messages
+    from chatkit.server.chat_completions import parse_chat
+
+    choice = {"tool_choice": anthropic_choice} if anthropic_choice is not None else {}
+    ours = parse_messages({"max_tokens": 5, "messages": [user("Weather?")], "tools": [WEATHER], **choice}, PARAMS)
+    function = {"name": WEATHER["name"], "description": WEATHER["description"], "parameters": WEATHER["input_schema"]}
+    theirs = parse_chat({"messages": [user("Weather?")], "tools": [{"type": "function", "function": function}],
+                         **openai_choice}, PARAMS)
+    fields = ("tools", "tool_choice", "tool_name", "parallel_tool_calls", "strict_tools")
+    assert [getattr(ours, f) for f in fields] == [getattr(theirs, f) for f in fields]

@@ -35,17 +35,17 @@ def with_app(lm, scenario):
 
 
 def test_a_handler_failing_after_it_opened_the_turn_frees_the_slot(lm, monkeypatch):
-    from chatkit.server import chat_completions
+    from chatkit.server import turns
 
-    real = chat_completions.new_id
+    real = turns.new_id
 
     def failing(prefix):
         raise RuntimeError("boom")
 
     async def scenario(app, client):
-        monkeypatch.setattr(chat_completions, "new_id", failing)
+        monkeypatch.setattr(turns, "new_id", failing)
         failed = await client.post("/v1/chat/completions", json=BODY)
-        monkeypatch.setattr(chat_completions, "new_id", real)
+        monkeypatch.setattr(turns, "new_id", real)
         after = await client.post("/v1/chat/completions", json=BODY)
         return failed.status_code, after.status_code
 
@@ -81,3 +81,29 @@ def test_a_streamed_turn_whose_body_never_ran_is_settled(lm, path, body):
         return after.status_code
 
     assert with_app(lm, scenario) == 200
+
+
+@pytest.mark.slow  # runs the app
+def test_a_request_samples_with_its_own_settings_and_the_pooled_session_keeps_its_own(lm, monkeypatch):
+    # The server passes a request's sampling to its turn (params=): the pooled session's own settings
+    # stay the server's defaults, for every choice of n > 1 too.
+    from chatkit.server.session_index import SessionIndex
+
+    indexes = []
+    real = SessionIndex.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        indexes.append(self)
+
+    monkeypatch.setattr(SessionIndex, "__init__", init)
+    body = {**BODY, "temperature": 0.9, "seed": 5, "max_tokens": 3, "n": 2}
+
+    async def scenario(app, client):
+        r = await client.post("/v1/chat/completions", json=body)
+        (index,) = indexes
+        return r.status_code, len(r.json()["choices"]), [index.pool.get(c).generate_params for c in index.pool]
+
+    status, choices, pooled = with_app(lm, scenario)
+    assert status == 200 and choices == 2 and len(pooled) == 1
+    assert pooled[0].temperature == PARAMS.temperature and pooled[0].seed is None and pooled[0].max_tokens == 4

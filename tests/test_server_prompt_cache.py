@@ -82,3 +82,30 @@ def test_a_bad_prompt_cache_setting_is_refused_before_serving(lm):
 
     with pytest.raises(InvalidParamsError, match="ServerConfig.prompt_cache"):
         start(lm, ServerConfig(prompt_cache="ram"))
+
+
+def test_a_branch_off_a_pooled_conversation_reuses_their_prefix_in_memory(lm, monkeypatch):
+    # A client that goes back to an earlier message starts a new conversation that begins as a pooled one
+    # does: the prompt cache serves the prefix they share, no cache file is written for it (the server
+    # used to write the pooled session's cache to a hand-off file and read it back), and the reply is the
+    # one a session computing everything gives.
+    saved = []
+    monkeypatch.setattr(ChatSession, "save_cache", lambda self, path, **kw: saved.append(path) or 0)
+    pc = PromptCache(block_tokens=16)
+    url_messages = [{"role": "system", "content": SYSTEM}]
+    with start(lm, ServerConfig(model_id="tiny", defaults=PARAMS, prompt_cache=pc)) as running:
+        usages = []
+        for q in QUESTIONS:
+            url_messages.append({"role": "user", "content": q})
+            r = httpx.post(f"{running.url}/chat/completions", json={"model": "any", "messages": url_messages}, timeout=120)
+            url_messages.append(r.json()["choices"][0]["message"])
+            usages.append(r.json()["usage"])
+        branch = [*url_messages[:3], {"role": "user", "content": "And on Mondays?"}]
+        r = httpx.post(f"{running.url}/chat/completions", json={"model": "any", "messages": branch}, timeout=120)
+        reply, usage = r.json()["choices"][0]["message"]["content"], r.json()["usage"]
+    shared = usages[0]["prompt_tokens"] + usages[0]["completion_tokens"]  # the first exchange, as cached
+    assert saved == []
+    assert shared - 16 <= usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"], (usage, shared)
+    alone = ChatSession.builder(lm).generate_params(PARAMS.copy()).instructions(SYSTEM).prompt_cache(None).build()
+    alone.respond(QUESTIONS[0])
+    assert reply == alone.respond("And on Mondays?")

@@ -21,6 +21,7 @@ from ..images import Image, as_image
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
 from ..session.results import TurnStats
+from . import wire
 from .body import read_metadata, read_object
 from .errors import BadRequestError, http_message, status_of
 from .wire import TurnRequest, read_bool, read_model, read_params, split_conversation
@@ -35,7 +36,7 @@ def parse_messages(body: Any, defaults: GenerateParams, *, counting: bool = Fals
     """A ``POST /v1/messages`` body (``counting``: a ``/v1/messages/count_tokens`` body, no ``max_tokens``)."""
     body = read_object(body)
     _metadata(body)
-    tools, choice = read_tools(body)  # choice: TurnRequest's tool_choice, tool_name, parallel_tool_calls
+    tool_fields = read_tools(body)  # TurnRequest's tools, tool_choice, tool_name, parallel_tool_calls, strict_tools
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequestError("messages: a non-empty list of {role, content} objects is required.", param="messages")
@@ -58,7 +59,7 @@ def parse_messages(body: Any, defaults: GenerateParams, *, counting: bool = Fals
     params = read_params(sampling, defaults, max_tokens, "max_tokens")
     params = _thinking(body.get("thinking"), params)
     return TurnRequest(instructions, history, added, params=params, stream=read_bool(body, "stream", False),
-                       tools=tools, model=read_model(body), **choice)
+                       model=read_model(body), **tool_fields)
 
 
 def _metadata(body: Mapping[str, Any]) -> None:
@@ -81,53 +82,51 @@ def read_system(system: Any) -> str | None:
     raise BadRequestError("system must be a string or a list of text blocks.", param="system")
 
 
-def read_tools(body: Mapping[str, Any]) -> tuple[tuple[dict[str, Any], ...] | None, dict[str, Any]]:
-    """``tools`` (``{name, description, input_schema}``) as chatkit's function schemas, and ``tool_choice``
-    as ``TurnRequest``'s fields: ``any`` is OpenAI's ``required``, ``tool`` a named one (held by the strict
-    call grammar, ``tool_choice.py``), ``disable_parallel_tool_use`` ``parallel_tool_calls=false``."""
+def read_tools(body: Mapping[str, Any]) -> dict[str, Any]:
+    """``tools`` (``{name, description, input_schema}``) and ``tool_choice`` mapped onto OpenAI's shapes and
+    read by the one tool reader (``wire.read_tools``) into ``TurnRequest``'s tool fields: ``any`` is OpenAI's
+    ``required``, ``tool`` a named one (held by the strict call grammar, ``tool_choice.py``),
+    ``disable_parallel_tool_use`` ``parallel_tool_calls=false``."""
     raw = body.get("tools") or []
     if not isinstance(raw, list):
         raise BadRequestError("tools must be a list of {name, description, input_schema} objects.", param="tools")
-    tools: list[dict[str, Any]] = []
-    for j, item in enumerate(raw):
-        where = f"tools[{j}]"
-        if not isinstance(item, Mapping) or item.get("type", "custom") not in ("custom", None):
-            kind = item.get("type") if isinstance(item, Mapping) else type(item).__name__
-            raise BadRequestError(f"{where}: only client tools ({{name, description, input_schema}}) are supported, "
-                                  f"got {kind!r}.", param=where)
-        name, description, schema = item.get("name"), item.get("description"), item.get("input_schema")
-        if not isinstance(name, str) or not name:
-            raise BadRequestError(f"{where}: a tool needs a name.", param=f"{where}.name")
-        if description is not None and not isinstance(description, str):
-            raise BadRequestError(f"{where}.description must be a string.", param=f"{where}.description")
-        if not isinstance(schema, Mapping):
-            raise BadRequestError(f"{where}.input_schema is required: a JSON Schema object.",
-                                  param=f"{where}.input_schema")
-        function = {"name": name, **({"description": description} if description else {}), "parameters": dict(schema)}
-        tools.append({"type": "function", "function": function})
-    names = [t["function"]["name"] for t in tools]
-    if len(set(names)) != len(names):
-        raise BadRequestError(f"tools: names must be unique, got {names}.", param="tools")
-    return (tuple(tools) if tools else None), _tool_choice(body.get("tool_choice"), names)
+    tools = [_function(item, f"tools[{j}]") for j, item in enumerate(raw)]
+    return wire.read_tools({"tools": tools, **_tool_choice(body.get("tool_choice"), bool(tools))}, flat=True)
 
 
-def _tool_choice(choice: Any, names: list[str]) -> dict[str, Any]:
+def _function(item: Any, where: str) -> dict[str, Any]:
+    """An Anthropic client tool as the Responses API's function tool."""
+    if not isinstance(item, Mapping) or item.get("type", "custom") not in ("custom", None):
+        kind = item.get("type") if isinstance(item, Mapping) else type(item).__name__
+        raise BadRequestError(f"{where}: only client tools ({{name, description, input_schema}}) are supported, "
+                              f"got {kind!r}.", param=where)
+    name, description, schema = item.get("name"), item.get("description"), item.get("input_schema")
+    if not isinstance(name, str) or not name:
+        raise BadRequestError(f"{where}: a tool needs a name.", param=f"{where}.name")
+    if not isinstance(schema, Mapping):
+        raise BadRequestError(f"{where}.input_schema is required: a JSON Schema object.",
+                              param=f"{where}.input_schema")
+    return {"type": "function", "name": name, **({"description": description} if description else {}),
+            "parameters": schema, **({"strict": item["strict"]} if "strict" in item else {})}
+
+
+def _tool_choice(choice: Any, tools: bool) -> dict[str, Any]:
+    """Anthropic's ``tool_choice`` as OpenAI's ``tool_choice`` and ``parallel_tool_calls``."""
     if choice is None:
         return {}
     if not isinstance(choice, Mapping) or choice.get("type") not in ("auto", "any", "tool", "none"):
         raise BadRequestError('tool_choice must be {"type": "auto"}, {"type": "none"}, {"type": "any"} or '
                               '{"type": "tool", "name": ...}.', param="tool_choice")
-    kind, name = choice["type"], choice.get("name")
-    if kind == "tool" and name not in names:
-        raise BadRequestError(f"tool_choice: {name!r} is not one of the request's tools ({names}).", param="tool_choice")
-    if kind in ("any", "tool") and not names:
+    kind = choice["type"]
+    if kind in ("any", "tool") and not tools:
         raise BadRequestError(f"tool_choice {kind!r} needs tools: send the tools the model must call.",
                               param="tool_choice")
     parallel = choice.get("disable_parallel_tool_use", False)
     if not isinstance(parallel, bool):
         raise BadRequestError("tool_choice.disable_parallel_tool_use must be true or false.", param="tool_choice")
-    return {"tool_choice": "required" if kind in ("any", "tool") else kind,
-            "tool_name": name if kind == "tool" else None, "parallel_tool_calls": not parallel or kind == "none"}
+    named = {"type": "function", "name": choice.get("name")}
+    return {"tool_choice": named if kind == "tool" else "required" if kind == "any" else kind,
+            "parallel_tool_calls": not parallel or kind == "none"}
 
 
 def _thinking(thinking: Any, params: GenerateParams) -> GenerateParams:

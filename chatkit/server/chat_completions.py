@@ -6,33 +6,29 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response
 
 from ..messages import ChatMessage, ToolCall
 from ..params import GenerateParams
 from ..session.aio import AsyncResponseStream
 from ..session.results import TurnStats
 from ..text.reply import PieceKind
-from . import trace
-from .body import read_body, read_metadata, read_object
+from .body import read_metadata, read_object
 from .choices import more_choices, read_n
 from .errors import BadRequestError, error_body
-from .lease import Lease
 from .logprobs import Logprobs, read_logprobs
 from .state import ServerState, reply_of
+from .turns import Codec, run_turn
 from .wire import (
-    Deltas,
     TurnRequest,
     arguments_text,
-    compaction_headers,
     compaction_usage,
     format_schema,
     link_tool_results,
-    new_id,
     read_bool,
     read_message,
     read_model,
@@ -44,89 +40,80 @@ from .wire import (
 FINISH = {"stop": "stop", "length": "length", "cancelled": "stop", None: "stop"}
 
 
+class ChatCodec(Codec):
+    """Chat completions on the wire: a ``chat.completion``, or ``chat.completion.chunk`` events (each
+    choice in turn, its chunks carrying its ``index``: the role, the pieces, the finish reason), the
+    usage if asked, ``[DONE]``."""
+
+    prefix = "chatcmpl"
+
+    def __init__(self, state: ServerState, req: TurnRequest) -> None:
+        super().__init__(state, req)
+        self.model = ""
+        self.choices: list[dict[str, Any]] = []  # (not streamed) each choice's object
+        self.completion = 0  # the tokens of all choices
+        self.calls = 0  # (streamed) the tool calls the current choice sent
+        self._index = 0  # (streamed) the current choice
+        self._reply: Callable[[], ChatMessage] = lambda: ChatMessage.assistant("")
+
+    @staticmethod
+    def parse(body: Any, defaults: GenerateParams) -> TurnRequest:
+        return parse_chat(body, defaults)
+
+    async def streams(self) -> AsyncIterator[tuple[int, AsyncResponseStream]]:
+        """The lease's turn, then ``n - 1`` forks (``choices``), each counted in ``/metrics`` once the
+        runner closed it (the lease's turn is counted where it settles)."""
+        lease = self.lease
+        self.model, self._reply = lease.model, lambda: reply_of(lease)
+        yield 0, lease.stream
+        async for choice in more_choices(lease, self.req.n, self.state.sessions.run):
+            self._reply = choice.reply
+            yield choice.index, choice.stream
+            self.state.metrics.observe_turn(choice.stream.stats)
+
+    def opened(self, index: int) -> Iterable[str]:
+        self.calls, self._index = 0, index
+        yield _sse(chat_chunk(self.id, self.model, {"role": "assistant", "content": ""}, index=index))
+
+    def piece(self, kind: PieceKind, value: Any, read: Logprobs | None) -> Iterable[str]:
+        yield _sse(chat_chunk(self.id, self.model, _delta(kind, value, self.calls), logprobs=_taken(read),
+                              index=self._index))
+        self.calls += kind == PieceKind.TOOL_CALL
+
+    def done(self, index: int, stream: AsyncResponseStream, finish: str | None, read: Logprobs | None) -> None:
+        self.completion += stream.stats.generation_tokens if stream.stats is not None else 0
+        if not self.req.stream:
+            message = self._reply()
+            self.choices.append({"index": index, "message": chat_message(message),
+                                 "finish_reason": finish_reason(finish, bool(message.tool_calls)),
+                                 "logprobs": None if read is None else {"content": read.entries, "refusal": None}})
+
+    def closed(self, index: int, finish: str | None, read: Logprobs | None) -> Iterable[str]:
+        yield _sse(chat_chunk(self.id, self.model, {}, finish_reason(finish, self.calls > 0), logprobs=_taken(read),
+                              index=index))
+
+    def end(self) -> Iterable[str]:
+        if self.req.include_usage:
+            usage = chat_usage(self.lease.stream.stats, self.lease.compaction(), self.completion)
+            yield _sse(chat_chunk(self.id, self.model, {}, usage=usage))
+        yield "data: [DONE]\n\n"
+
+    def error(self, exc: Exception) -> str:
+        return _sse(error_body(exc)[1])
+
+    async def body(self) -> Mapping[str, Any]:
+        usage = chat_usage(self.lease.stream.stats, self.lease.compaction(), self.completion)
+        return chat_completion(self.id, self.model, self.choices, usage)
+
+
 async def create(state: ServerState, request: Request) -> Response:
     """Answer the conversation the request sends (its last message, or the results of the last reply's calls)."""
-    req = parse_chat(await read_body(request), state.config.defaults)
-    lease = await state.open_turn(req, req.instructions, req.history, req.added)
-    cid = new_id("chatcmpl")
-    if req.stream:
-        return StreamingResponse(_events(state, lease, req, cid), media_type="text/event-stream")
-    choices: list[dict[str, Any]] = []
-    completion = 0
-    async with state.settled(lease):
-        async for index, stream, reply in _choices(state, lease, req):
-            read = Logprobs(state.lm.tokenizer, req.logprobs) if req.logprobs is not None else None
-            finish = None
-            async with stream:  # closed (committed) however the block ends
-                async for chunk in stream:
-                    finish = chunk.finish_reason
-                    if read is not None:
-                        read.feed(chunk)
-            message = reply()
-            choices.append({"index": index, "message": chat_message(message),
-                            "finish_reason": finish_reason(finish, bool(message.tool_calls)),
-                            "logprobs": None if read is None else {"content": read.entries, "refusal": None}})
-            completion += stream.stats.generation_tokens if stream.stats is not None else 0
-    compaction = lease.compaction()
-    body = chat_completion(cid, lease.model, choices, chat_usage(lease.stream.stats, compaction, completion))
-    return JSONResponse(body, headers=compaction_headers(compaction))
+    return await run_turn(state, ChatCodec, request)
 
 
-async def _choices(state: ServerState, lease: Lease,
-                   req: TurnRequest) -> AsyncIterator[tuple[int, AsyncResponseStream, Callable[[], ChatMessage]]]:
-    """(index, stream, its reply once read) of each choice: the lease's turn, then ``n - 1`` forks
-    (``choices``), each counted in ``/metrics`` once the caller closed it (the lease's turn is counted
-    where it settles)."""
-    yield 0, lease.stream, lambda: reply_of(lease)
-    async for choice in more_choices(lease, req.n):
-        yield choice.index, choice.stream, choice.reply
-        state.metrics.observe_turn(choice.stream.stats)
-
-
-async def _events(state: ServerState, lease: Lease, req: TurnRequest, cid: str) -> AsyncIterator[str]:
-    """The reply as server-sent chunks: the role, the pieces, the finish reason (each choice in turn,
-    chunks carrying its ``index``), the usage if asked, [DONE]."""
-    model = lease.model
-    async with state.settled(lease):
-        try:
-            completion = 0
-            async for index, stream, _ in _choices(state, lease, req):
-                async with stream:  # closed (committed) however the block ends
-                    async for text in _choice_events(state, stream, req, cid, model, index):
-                        yield text
-                completion += stream.stats.generation_tokens if stream.stats is not None else 0
-            if req.include_usage:
-                usage = chat_usage(lease.stream.stats, lease.compaction(), completion)
-                yield _sse(chat_chunk(cid, model, {}, usage=usage))
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # after the headers: the error goes into the stream
-            yield _sse(error_body(exc)[1])
-
-
-async def _choice_events(state: ServerState, stream: AsyncResponseStream, req: TurnRequest, cid: str, model: str,
-                         index: int) -> AsyncIterator[str]:
-    """One choice's chunks: the role, the pieces, the finish reason."""
-    yield _sse(chat_chunk(cid, model, {"role": "assistant", "content": ""}, index=index))
-    finish, calls, deltas = None, 0, Deltas()
-    read = Logprobs(state.lm.tokenizer, req.logprobs) if req.logprobs is not None else None
-
-    def taken() -> dict[str, Any] | None:  # the entries since the last chunk sent, when asked
-        return None if read is None else {"content": read.take(), "refusal": None}
-
-    trace.stamp("turn")
-    async for chunk in stream:
-        trace.stamp("token")
-        finish = chunk.finish_reason
-        if read is not None:
-            read.feed(chunk)
-        for kind, value in deltas.feed(chunk):
-            if kind == PieceKind.TEXT and value:
-                trace.stamp("text")
-            yield _sse(chat_chunk(cid, model, _delta(kind, value, calls), logprobs=taken(), index=index))
-            calls += kind == PieceKind.TOOL_CALL
-    for kind, value in deltas.end():
-        yield _sse(chat_chunk(cid, model, _delta(kind, value, calls), logprobs=taken(), index=index))
-    yield _sse(chat_chunk(cid, model, {}, finish_reason(finish, calls > 0), logprobs=taken(), index=index))
+def _taken(read: Logprobs | None) -> dict[str, Any] | None:
+    """The entries since the last chunk sent, when asked."""
+    return None if read is None else {"content": read.take(), "refusal": None}
 
 
 # -- reading the request ------------------------------------------------------------------------
@@ -242,6 +229,6 @@ def _sse(data: dict[str, Any]) -> str:
 
 
 __all__ = [
-    "FINISH", "chat_chunk", "chat_completion", "chat_message", "chat_usage", "create", "finish_reason", "parse_chat",
+    "FINISH", "ChatCodec", "chat_chunk", "chat_completion", "chat_message", "chat_usage", "create", "finish_reason", "parse_chat",
     "tool_call_object",
 ]

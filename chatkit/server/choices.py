@@ -11,15 +11,17 @@ and that conversation starts from the pooled one's cached prefix (the prompt), a
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from ..messages import ChatMessage, Role
 from ..session.aio import AsyncResponseStream
 from ..session.session import ChatSession
+from ..session.streams import ReplyStream
 from .errors import BadRequestError
-from .lease import Lease
+from .lease import Lease, turn_params
+
+Run = Callable[..., Awaitable[Any]]  # ``SessionIndex.run``
 
 MAX_CHOICES = 16
 
@@ -48,17 +50,21 @@ class Choice:
         return ChatMessage.assistant(self.stream.text)
 
 
-async def more_choices(lease: Lease, n: int) -> AsyncIterator[Choice]:
+async def more_choices(lease: Lease, n: int, run: Run) -> AsyncIterator[Choice]:
     """Choices 1 to ``n - 1`` (see the module docstring), one at a time: each is opened once the one
-    before was read (the caller closes its stream); none once choice 0 did not commit."""
+    before was read (the caller closes its stream); none once choice 0 did not commit. ``run``: the
+    server's one worker thread for blocking work (``SessionIndex.run``): the fork and its turn's
+    opening are one hop to it."""
+    params = lease.params if lease.params is not None else lease.session.generate_params
     for index in range(1, n):
         if lease.reply() is None:
             return
-        session = await asyncio.to_thread(lease.session.fork)
-        params = session.generate_params
-        if params.seed is not None:
-            session.generate_params = params.copy(seed=(params.seed + index) % 2**64)
-        stream = await asyncio.to_thread(session.stream_regenerate)
+
+        def fork(index: int = index) -> tuple[ChatSession, ReplyStream]:
+            session = lease.session.fork()  # not pooled: it regenerates with its own settings, the choice's
+            session.generate_params = turn_params(params, index)
+            return session, session.stream_regenerate()
+        session, stream = await run(fork)
         yield Choice(index, session, AsyncResponseStream(stream))
 
 

@@ -6,6 +6,7 @@ import weakref
 from dataclasses import dataclass
 
 from ..messages import ChatMessage, Role
+from ..params import GenerateParams
 from ..session.aio import AsyncResponseStream
 from ..session.session import ChatSession
 
@@ -24,6 +25,7 @@ class Lease:
     model: str = ""  # the served model's id as replies show it (``<id>:<adapter>`` with an adapter)
     settled: bool = False  # closed, re-indexed and its slot freed (``ServerState.settled``)
     delivered: bool = False  # some of the reply reached the client (``app._Settling``): a stop then commits it
+    params: GenerateParams | None = None  # the turn's own sampling (``turn_params``)
 
     def keep_when_stopped(self) -> None:
         """A turn stopped before its end (the client went away) commits what it produced only once some
@@ -50,4 +52,14 @@ class Lease:
                 "summary_tokens": stats.summary_tokens}
 
 
-__all__ = ["Lease"]
+def turn_params(params: GenerateParams, choice: int = 0) -> GenerateParams:
+    """The one place the server decides a turn's sampling: ``params`` (the request's, with its tool
+    choice's bias and constraint; ``ServerState.open_turn``), for chat completions' choice ``choice``:
+    with a ``seed``, choice ``i`` samples with ``seed + i``. A turn takes it as its own (``params=``): a
+    pooled session's settings never change."""
+    if choice and params.seed is not None:
+        return params.copy(seed=(params.seed + choice) % 2**64)
+    return params
+
+
+__all__ = ["Lease", "turn_params"]

@@ -17,8 +17,6 @@ from typing import Any
 from ..session.results import StreamChunk
 from ..text.reply import PieceKind
 from .errors import BadRequestError
-from .lease import Lease
-from .state import ServerState
 
 MAX_TOP = 20
 FLOOR = -9999.0  # what OpenAI sends for a token that cannot be chosen (JSON has no -Infinity)
@@ -89,16 +87,4 @@ class Logprobs:
         return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
 
 
-async def complete(state: ServerState, lease: Lease, read: Logprobs | None) -> str | None:
-    """As ``state.complete`` (the turn run to its end and settled; its finish reason), feeding ``read``."""
-    if read is None:
-        return await state.complete(lease)
-    async with state.settled(lease):
-        finish = None
-        async for chunk in lease.stream:
-            finish = chunk.finish_reason
-            read.feed(chunk)
-    return finish
-
-
-__all__ = ["MAX_TOP", "Logprobs", "complete", "read_included", "read_logprobs", "read_top"]
+__all__ = ["MAX_TOP", "Logprobs", "read_included", "read_logprobs", "read_top"]

@@ -6,16 +6,17 @@ for what is new); the reply is one ``message`` or Anthropic's server-sent events
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from ..messages import ToolCall
 from ..model.loaded import LoadedModel
+from ..params import GenerateParams
+from ..session.aio import AsyncResponseStream
 from ..text.reply import PieceKind
-from . import trace
 from .anthropic_wire import (
     SIGNATURE,
     content_blocks,
@@ -29,22 +30,62 @@ from .anthropic_wire import (
 )
 from .body import read_body
 from .lease import Lease
+from .logprobs import Logprobs
 from .state import ServerState, reply_of
-from .wire import Deltas, TurnRequest, compaction_headers, new_id
+from .turns import Codec, run_turn
+from .wire import TurnRequest
+
+
+class MessagesCodec(Codec):
+    """Anthropic's Messages API on the wire: one ``message``, or its events: message_start, ping, the
+    content blocks, message_delta (the stop reason and usage), message_stop."""
+
+    prefix = "msg"
+
+    def __init__(self, state: ServerState, req: TurnRequest) -> None:
+        super().__init__(state, req)
+        self.finish: str | None = None
+        self.called = False  # (streamed) a tool call to run was sent
+        self.blocks = Blocks()
+
+    @staticmethod
+    def parse(body: Any, defaults: GenerateParams) -> TurnRequest:
+        return parse_messages(body, defaults)
+
+    def start(self) -> Iterable[str]:
+        yield event("message_start", {"message": message(self.id, self.lease.model, [], (None, None), None)})
+        yield event("ping", {})
+
+    def piece(self, kind: PieceKind, value: Any, read: Logprobs | None) -> Iterable[str]:
+        self.called = self.called or (kind == PieceKind.TOOL_CALL and value.error is None)
+        return self.blocks.feed(kind, value)
+
+    def done(self, index: int, stream: AsyncResponseStream, finish: str | None, read: Logprobs | None) -> None:
+        self.finish = finish
+
+    def closed(self, index: int, finish: str | None, read: Logprobs | None) -> Iterable[str]:
+        if self.blocks.index < 0:  # an empty reply still has its (empty) text block
+            yield from self.blocks.feed(PieceKind.TEXT, "")
+        yield from self.blocks.close()
+        stop = stop_reason(finish, self.called, _stop_sequence(self.state.lm, self.lease, self.req))
+        yield event("message_delta", {"delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
+                                      "usage": usage(self.lease.stream.stats)})
+
+    def end(self) -> Iterable[str]:
+        yield event("message_stop", {})
+
+    def error(self, exc: Exception) -> str:
+        return event("error", error_body(exc)[1])
+
+    async def body(self) -> Mapping[str, Any]:
+        lease, reply = self.lease, reply_of(self.lease)
+        stop = stop_reason(self.finish, _runnable(reply.tool_calls), _stop_sequence(self.state.lm, lease, self.req))
+        return message(self.id, lease.model, content_blocks(reply), stop, lease.stream.stats)
 
 
 async def create(state: ServerState, request: Request) -> Response:
     """Answer the conversation the request sends (its last user message, or its tool results)."""
-    req = parse_messages(await read_body(request), state.config.defaults)
-    lease = await state.open_turn(req, req.instructions, req.history, req.added)
-    mid = new_id("msg")
-    if req.stream:
-        return StreamingResponse(_events(state, lease, req, mid), media_type="text/event-stream")
-    finish = await state.complete(lease)
-    reply = reply_of(lease)
-    stop = stop_reason(finish, _runnable(reply.tool_calls), _stop_sequence(state.lm, lease, req))
-    body = message(mid, lease.model, content_blocks(reply), stop, lease.stream.stats)
-    return JSONResponse(body, headers=compaction_headers(lease.compaction()))
+    return await run_turn(state, MessagesCodec, request)
 
 
 async def count_tokens(state: ServerState, request: Request) -> Response:
@@ -114,39 +155,4 @@ def _json(call: ToolCall) -> str:
     return json.dumps(call.arguments, ensure_ascii=False)
 
 
-async def _events(state: ServerState, lease: Lease, req: TurnRequest, mid: str) -> AsyncIterator[str]:
-    """The reply as Anthropic's events: message_start, ping, the blocks, message_delta, message_stop."""
-    async with state.settled(lease):
-        try:
-            start = message(mid, lease.model, [], (None, None), None)
-            yield event("message_start", {"message": start})
-            yield event("ping", {})
-            finish, called, deltas, blocks = None, False, Deltas(), Blocks()
-            trace.stamp("turn")
-            async for chunk in lease.stream:
-                trace.stamp("token")
-                finish = chunk.finish_reason
-                for kind, value in deltas.feed(chunk):
-                    called = called or (kind == PieceKind.TOOL_CALL and value.error is None)
-                    if kind == PieceKind.TEXT and value:
-                        trace.stamp("text")
-                    for line in blocks.feed(kind, value):
-                        yield line
-            for kind, value in deltas.end():
-                for line in blocks.feed(kind, value):
-                    yield line
-            if blocks.index < 0:  # an empty reply still has its (empty) text block
-                for line in blocks.feed(PieceKind.TEXT, ""):
-                    yield line
-            for line in blocks.close():
-                yield line
-            await lease.stream.aclose()
-            stop = stop_reason(finish, called, _stop_sequence(state.lm, lease, req))
-            yield event("message_delta", {"delta": {"stop_reason": stop[0], "stop_sequence": stop[1]},
-                                          "usage": usage(lease.stream.stats)})
-            yield event("message_stop", {})
-        except Exception as exc:  # after the headers: the error goes into the stream
-            yield event("error", error_body(exc)[1])
-
-
-__all__ = ["Blocks", "count_tokens", "create"]
+__all__ = ["Blocks", "MessagesCodec", "count_tokens", "create"]

@@ -9,30 +9,30 @@ from __future__ import annotations
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from ..errors import ChatKitError
 from ..messages import ChatMessage, Role, ToolCall
 from ..params import GenerateParams
+from ..session.aio import AsyncResponseStream
 from ..session.results import TurnStats
 from ..text.reply import PieceKind
 from . import trace
-from .body import read_body, read_metadata, read_object
+from .body import read_metadata, read_object
 from .errors import BadRequestError, error_body
 from .lease import Lease
-from .logprobs import Logprobs, complete, read_included
+from .logprobs import Logprobs, read_included
 from .state import ServerState, reply_of
+from .turns import Codec, run_turn
 from .wire import (
-    Deltas,
     TurnRequest,
     arguments_text,
-    compaction_headers,
     compaction_usage,
     format_schema,
     link_tool_results,
@@ -48,40 +48,68 @@ from .wire import (
 )
 
 
-async def create(state: ServerState, request: Request) -> Response:
-    """Answer the input after the conversation ``previous_response_id`` names (if any); store the response."""
-    req = parse_responses(await read_body(request), state.config.defaults)
-    before = state.responses.transcript(req.previous_response_id) if req.previous_response_id else ()
-    model = (state.models.chained(req.model, state.responses.get(req.previous_response_id).get("model", ""))
-             if req.previous_response_id else state.models.select(req.model))  # a chain keeps its model
-    linked = link_tool_results([*before, *req.added], "input", offset=len(before))
-    added = tuple(linked[len(before):])  # tool results named after their calls
-    instructions, history, new = split_conversation(req.instructions, linked)
-    lease = await state.open_turn(req, instructions, history, new, keep=req.store, model=model)
-    turn = ResponseTurn(state, req, lease, added)
-    if req.stream:
-        return StreamingResponse(_events(state, turn), media_type="text/event-stream")
-    kept = await turn.keep(await complete(state, lease, turn.items.read))
-    return JSONResponse(kept, headers=compaction_headers(lease.compaction()))
+class ResponsesCodec(Codec):
+    """The Responses API on the wire: one ``response`` object, or its events: created, in progress, its
+    output items as they stream, then completed (or incomplete). However the stream ends (an error, the
+    client gone) the response is kept (``keep``), as far as the turn got."""
 
+    prefix = "resp"
 
-async def retrieve(state: ServerState, request: Request) -> Response:
-    """A stored response by its id; 404 when this server holds none."""
-    return JSONResponse(state.responses.get(request.path_params["rid"]))
-
-
-class ResponseTurn:
-    """One response being answered: its id, its output items, and the response object at each stage."""
-
-    def __init__(self, state: ServerState, req: TurnRequest, lease: Lease, added: Sequence[ChatMessage]) -> None:
-        self.id, self.created = new_id("resp"), int(time.time())
+    def __init__(self, state: ServerState, req: TurnRequest) -> None:
+        super().__init__(state, req)
+        self.created = int(time.time())
         self.items = OutputItems(Logprobs(state.lm.tokenizer, req.logprobs) if req.logprobs is not None else None)
-        self.lease = lease
-        self._state, self._req, self._added = state, req, added
+        self.out = _EventWriter(self.items)
+        self.finish: str | None = None
+        self._added: Sequence[ChatMessage] = ()
+
+    @staticmethod
+    def parse(body: Any, defaults: GenerateParams) -> TurnRequest:
+        return parse_responses(body, defaults)
+
+    async def open(self) -> Lease:
+        """The input goes on after the conversation ``previous_response_id`` names (if any), on its model."""
+        state, req = self.state, self.req
+        before = state.responses.transcript(req.previous_response_id) if req.previous_response_id else ()
+        model = (state.models.chained(req.model, state.responses.get(req.previous_response_id).get("model", ""))
+                 if req.previous_response_id else state.models.select(req.model))  # a chain keeps its model
+        linked = link_tool_results([*before, *req.added], "input", offset=len(before))
+        self._added = tuple(linked[len(before):])  # tool results named after their calls
+        instructions, history, new = split_conversation(req.instructions, linked)
+        return await state.open_turn(req, instructions, history, new, keep=req.store, model=model)
+
+    def reader(self) -> Logprobs | None:
+        return self.items.read
+
+    def start(self) -> Iterable[str]:
+        yield self.out.event("response.created", response=self.object("in_progress", []))
+        yield self.out.event("response.in_progress", response=self.object("in_progress", []))
+
+    def piece(self, kind: PieceKind, value: Any, read: Logprobs | None) -> Iterable[str]:
+        return self.out.pieces(kind, value)
+
+    def done(self, index: int, stream: AsyncResponseStream, finish: str | None, read: Logprobs | None) -> None:
+        self.finish = finish
+
+    async def after(self, ended: str) -> Iterable[str]:
+        try:
+            kept = await self.keep(self.finish, ended)
+        except ChatKitError as exc:  # not stored: the client is told instead of "completed"
+            return [self.error(exc)] if ended == "done" else []
+        if ended != "done":
+            return []
+        kind = "response.incomplete" if kept["status"] == "incomplete" else "response.completed"
+        return [*self.out.end(), self.out.event(kind, response=kept)]
+
+    def error(self, exc: Exception) -> str:
+        return self.out.event("error", **error_body(exc)[1]["error"])
+
+    async def body(self) -> Mapping[str, Any]:
+        return await self.keep(self.finish)
 
     def object(self, status: str, output: list[dict[str, Any]], finish: str | None = None) -> dict[str, Any]:
         """The response object with ``status`` and ``output``, usage as far as the turn got."""
-        stats, req = self.lease.stream.stats, self._req
+        stats, req = self.lease.stream.stats, self.req
         return response_object(
             self.id, self.lease.model, created_at=self.created, status=status, output=output,
             previous_response_id=req.previous_response_id, store=req.store,
@@ -97,55 +125,21 @@ class ResponseTurn:
         reply = reply_of(self.lease)
         status = ended if ended != "done" else "incomplete" if finish == "length" else "completed"
         obj = self.object(status, self.items.of(reply, status != "completed"), finish)
-        if self._req.store and self.lease.reply() is not None:  # committed
+        if self.req.store and self.lease.reply() is not None:  # committed
             with anyio.CancelScope(shield=True):
-                await self._state.responses.add_async(obj, self._added, reply)
+                await self.state.responses.add_async(obj, self._added, reply)
             trace.stamp("stored")
         return obj
 
 
-async def _events(state: ServerState, turn: ResponseTurn) -> AsyncIterator[str]:
-    """The response as server-sent events: created, in progress, its output items as they stream, then
-    completed (or incomplete). However the stream ends (an error, the client gone) the response is kept."""
-    out = _EventWriter(turn.items)
-    finish, ended = None, "cancelled"  # until the stream ends or fails
-    kept: dict[str, Any] | ChatKitError = {}
-    try:
-        async with state.settled(turn.lease):
-            try:
-                yield out.event("response.created", response=turn.object("in_progress", []))
-                yield out.event("response.in_progress", response=turn.object("in_progress", []))
-                deltas = Deltas()
-                trace.stamp("turn")
-                async for chunk in turn.lease.stream:
-                    trace.stamp("token")
-                    finish = chunk.finish_reason
-                    if turn.items.read is not None:
-                        turn.items.read.feed(chunk)
-                    for kind, value in deltas.feed(chunk):
-                        if kind == PieceKind.TEXT and value:
-                            trace.stamp("text")
-                        for text in out.pieces(kind, value):
-                            yield text
-                for kind, value in deltas.end():
-                    for text in out.pieces(kind, value):
-                        yield text
-                ended = "done"
-            except Exception as exc:
-                ended = "failed"
-                yield out.event("error", **error_body(exc)[1]["error"])
-                return
-    finally:  # also when the client went away: the turn committed as far as it got, so is stored
-        try:
-            kept = await turn.keep(finish, ended)
-        except ChatKitError as exc:  # not stored: the client is told instead of "completed"
-            kept = exc
-    if isinstance(kept, ChatKitError):
-        yield out.event("error", **error_body(kept)[1]["error"])
-        return
-    for text in out.end():
-        yield text
-    yield out.event("response.incomplete" if kept["status"] == "incomplete" else "response.completed", response=kept)
+async def create(state: ServerState, request: Request) -> Response:
+    """Answer the input after the conversation ``previous_response_id`` names (if any); store the response."""
+    return await run_turn(state, ResponsesCodec, request)
+
+
+async def retrieve(state: ServerState, request: Request) -> Response:
+    """A stored response by its id; 404 when this server holds none."""
+    return JSONResponse(state.responses.get(request.path_params["rid"]))
 
 
 class _EventWriter:
@@ -394,4 +388,4 @@ def response_object(rid: str, model: str, *, created_at: int, status: str, outpu
         "text": {"format": {"type": "text"}},
     }
 
-__all__ = ["OutputItems", "ResponseTurn", "create", "parse_responses", "response_object", "responses_usage", "retrieve"]
+__all__ = ["OutputItems", "ResponsesCodec", "create", "parse_responses", "response_object", "responses_usage", "retrieve"]

@@ -31,19 +31,19 @@ from ..cache import atomic
 from ..cache.prompt import PromptCache
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig
-from ..errors import ChatKitError, ContextWindowExceededError, NoCacheAvailableError, SessionBusyError
+from ..errors import ChatKitError, NoCacheAvailableError, SessionBusyError
 from ..messages import ChatMessage, Role
 from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
 from ..params import GenerateParams
 from ..session import saved
 from ..session.aio import AsyncResponseStream
-from ..session.context import ContextPolicy, exchange_starts
+from ..session.context import ContextPolicy
 from ..session.pool import SessionPool
 from ..session.session import ChatSession
 from . import manifest, trace
-from .keys import Tools, message_json, prefix_keys
-from .lease import Lease
+from .keys import ConversationIndex, Tools, message_json, prefix_keys
+from .lease import Lease, turn_params
 from .write_behind import Job, WriteBehind
 
 log = logging.getLogger("chatkit.server")
@@ -55,8 +55,11 @@ AS_SENT_LIMIT = 4096  # guided prompts remembered as clients send them (older on
 class SessionIndex:
     """Pooled sessions over one model, indexed by content (see the module docstring).
 
-    Blocking work (building sessions, restoring and saving caches) runs on one worker thread of its
-    own, so the event loop never waits on MLX and that thread's MLX streams are cleared at the end.
+    Blocking work (building and forking sessions, restoring and saving caches) runs on one worker
+    thread of its own (:meth:`run`), in the order it was asked for, so the event loop never waits on
+    MLX and that thread's MLX streams are cleared at the end. A new conversation that starts as a
+    pooled one does is not seeded from it: the prompt cache (``prompt_cache``, on by default) holds
+    the KV blocks of every prefix the server prefilled, so its first turn reuses them.
     """
 
     def __init__(
@@ -82,15 +85,8 @@ class SessionIndex:
         self._folder = Path(folder)
         self.pool = SessionPool(lm, folder=self._folder / "caches", max_cache_bytes=max_cache_bytes, engine=engine)
         self._max = max_conversations
-        self._index: dict[str, str] = {}  # conversation_key -> pool key
-        self._key_of: dict[str, str] = {}  # pool key -> its conversation_key
-        self._prefixes: dict[str, str] = {}  # a prefix's key -> a pool key whose conversation starts so
-        self._chain_of: dict[str, list[str]] = {}  # pool key -> its prefix keys
-        self._tools: dict[str, tuple[Mapping[str, Any], ...]] = {}  # pool key -> its tools, when it has some
+        self._convs = ConversationIndex()  # pool key -> its record, found by its conversation's keys
         self._adapters = dict(adapters or {})
-        self._adapter_of: dict[str, str] = {}  # pool key -> its adapter's name, when it has one
-        self._dormant: dict[str, tuple[str | None, tuple[ChatMessage, ...]]] = {}  # saved by an earlier run
-        self._leased: set[str] = set()
         self._as_sent: dict[str, str] = {}  # guided prompts: as the sessions hold them -> as clients send them
         self._lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="chatkit-server")
@@ -118,7 +114,9 @@ class SessionIndex:
             extra["strict_tools"] = True
         async with self._lock:
             chain = prefix_keys(instructions, history, tools, adapter=adapter)
-            conv = self._index.get(chain[-1])
+            conv = self._convs.find(chain[-1])
+            if conv is not None:
+                await self._settled(conv)  # the blocking end of its last turn (``finish``) is done
             if conv is not None and not history and self._busy(conv):
                 conv = None  # a new conversation: independent of another one that starts the same way
             replaces = created = False
@@ -132,24 +130,25 @@ class SessionIndex:
             def open_turn() -> tuple[ChatSession, int, AsyncResponseStream]:
                 session = find()
                 trace.stamp("session")
-                if tools or added[-1].role is Role.TOOL:
-                    self._check_fits(session, added[-1])
-                session.generate_params = params
-                return session, len(session.history), session.astream_respond(added[-1], **extra)
+                if tools or added[-1].role is Role.TOOL:  # its turn opens only as its stream is read: a 413 now
+                    session.check_fits(added[-1], params=params)
+                turn = session.astream_respond(added[-1], params=turn_params(params), **extra)
+                return session, len(session.history), turn
 
             try:
-                session, base, stream = await self._run(open_turn)
+                session, base, stream = await self.run(open_turn)
             except BaseException:
                 if created and conv is not None:
                     self._forget(conv)  # created for this request, which was refused
                 raise
             trace.stamp("opened")
             if created and conv is not None:
-                self._remember(conv, prefix_keys(instructions, (*history, *added[:-1]), tools, adapter=adapter), tools, adapter)
+                chain = prefix_keys(instructions, (*history, *added[:-1]), tools, adapter=adapter)
+                self._convs.remember(conv, chain, tools, adapter)
             stream.start()
             if conv is not None:
-                self._leased.add(conv)
-            return Lease(session, stream, conv, base, replaces, asked=added[-1] if schema is not None else None)
+                self._convs[conv].leased = True
+            return Lease(session, stream, conv, base, replaces, added[-1] if schema is not None else None, params=params)
 
     def _continue(self, conv: str, added: Sequence[ChatMessage],
                   keep: bool) -> tuple[Callable[[], ChatSession], str | None, bool]:
@@ -178,56 +177,73 @@ class SessionIndex:
                      tools: Tools, chain: list[str], keep: bool,
                      adapter: str | None) -> tuple[Callable[[], ChatSession], str | None]:
         """How to build (on the worker thread) a new session holding the conversation before the last of
-        ``added``, seeded with the cache of the pooled conversation that shares the longest prefix with
-        it and pooled with ``keep``; and its pool key (the caller indexes it once it is built)."""
-        source = self._longest_prefix(chain)
+        ``added``, pooled with ``keep``; and its pool key (the caller indexes it once it is built). Its
+        first turn reuses what the prompt cache holds of it (the prefix it shares with a pooled
+        conversation, in memory); a conversation it shares a prefix with whose cache is in a file (saved
+        by an earlier run, or evicted) seeds it from that file."""
+        source, shared = next(((c, n) for c, n in self._convs.sharing(chain) if not self._busy(c)), (None, 0))
         if source is not None:
             await self._written(source)
         conv = f"conv_{uuid.uuid4().hex}" if keep else None
 
         def find() -> ChatSession:
-            session = self._build(instructions, (*history, *added[:-1]), tools, adapter)
-            if source is not None:
-                self._seed(session, source)
+            session = self._branch(source, len(history)) if source is not None and shared == len(history) else None
+            if session is not None:
+                for message in added[:-1]:
+                    session.respond(message)  # answers a call; another one waits: no reply
+            else:
+                session = self._build(instructions, (*history, *added[:-1]), tools, adapter)
+                if source is not None:
+                    self._seed(session, source)
             return self.pool.add(conv, session) if conv is not None else session
         return find, conv
 
     async def count_tokens(self, instructions: str | None, history: Sequence[ChatMessage],
                            added: Sequence[ChatMessage], params: GenerateParams, *, tools: Tools = None) -> int:
-        """The prompt a turn answering ``added`` would have (tools included), rendered by a session
-        that is built for it and dropped: no cache work, no conversation touched."""
+        """The prompt a turn answering ``added`` would have (tools included): rendered by a session over
+        the request's instructions and tools that is built for it (no history: the messages are counted
+        as a list) and dropped; no cache work, no conversation touched."""
         def count() -> int:
-            session = self._build(instructions, (*history, *added[:-1]), tuple(tools) if tools else None)
-            session.generate_params = params
-            return session.token_count + session.count_tokens(added[-1])
-        return await self._run(count)
+            session = self._build(instructions, (), tuple(tools) if tools else None)
+            return session.token_count + session.count_tokens([*history, *added], params=params)
+        return await self.run(count)
 
     async def finish(self, lease: Lease) -> None:
         """After the lease's stream is closed (its turn committed or aborted): index the conversation
-        under its new history and keep the caches under the budget."""
+        under its new history; the blocking rest (a copy taking the pooled session's place, the caches
+        kept under the budget) is handed to the worker thread, not waited for: the next turn on the
+        conversation waits for it (``_settled``), the worker's other jobs queue behind it."""
         async with self._lock:
             conv = lease.conv
-            if conv is None:
+            record = self._convs.get(conv) if conv is not None else None
+            if conv is None or record is None:
                 return
-            self._leased.discard(conv)
-            if conv not in self.pool:
-                return
-            if lease.replaces:
-                if lease.reply() is None:
-                    return  # the copy never got its reply: the pooled conversation stays as it was
-                await self._run(self.pool.add, conv, lease.session)
+            record.leased = False
+            if conv not in self.pool or (lease.replaces and lease.reply() is None):
+                return  # gone, or the copy never got its reply: the pooled conversation stays as it was
             session = lease.session
             if lease.asked is not None and len(session.history) > lease.base:  # re-sent without the description
                 self._as_sent[message_json(session.history[lease.base])] = message_json(lease.asked)
                 while len(self._as_sent) > AS_SENT_LIMIT:
                     del self._as_sent[next(iter(self._as_sent))]  # the oldest
-            tools, adapter = self._tools.get(conv), self._adapter_of.get(conv)
-            self._remember(conv, prefix_keys(session.instructions, session.history, tools, self._as_sent, adapter),
-                           tools, adapter)
-            await self._run(self.pool.enforce_budget)
+            chain = prefix_keys(session.instructions, session.history, record.tools, self._as_sent, record.adapter)
+            self._convs.remember(conv, chain, record.tools, record.adapter)
+            replacing = session if lease.replaces else None
+
+            def settle() -> None:
+                if replacing is not None:
+                    self.pool.add(conv, replacing)
+                self.pool.enforce_budget()
+            record.settling = self._submit(settle)
+            record.settling.add_done_callback(lambda done: self._after_settling(conv, done))
             self._trim()
-            if self._behind is not None and conv in self.pool:
-                self._behind.touch(conv)  # written behind the turn, after the reply went out
+
+    def _after_settling(self, conv: str, done: asyncio.Future[Any]) -> None:  # on the loop
+
+        if not done.cancelled() and done.exception() is not None:
+            log.warning("conversation %s: the end of its turn failed: %s", conv, done.exception())
+        if self._behind is not None and conv in self.pool and conv in self._convs:
+            self._behind.touch(conv)  # written behind the turn, after the reply went out
 
     def footprint(self) -> dict[str, int]:
         """Cheap figures for ``/metrics``: the conversations pooled, the bytes of their KV caches in
@@ -249,12 +265,13 @@ class SessionIndex:
         """Save every conversation's cache (with ``persist``) and stop the worker thread."""
         async with self._lock:
             try:
+                await self.run(lambda: None)  # the ends of the last turns (``finish``) ran, and touched their writes
                 if self._behind is not None:
                     await self._behind.close()
                 if self._persist:
-                    await self._run(self._save_all)
+                    await self.run(self._save_all)
             finally:
-                await self._run(mx.clear_streams)
+                await self.run(mx.clear_streams)
                 self._io.shutdown(wait=True)
 
     def _save_all(self) -> None:
@@ -268,7 +285,7 @@ class SessionIndex:
     def _write_job(self, conv: str) -> Job | None:
         """(On the loop, when ``conv``'s write is due) the write of its cache and of the manifest, or
         ``None``: it is gone, or a turn holds it (whose end writes it again)."""
-        if conv not in self.pool or self._busy(conv) or self._behind is None:
+        if conv not in self.pool or conv not in self._convs or self._busy(conv) or self._behind is None:
             return None
         if self._lock.locked():  # a turn is opening or closing, maybe on conv: a moment later
             self._behind.touch(conv)
@@ -290,9 +307,11 @@ class SessionIndex:
 
     def _manifest(self) -> tuple[list[str], dict[str, list[Any]], dict[str, str]]:
         """(On the loop) the conversations to list, those saved by an earlier run first, their tools and adapters."""
-        convs = [*self._dormant, *(conv for conv in self.pool if conv not in self._dormant)]
-        return (convs, {conv: list(self._tools[conv]) for conv in convs if conv in self._tools},
-                {conv: self._adapter_of[conv] for conv in convs if conv in self._adapter_of})
+        records = self._convs
+        dormant = [conv for conv, record in records.items() if record.dormant is not None]
+        convs = [*dormant, *(conv for conv in self.pool if conv in records and records[conv].dormant is None)]
+        return (convs, {conv: list(tools) for conv in convs if (tools := records[conv].tools)},
+                {conv: adapter for conv in convs if (adapter := records[conv].adapter)})
 
     def _write_manifest(self, convs: list[str], tools: dict[str, list[Any]], adapters: dict[str, str]) -> None:
         """The list of conversations whose cache file exists, with their tools and adapters, written atomically."""
@@ -313,20 +332,21 @@ class SessionIndex:
             conv_tools = tuple(tools[conv]) if tools.get(conv) else None
             instructions, history = conversation.instructions, conversation.messages
             name = adapters.get(conv)
-            self._remember(conv, prefix_keys(instructions, history, conv_tools, adapter=name), conv_tools, name)
-            self._dormant[conv] = (instructions, history)
+            self._convs.remember(conv, prefix_keys(instructions, history, conv_tools, adapter=name), conv_tools, name)
+            self._convs[conv].dormant = (instructions, history)
 
     # -- internals (on the worker thread) ---------------------------------------------------------
     def _session(self, conv: str) -> ChatSession:
         """The pooled session ``conv``; one saved by an earlier run is rebuilt and its cache restored."""
-        dormant = self._dormant.pop(conv, None)
+        record = self._convs[conv]
+        dormant, record.dormant = record.dormant, None
         if dormant is None:
             try:
                 return self.pool.session(conv)  # restores its cache if the pool evicted it
             except ChatKitError as exc:  # an unreadable evicted cache: the next turn prefills again
                 log.warning("conversation %s: cache not restored (%s)", conv, exc)
                 return self.pool.session(conv)
-        tools, adapter, path = self._tools.get(conv), self._adapter_of.get(conv), self.pool.path(conv)
+        tools, adapter, path = record.tools, record.adapter, self.pool.path(conv)
         try:  # the file's conversation: its history, and what the context policy showed of it (its summary)
             session = self._build(*dormant, tools, adapter, restore=path)
         except ChatKitError:  # e.g. a draft model (its cache is not saved): the transcript, then the cache
@@ -350,82 +370,53 @@ class SessionIndex:
             builder = builder.tools([dict(t) for t in tools], tool_execution="manual")
         return (builder.speculative(self._speculative) if self._speculative is not None else builder).build()
 
-    def _check_fits(self, session: ChatSession, message: ChatMessage) -> None:
-        """A session with tools opens its turn only as its stream is read, after the response's status
-        went out: check the prompt fits the context window now, so that it is a 413 (the turn checks again).
-        With a policy that compacts, what must fit is the instructions and the exchange ``message`` is part of."""
-        limit = session.context_window  # the model's, or the tokens --max-kv-bytes holds
-        if limit is None:
-            return
-        if session.context_policy.mode != "error":
-            history = session.history
-            starts = exchange_starts([*history, message])
-            current = history[starts[-1]:] if starts and starts[-1] < len(history) else []
-            session = self._build(session.instructions, current, session.tools)  # renders only: no cache work
-        needed = len(self._lm.tokenizer.encode(session.render(message, role=message.role), add_special_tokens=False))
-        if needed >= limit:
-            raise ContextWindowExceededError(
-                f"The prompt is {needed} tokens but the model's context window is {limit}: shorten the conversation "
-                "(or the tool results).", prompt_tokens=needed, context_length=limit)
-
-    def _remember(self, conv: str, chain: list[str], tools: Tools, adapter: str | None = None) -> None:
-        """Index ``conv`` under its conversation's key (``chain[-1]``) and its prefixes' keys."""
-        self._unindex(conv)
-        self._index[chain[-1]], self._key_of[conv], self._chain_of[conv] = conv, chain[-1], chain
-        for k in chain[1:]:  # prefixes with at least one message (instructions alone are cheap to prefill)
-            self._prefixes[k] = conv
-        if tools:
-            self._tools[conv] = tuple(tools)
-        if adapter:
-            self._adapter_of[conv] = adapter
-
-    def _unindex(self, conv: str) -> None:
-        key = self._key_of.pop(conv, None)
-        if key is not None and self._index.get(key) == conv:
-            del self._index[key]
-        for k in self._chain_of.pop(conv, ()):
-            if self._prefixes.get(k) == conv:
-                del self._prefixes[k]
-
-    def _longest_prefix(self, chain: list[str]) -> str | None:
-        """An idle conversation sharing the longest prefix (at least one message) with ``chain``."""
-        for k in reversed(chain[1:]):
-            conv = self._prefixes.get(k)
-            if conv is not None and not self._busy(conv):
-                return conv
-        return None
-
-    def _busy(self, conv: str) -> bool:
-        """Whether ``conv`` has a turn open (its stream, or a copy's turn that will replace it)."""
-        session = self.pool.get(conv)
-        return conv in self._leased or (session is not None and session.busy)
+    def _branch(self, source: str, n: int) -> ChatSession | None:
+        """(A new conversation whose history is the first ``n`` messages of ``source``'s) a fork of the
+        pooled session ``source`` taken back to them (``undo``: its cache copied and trimmed in memory),
+        or ``None`` when its cache is not in memory, it compacted, or ``n`` is not the end of an exchange."""
+        pooled, record = self.pool.get(source), self._convs.get(source)
+        if pooled is None or record is None or record.dormant or self.pool.evicted(source) or pooled.dropped_messages:
+            return None
+        session = pooled.fork()
+        try:
+            while len(session.history) > n:
+                session.undo()
+        except ChatKitError:  # the history does not end with an exchange there
+            return None
+        return session if len(session.history) == n else None
 
     def _seed(self, session: ChatSession, source: str) -> None:
-        """Give a new session the KV cache of ``source``, a conversation that starts as its own does:
-        its first turn reuses the common prefix (the planner trims the rest) instead of prefilling it
-        all. The public way across sessions is a cache file: the pool's, or a handoff file written now."""
-        path = self.pool.path(source)
-        pooled = self.pool.get(source)
-        handoff = pooled is not None and source not in self._dormant and not self.pool.evicted(source)
-        if handoff:
-            path = self._folder / "handoff.safetensors"
+        """Give a new session the KV cache of ``source``, a conversation that starts as its own does but
+        goes on otherwise (``_branch`` did not apply): its first turn reuses the common prefix (the
+        planner trims the rest). A cache in a file (saved by an earlier run, or evicted) is read from
+        it; one in memory is served by the prompt cache's blocks. Only without a prompt cache is it
+        handed over through a file (a session has no public way to take another's cache in memory)."""
+        record, pooled = self._convs.get(source), self.pool.get(source)
+        in_file = record is not None and record.dormant is not None or self.pool.evicted(source)
+        if not in_file and (self._prompt_cache is not None or pooled is None):
+            return
+        path = self.pool.path(source) if in_file else self._folder / "handoff.safetensors"
         try:
-            if pooled is not None and handoff:
+            if not in_file and pooled is not None:
                 pooled.save_cache(path, images=True)
             session.restore_cache(path)
         except ChatKitError as exc:  # e.g. no cache yet: the first turn prefills everything
             log.info("conversation not seeded from %s: %s", source, exc)
         finally:
-            if handoff:
+            if not in_file:
                 path.unlink(missing_ok=True)
 
-    def _forget(self, conv: str) -> None:
+    def _busy(self, conv: str) -> bool:
+        """Whether ``conv`` has a turn open (its stream, or a copy's turn that will replace it), or its
+        last turn's end is still running on the worker thread."""
+        record, session = self._convs.get(conv), self.pool.get(conv)
+        settling = record is not None and record.settling is not None and not record.settling.done()
+        return (record is not None and record.leased) or settling or (session is not None and session.busy)
+
+    def _forget(self, conv: str) -> None:  # its record, its index keys, its pooled session and cache file
         if self._behind is not None:
             self._behind.cancel(conv)
-        self._unindex(conv)
-        self._dormant.pop(conv, None)
-        self._tools.pop(conv, None)
-        self._adapter_of.pop(conv, None)
+        self._convs.forget(conv)
         self.pool.remove(conv)
 
     def _trim(self) -> None:
@@ -441,9 +432,19 @@ class SessionIndex:
         if self._behind is not None:
             await self._behind.wait(conv)
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the worker thread, in this request's context (its trace, ``trace.py``)."""
-        return await asyncio.get_running_loop().run_in_executor(self._io, contextvars.copy_context().run, fn, *args)
+    async def _settled(self, conv: str) -> None:
+        """Until the end of ``conv``'s last turn (``finish``) ran on the worker thread."""
+        if (record := self._convs.get(conv)) is not None and record.settling is not None:
+            await asyncio.wait([record.settling])
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the index's worker thread (the one that does all of the server's blocking
+        MLX work, in the order it is asked for), in this request's context (its trace, ``trace.py``)."""
+        return await self._submit(fn, *args)
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """``fn(*args)`` queued on the worker thread (see :meth:`run`); its future, not awaited."""
+        return asyncio.get_running_loop().run_in_executor(self._io, contextvars.copy_context().run, fn, *args)
 
 
 __all__ = ["SessionIndex"]

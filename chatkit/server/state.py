@@ -215,14 +215,6 @@ class ServerState:
                 async with self.settled(lease):
                     pass
 
-    async def complete(self, lease: Lease) -> str | None:
-        """Run the turn to its end and settle it (a reply that is not streamed); its finish reason."""
-        async with self.settled(lease):
-            finish = None
-            async for chunk in lease.stream:
-                finish = chunk.finish_reason
-        return finish
-
 
 _OPENED: contextvars.ContextVar[list[Lease] | None] = contextvars.ContextVar("chatkit_opened_turns", default=None)
 Handler = Callable[[ServerState, Request], Awaitable[Response]]  # an endpoint of the app, given the state
