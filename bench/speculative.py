@@ -1,6 +1,6 @@
 """Standard against speculative decoding: decode tokens/s, draft acceptance, identical output.
 
-    .venv/bin/python bench/speculative.py [--rounds 3] [--floor-rounds 2] [--tokens 128] [--lengths 1,2,...,8] [--cases abcde]
+    .venv/bin/python bench/speculative.py [--rounds 3] [--floor-rounds 2] [--tokens 128] [--lengths 1,2,...,8] [--cases abcde] [--fresh]
 
 Every case compares fixed draft lengths with the adaptive one (``num_draft_tokens="auto"``, row
 "auto"), each against standard decoding.
@@ -25,7 +25,8 @@ shared in shape with the target's), about one sixth of the target. Cases:
 (e) prompt lookup, text that does not repeat: the same, forced to write a paragraph that is not in
     the prompt (English, so a few word pairs recur by chance).
 
-Every run: one fresh turn (``session.clear()``, then a fixed ~40-token prompt), greedy, ``--tokens``
+Every run: one fresh turn (``session.clear()``, then a fixed ~40-token prompt; ``--fresh``: on a new
+session each time, whose draft-length policy starts from what the process learned of the pair), greedy, ``--tokens``
 tokens (the EOS logits biased by -1e9 so no run ends early), timed per chunk. Decode tokens/s counts
 the tokens after the first round over the time after it (a speculative round yields its accepted
 tokens in a burst; for standard decoding the first round is the first token): (n - m) / (t_last -
@@ -79,8 +80,14 @@ def share_head(target, draft) -> None:
     mx.eval(draft.model.parameters())
 
 
-def run_turn(session: ChatSession, prompt: str = PROMPT) -> tuple[list[int], float, float]:
-    """One fresh turn: (tokens, decode tokens/s after the first round, acceptance or nan)."""
+FRESH_SESSIONS = False  # --fresh: every run on a new session (its policy starts from the pair's shared record)
+
+
+def run_turn(session: ChatSession, prompt: str = PROMPT) -> tuple[list[int], float, float, float]:
+    """One fresh turn: (tokens, decode tokens/s after the first round, acceptance or nan, mean draft
+    length). With ``--fresh``, on a new session of ``session``'s configuration."""
+    if FRESH_SESSIONS:
+        session = ChatSession(session.model, session.config)
     session.clear()
     gc.collect()
     times, tokens, round_end = [], [], None
@@ -95,7 +102,7 @@ def run_turn(session: ChatSession, prompt: str = PROMPT) -> tuple[list[int], flo
     m = round_end + 1
     tps = (len(tokens) - m) / (times[-1] - times[round_end])
     acc = stats.draft_tokens_accepted / stats.draft_tokens_proposed if stats.draft_tokens_proposed else float("nan")
-    return tokens, tps, acc
+    return tokens, tps, acc, stats.draft_length
 
 
 def bench_case(name, target, configs, params, rounds, prompt=PROMPT):
@@ -105,7 +112,7 @@ def bench_case(name, target, configs, params, rounds, prompt=PROMPT):
     specs = {label: ChatSession.builder(target).generate_params(params).speculative(config).build()
              for label, config in configs}
     run = functools.partial(run_turn, prompt=prompt)
-    reference, _, _ = run(standard)  # warm-up (the speculative sessions with fewer tokens)
+    reference, *_ = run(standard)  # warm-up (the speculative sessions with fewer tokens)
     run(standard)
     for s in specs.values():
         s.generate_params = params.copy(max_tokens=24)
@@ -117,7 +124,7 @@ def bench_case(name, target, configs, params, rounds, prompt=PROMPT):
         for r in range(rounds):
             order = [standard, spec] if r % 2 == 0 else [spec, standard]
             for s in order:
-                tokens, tps, acc = run(s)
+                tokens, tps, acc, length = run(s)
                 if s is standard:
                     assert tokens == reference, "standard decoding is not deterministic"
                     std_tps.append(tps)
@@ -125,7 +132,7 @@ def bench_case(name, target, configs, params, rounds, prompt=PROMPT):
                     identical &= tokens == reference
                     spec_tps.append(tps)
                     accs.append(acc)
-                    lengths.append(s.last_stats.draft_length)
+                    lengths.append(length)
         a, b = median(std_tps), median(spec_tps)
         paired = median([y / x for x, y in zip(std_tps, spec_tps)])  # the two runs of one round
         rows.append((label, a, b, b / a, paired, median(accs), identical, median(lengths)))
@@ -240,8 +247,12 @@ def main() -> int:
     ap.add_argument("--max-wait", type=float, default=300.0,
                     help="seconds to wait at most for other processes to leave the CPU idle")
     ap.add_argument("--cases", default="abcde", help="which cases to run, e.g. 'c' for the demo pair only")
+    ap.add_argument("--fresh", action="store_true",
+                    help="every run on a new session (a fresh session's policy, from the pair's shared record)")
     add_quick(ap)
     args = ap.parse_args()
+    global FRESH_SESSIONS
+    FRESH_SESSIONS = args.fresh
     model_config, draft_config = ({}, {}) if quick(args) else (MODEL_CONFIG, DRAFT_CONFIG)
     if args.quick:
         args.rounds, args.floor_rounds, args.tokens, args.lengths = 1, 1, 16, "1,4"
@@ -268,7 +279,7 @@ def main() -> int:
     prompt_tokens = probe.last_stats.prompt_tokens
     print(f"decode  : greedy, {args.tokens} tokens per run (EOS {eos} biased -1e9), {prompt_tokens}-token "
           f"prompt, {args.rounds} rounds ({args.floor_rounds} with the random draft) standard/speculative "
-          "alternating per configuration after a warm-up")
+          "alternating per configuration after a warm-up" + ("; a new session every run (--fresh)" if args.fresh else ""))
     print()
 
     lookup = [("4", SpeculativeConfig("prompt_lookup", 4)), ("8", SpeculativeConfig("prompt_lookup", 8)),
