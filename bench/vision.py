@@ -113,7 +113,8 @@ def raw_append_seconds(session, pre, text, processor) -> float:
     prompt = prompting.ids(messages, session.generate_params)
     spans = locate(prompt, prompting.images(messages), table.placeholder, table.ids, table.layout)
     keep = cache_state(session).preview(prompt, spans)
-    embeddings, model = table.inputs(prompt, spans, keep)
+    vision = table.inputs(prompt, spans, keep)
+    embeddings, model = vision.embeddings, vision.model
     if all(s.end <= keep for s in spans):
         embeddings = None  # text only: the model embeds the ids itself, as raw mlx-lm does
     layers = clone(pre)

@@ -5,8 +5,8 @@ layers (moved in when the rows join the decode batch, extracted when they leave,
 for the target's). A row's draft cache holds a prefix of what its target cache holds (``dfed``
 tokens past what it held when the row joined): it lags after plain steps and after the prompt,
 whose prefill the draft skips. A draft pass first feeds every row what it lacks (in chunks, right-padded,
-rolled into the left padding: ``catch-up``, not part of a round's cost: here it also carries a
-prompt's first feed, which the loop alone prefills, so it would overstate the first rounds), then
+rolled into the left padding: ``catch-up``, part of a round's cost as in the loop alone, but for a pass
+that feeds a row's prompt, which the loop alone prefills), then
 each row's next token and its drafts one step at a time, greedily (a draft only has to be likely;
 the row's logits processors shape it as they shape the target). Once the target has verified,
 :meth:`DraftBatch.settle` drops each row's rejected drafts from the draft cache: it then holds
@@ -108,8 +108,11 @@ class DraftBatch:
         return caches
 
     def propose(self, ys: dict[Any, int], k: int) -> tuple[dict[Any, list[int]], float]:
-        """``k`` drafts for every row, after its next token ``ys[row]``; and the seconds the catch-up took."""
+        """``k`` drafts for every row, after its next token ``ys[row]``; and the seconds of the catch-up
+        that belong to no round: a pass that feeds a row's prompt (its first this turn, which the loop
+        alone prefills); the catch-up after plain steps is part of the round, as in the loop alone."""
         t0 = clock()
+        prompt_feed = any(r.dfed == 0 for r in self.members)
         lags = [lag(r) for r in self.members]
         while max(map(len, lags)) > 1:  # long lags first (the last token of each is fed with its next)
             n = min(CHUNK, max(map(len, lags)) - 1)
@@ -119,7 +122,7 @@ class DraftBatch:
             lags = [g[len(c):] for g, c in zip(lags, chunks)]
             for r, c in zip(self.members, chunks):
                 r.dfed += len(c)
-        spare = clock() - t0
+        spare = clock() - t0 if prompt_feed else 0.0
         first = [g + [ys[r]] for g, r in zip(lags, self.members)]
         logits = self._feed(first)
         logits = logits[mx.arange(len(first)), mx.array([len(s) - 1 for s in first])]
