@@ -36,6 +36,8 @@ What runs alone (through the session's local source, as without an engine), and 
 - sessions with an adapter (``builder.adapter``): one forward pass applies one set of layers to every
   row, and the engine's rows are the base model's; an adapted turn decodes alone, on its own thread,
   with its adapter (``model/switchable.py``), next to the engine's batch of base-model turns;
+- turns with images to feed (``Request.vision``): their embeddings and M-RoPE positions are the turn's
+  own, which one batched forward pass over the rows' token ids cannot take;
 - caches that are not plain ``KVCache`` layers (``max_kv_size`` / sliding-window, hybrid models, quantized
   KV): the engine runs ahead of a turn's reader and must trim the cache back to what was read, which
   rotating and recurrent layers cannot do; mlx-lm has no batched quantized cache.
