@@ -4,6 +4,7 @@ from chatkit import (
     CacheOptions,
     ChatMessage,
     GenerateParams,
+    InvalidMessageError,
     NothingToRegenerateError,
     NothingToUndoError,
     PromptCache,
@@ -152,6 +153,23 @@ def test_fork_branches_diverge_without_prefilling_the_past(tiny):
         with pytest.raises(SessionBusyError):
             session.fork()
         branch.respond("independent")  # the fork is not busy
+
+
+def test_a_fork_with_another_history_reuses_the_shared_prefix_and_answers_as_a_fresh_session(tiny):
+    session = session_for(tiny(), params=GenerateParams(max_tokens=5), prompt_cache=None)
+    session.respond("Shared past")
+    session.respond("Went this way")
+    branch = session.fork(history=[*session.history[:2], ChatMessage.user("Other way"), ChatMessage.assistant("ok")])
+    assert branch.history[2:] == [ChatMessage.user("Other way"), ChatMessage.assistant("ok")]
+    assert len(session.history) == 4 and session.history[2].content == "Went this way"  # the source is untouched
+    expected = fresh_reply(branch, "Next")
+    assert run(branch, "Next").tokens == expected
+    assert 0 < branch.last_stats.reused_tokens < branch.last_stats.prompt_tokens  # from the copy (no prompt cache)
+    assert_ledger_matches_cache(branch)
+    with pytest.raises(InvalidMessageError):
+        session.fork(history=[ChatMessage.system("again"), ChatMessage.user("x")])
+    with pytest.raises(InvalidMessageError):
+        session.fork(history="not a list")
 
 
 def test_changing_cache_options_rebuilds_at_the_next_turn(tiny):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -21,7 +21,7 @@ from ..cache.state import CacheInfo, CacheOptions, CacheState
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig, check_cache_options, vocab_limit
 from ..errors import InvalidMessageError, InvalidParamsError, NoCacheAvailableError
-from ..messages import ChatMessage, MessageLike, Role, ToolCall, check_instructions
+from ..messages import ChatMessage, MessageLike, Role, ToolCall, as_messages, check_instructions
 from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
 from ..model.switchable import activate
@@ -32,7 +32,7 @@ from .aio import AsyncGuidedStream, AsyncResponseStream
 from .builder import ChatSessionBuilder
 from .config import SessionConfig
 from .context import ContextPolicy, system_text, window_size
-from .conversation import pending_calls
+from .conversation import Conversation, pending_calls
 from .core import SessionCore
 from .options import TurnKeywords, TurnOptions, checked_params, prompt_messages
 from .results import TurnStats
@@ -356,19 +356,25 @@ class ChatSession(SessionCore):
             return GuidedStream(self._open_turn(None, regenerate=True, constraint=constraint), constraint)
         return self._open_turn(None, regenerate=True, strict=strict)
 
-    def fork(self) -> ChatSession:
+    def fork(self, *, history: Iterable[MessageLike] | None = None) -> ChatSession:
         """An independent session with the same conversation, settings and a copy of the cache.
 
         The copy shares the cached prefix's memory until one of the two writes, so both branches go on
-        without prefilling the past again.
+        without prefilling the past again. ``history``: the branch's messages instead (without the
+        instructions; e.g. this conversation up to a point, then otherwise): it keeps the cache copy, and
+        its first turn reuses the prefix the two renderings share (the rest is trimmed then).
         """
+        messages = None if history is None else as_messages(history)
+        if messages and messages[0].role is Role.SYSTEM:
+            raise InvalidMessageError("fork(history=...) takes the messages after the instructions: drop the system message.")
         with self._gate.idle("fork"):
             other = ChatSession(self._lm, replace(self._config, generate_params=self._config.generate_params.copy()))
-            other._conversation = self._conversation.copy()
+            copied = self._conversation.copy()
+            other._conversation = copied if messages is None else Conversation(messages, copied.cache)
             other._images = self._images.copy() if self._images is not None else None  # encoded images too
             other._template.continue_from(self._template)  # the prompt tokenized so far, too
             other._last_stats = self._last_stats
-            other._guided = self._guided
+            other._guided = self._guided if messages is None else None
             return other
 
     # -- turns --------------------------------------------------------------------------------
