@@ -126,6 +126,25 @@ def test_count_tokens_is_the_prompt_a_reply_reports(server):
     assert c.messages.count_tokens(model="any", system=SYSTEM, messages=messages, tools=tools).input_tokens > n - 1
 
 
+def test_counting_again_with_the_same_instructions_and_tools_builds_no_session(lm, monkeypatch):
+    from chatkit.server.session_index import COUNTERS, SessionIndex
+
+    built = []
+    real = SessionIndex._build
+    monkeypatch.setattr(SessionIndex, "_build", lambda self, *a, **kw: built.append(a[:1]) or real(self, *a, **kw))
+    with start(lm, ServerConfig(model_id="tiny", defaults=PARAMS)) as running:
+        c = client(running)
+        counts = [c.messages.count_tokens(model="any", system=SYSTEM, messages=[user("Count me" * k)]).input_tokens
+                  for k in (1, 2, 1)]
+        assert len(built) == 1 and counts[0] == counts[2] < counts[1]
+        c.messages.count_tokens(model="any", system=SYSTEM, messages=[user("hi")], tools=[WEATHER])
+        assert len(built) == 2  # other tools: another prompt, another counter
+        for i in range(COUNTERS):
+            c.messages.count_tokens(model="any", system=f"System {i}", messages=[user("hi")])
+        c.messages.count_tokens(model="any", system=SYSTEM, messages=[user("hi")])
+        assert len(built) == 2 + COUNTERS + 1  # the least recently used were let go
+
+
 def test_stop_sequences_and_max_tokens(server, lm):
     c = client(server)
     free = text_of(ask(c, [user("Say something long")], max_tokens=12))

@@ -109,3 +109,28 @@ def test_a_branch_off_a_pooled_conversation_reuses_their_prefix_in_memory(lm, mo
     alone = ChatSession.builder(lm).generate_params(PARAMS.copy()).instructions(SYSTEM).prompt_cache(None).build()
     alone.respond(QUESTIONS[0])
     assert reply == alone.respond("And on Mondays?")
+
+
+def test_a_branch_that_diverges_mid_history_is_a_fork_in_memory_without_a_prompt_cache(lm, monkeypatch):
+    # The client re-sends the first exchange, then an edited second one: a new conversation sharing two
+    # messages with a pooled one. With the prompt cache off it is seeded by a fork of the pooled session in
+    # memory (it used to be written to a hand-off file and read back): no file, the shared prefix reused,
+    # the reply the one a session computing everything gives.
+    saved = []
+    monkeypatch.setattr(ChatSession, "save_cache", lambda self, path, **kw: saved.append(path) or 0)
+    history = [{"role": "system", "content": SYSTEM}]
+    with start(lm, ServerConfig(model_id="tiny", defaults=PARAMS, prompt_cache=None)) as running:
+        for q in QUESTIONS[:2]:
+            history.append({"role": "user", "content": q})
+            r = httpx.post(f"{running.url}/chat/completions", json={"model": "any", "messages": history}, timeout=120)
+            history.append(r.json()["choices"][0]["message"])
+        first = r.json()["usage"]
+        edited = [*history[:3], {"role": "user", "content": "Edited question"}, {"role": "assistant", "content": "ok"},
+                  {"role": "user", "content": "And on Mondays?"}]
+        r = httpx.post(f"{running.url}/chat/completions", json={"model": "any", "messages": edited}, timeout=120)
+        reply, usage = r.json()["choices"][0]["message"]["content"], r.json()["usage"]
+    assert saved == []
+    assert 0 < usage["prompt_tokens_details"]["cached_tokens"] < first["prompt_tokens"] < usage["prompt_tokens"], usage
+    alone = ChatSession.builder(lm).generate_params(PARAMS.copy()).instructions(SYSTEM).prompt_cache(None).history(
+        [{"role": "user", "content": QUESTIONS[0]}, history[2], edited[3], edited[4]]).build()
+    assert reply == alone.respond("And on Mondays?")

@@ -164,3 +164,34 @@ def test_a_messages_key_json_is_remembered_only_where_it_is_safe():
     history = (first, call)
     assert prefix_keys("sys", history) == prefix_keys("sys", (again, call))
     assert prefix_keys("sys", history)[-1] != prefix_keys("sys", (ChatMessage.user(text + "!"), call))[-1]
+
+
+def test_a_stored_streamed_response_crosses_two_threads_and_its_writes_queue_on_the_worker(tiny, tmp_path, monkeypatch):
+    # The event loop hands a streamed Responses request with ``store`` to two threads only: the index's
+    # one worker (open the turn; then write the stored response, and the cache behind the turn, in order)
+    # and the turn's generation thread.
+    from chatkit import ChatSession
+    from chatkit.server import response_store
+
+    seen: dict[str, set[str]] = {"open": set(), "generate": set(), "store": set(), "save": set()}
+
+    def note(what):
+        seen[what].add(threading.current_thread().name)
+
+    def record(tokens, logits):
+        note("generate")
+        return logits
+
+    opens, saves, writes = ChatSession.astream_respond, ChatSession.save_cache, response_store.write_file
+    monkeypatch.setattr(ChatSession, "astream_respond", lambda self, *a, **kw: note("open") or opens(self, *a, **kw))
+    monkeypatch.setattr(ChatSession, "save_cache", lambda self, *a, **kw: note("save") or saves(self, *a, **kw))
+    monkeypatch.setattr(response_store, "write_file", lambda *a: note("store") or writes(*a))
+    params = GenerateParams(max_tokens=4, temperature=0.0, logits_processors=[record])
+    with start(tiny("qwen3", "bpe", 0), ServerConfig(defaults=params, store=str(tmp_path))) as running:
+        lines, _, _ = streamed(running.url, "responses", {"input": "Hi", "store": True}, {})
+        assert any(line.startswith(("event: response.completed", "event: response.incomplete")) for line in lines)
+        time.sleep(1.0)  # the write behind the turn (SAVE_DELAY later)
+    assert all(seen.values()), seen
+    (worker,) = seen["open"]
+    assert seen["store"] == seen["save"] == {worker} and worker.startswith("chatkit-server")
+    assert worker not in seen["generate"] and len(seen["generate"]) == 1

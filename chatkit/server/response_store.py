@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +26,18 @@ from ..messages import ChatMessage, Role, saved_dict
 from .errors import UnknownResponseError
 
 log = logging.getLogger("chatkit.server")
+Run = Callable[..., Awaitable[Any]]  # ``run(fn, *args)``: ``fn(*args)`` off the event loop
 
 
 class ResponseStore:
     """Responses by id, each with the messages it added to its conversation and its reply; kept in
     ``folder`` when given (``None``: in memory only)."""
 
-    def __init__(self, folder: str | os.PathLike[str] | None) -> None:
+    def __init__(self, folder: str | os.PathLike[str] | None, run: Run | None = None) -> None:
+        """``run``: how a file is written off the event loop (the server's one worker, ``SessionIndex.run``;
+        by default a thread of anyio's)."""
         self._folder = Path(folder) if folder is not None else None
+        self._run: Run = run if run is not None else anyio.to_thread.run_sync
         self._responses: dict[str, dict[str, Any]] = {}
         self._messages: dict[str, tuple[ChatMessage, ...]] = {}  # what each added, its reply last
         if self._folder is not None:
@@ -48,11 +52,11 @@ class ResponseStore:
         self._responses[rid], self._messages[rid] = response, (*added, reply)
 
     async def add_async(self, response: dict[str, Any], added: Sequence[ChatMessage], reply: ChatMessage) -> None:
-        """:meth:`add` on the event loop: the file is written (and synced) on a thread meanwhile, and the
+        """:meth:`add` on the event loop: the file is written (and synced) off it meanwhile (``run``), and the
         response is kept once it is."""
         rid, data = _encoded(response, added, reply)
         if self._folder is not None:
-            await anyio.to_thread.run_sync(write_file, self._folder / f"{rid}.json", f"response {rid}", data)
+            await self._run(write_file, self._folder / f"{rid}.json", f"response {rid}", data)
         self._responses[rid], self._messages[rid] = response, (*added, reply)
 
     def get(self, rid: str) -> dict[str, Any]:

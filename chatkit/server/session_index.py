@@ -50,6 +50,7 @@ log = logging.getLogger("chatkit.server")
 T = TypeVar("T")
 
 AS_SENT_LIMIT = 4096  # guided prompts remembered as clients send them (older ones: their turns prefill again)
+COUNTERS = 8  # sessions kept to count tokens with, one per instructions and tools
 
 
 class SessionIndex:
@@ -58,8 +59,8 @@ class SessionIndex:
     Blocking work (building and forking sessions, restoring and saving caches) runs on one worker
     thread of its own (:meth:`run`), in the order it was asked for, so the event loop never waits on
     MLX and that thread's MLX streams are cleared at the end. A new conversation that starts as a
-    pooled one does is not seeded from it: the prompt cache (``prompt_cache``, on by default) holds
-    the KV blocks of every prefix the server prefilled, so its first turn reuses them.
+    pooled one does is a fork of it, in memory (no file); the prompt cache (``prompt_cache``, on by
+    default) holds the KV blocks of every prefix the server prefilled, for every other conversation.
     """
 
     def __init__(
@@ -88,11 +89,12 @@ class SessionIndex:
         self._convs = ConversationIndex()  # pool key -> its record, found by its conversation's keys
         self._adapters = dict(adapters or {})
         self._as_sent: dict[str, str] = {}  # guided prompts: as the sessions hold them -> as clients send them
+        self._counters: dict[str, ChatSession] = {}  # instructions and tools (their key) -> a session that renders them
         self._lock = asyncio.Lock()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="chatkit-server")
-        self._behind = WriteBehind(self._write_job) if persist else None
+        self._behind = WriteBehind(self._write_job, self._submit) if persist else None
         if persist:
-            atomic.remove_stale_temps(self._folder)  # a hand-off or list a killed process was writing
+            atomic.remove_stale_temps(self._folder)  # a cache or list a killed process was writing
             (self._folder / (manifest.MANIFEST + ".tmp")).unlink(missing_ok=True)  # ... as older versions wrote it
             self._load_manifest()
 
@@ -177,17 +179,17 @@ class SessionIndex:
                      tools: Tools, chain: list[str], keep: bool,
                      adapter: str | None) -> tuple[Callable[[], ChatSession], str | None]:
         """How to build (on the worker thread) a new session holding the conversation before the last of
-        ``added``, pooled with ``keep``; and its pool key (the caller indexes it once it is built). Its
-        first turn reuses what the prompt cache holds of it (the prefix it shares with a pooled
-        conversation, in memory); a conversation it shares a prefix with whose cache is in a file (saved
-        by an earlier run, or evicted) seeds it from that file."""
+        ``added``, pooled with ``keep``; and its pool key (the caller indexes it once it is built). A
+        conversation it shares a prefix with seeds it: in memory a fork of it (``_branch``), from its file
+        when its cache is there (saved by an earlier run, or evicted); else the prompt cache serves what it
+        holds of the prefix at the first turn."""
         source, shared = next(((c, n) for c, n in self._convs.sharing(chain) if not self._busy(c)), (None, 0))
         if source is not None:
             await self._written(source)
         conv = f"conv_{uuid.uuid4().hex}" if keep else None
 
         def find() -> ChatSession:
-            session = self._branch(source, len(history)) if source is not None and shared == len(history) else None
+            session = self._branch(source, history, shared) if source is not None else None
             if session is not None:
                 for message in added[:-1]:
                     session.respond(message)  # answers a call; another one waits: no reply
@@ -200,11 +202,16 @@ class SessionIndex:
 
     async def count_tokens(self, instructions: str | None, history: Sequence[ChatMessage],
                            added: Sequence[ChatMessage], params: GenerateParams, *, tools: Tools = None) -> int:
-        """The prompt a turn answering ``added`` would have (tools included): rendered by a session over
-        the request's instructions and tools that is built for it (no history: the messages are counted
-        as a list) and dropped; no cache work, no conversation touched."""
-        def count() -> int:
-            session = self._build(instructions, (), tuple(tools) if tools else None)
+        """The prompt a turn answering ``added`` would have (tools included), rendered by a session over the
+        request's instructions and tools that holds no conversation (kept for the next count with them)."""
+        tools = tuple(tools) if tools else None
+        key = prefix_keys(instructions, (), tools)[0]
+
+        def count() -> int:  # on the worker thread, the only one that touches ``_counters``
+            session = self._counters.pop(key, None) or self._build(instructions, (), tools)
+            self._counters[key] = session  # the most recently used last
+            while len(self._counters) > COUNTERS:
+                del self._counters[next(iter(self._counters))]
             return session.token_count + session.count_tokens([*history, *added], params=params)
         return await self.run(count)
 
@@ -239,7 +246,6 @@ class SessionIndex:
             self._trim()
 
     def _after_settling(self, conv: str, done: asyncio.Future[Any]) -> None:  # on the loop
-
         if not done.cancelled() and done.exception() is not None:
             log.warning("conversation %s: the end of its turn failed: %s", conv, done.exception())
         if self._behind is not None and conv in self.pool and conv in self._convs:
@@ -370,41 +376,34 @@ class SessionIndex:
             builder = builder.tools([dict(t) for t in tools], tool_execution="manual")
         return (builder.speculative(self._speculative) if self._speculative is not None else builder).build()
 
-    def _branch(self, source: str, n: int) -> ChatSession | None:
-        """(A new conversation whose history is the first ``n`` messages of ``source``'s) a fork of the
-        pooled session ``source`` taken back to them (``undo``: its cache copied and trimmed in memory),
-        or ``None`` when its cache is not in memory, it compacted, or ``n`` is not the end of an exchange."""
+    def _branch(self, source: str, history: Sequence[ChatMessage], shared: int) -> ChatSession | None:
+        """(A new conversation whose history is ``history``, the first ``shared`` messages ``source``'s) a fork
+        of the pooled ``source`` in memory: taken back (``undo``) when ``history`` ends an exchange of it, else
+        holding ``history`` over a copy of the cache (its first turn reuses their common prefix); ``None``
+        when ``source``'s cache is not in memory or it compacted."""
         pooled, record = self.pool.get(source), self._convs.get(source)
         if pooled is None or record is None or record.dormant or self.pool.evicted(source) or pooled.dropped_messages:
             return None
+        if shared < len(history):
+            return pooled.fork(history=history)
         session = pooled.fork()
         try:
-            while len(session.history) > n:
+            while len(session.history) > len(history):
                 session.undo()
         except ChatKitError:  # the history does not end with an exchange there
-            return None
-        return session if len(session.history) == n else None
+            return pooled.fork(history=history)
+        return session if len(session.history) == len(history) else pooled.fork(history=history)
 
     def _seed(self, session: ChatSession, source: str) -> None:
-        """Give a new session the KV cache of ``source``, a conversation that starts as its own does but
-        goes on otherwise (``_branch`` did not apply): its first turn reuses the common prefix (the
-        planner trims the rest). A cache in a file (saved by an earlier run, or evicted) is read from
-        it; one in memory is served by the prompt cache's blocks. Only without a prompt cache is it
-        handed over through a file (a session has no public way to take another's cache in memory)."""
-        record, pooled = self._convs.get(source), self.pool.get(source)
-        in_file = record is not None and record.dormant is not None or self.pool.evicted(source)
-        if not in_file and (self._prompt_cache is not None or pooled is None):
+        """Give a new session the KV cache of ``source`` (sharing a prefix with it) when it is in a file (saved
+        by an earlier run, or evicted): its first turn reuses the common prefix (the planner trims the rest)."""
+        record = self._convs.get(source)
+        if not (record is not None and record.dormant is not None or self.pool.evicted(source)):
             return
-        path = self.pool.path(source) if in_file else self._folder / "handoff.safetensors"
         try:
-            if not in_file and pooled is not None:
-                pooled.save_cache(path, images=True)
-            session.restore_cache(path)
+            session.restore_cache(self.pool.path(source))
         except ChatKitError as exc:  # e.g. no cache yet: the first turn prefills everything
             log.info("conversation not seeded from %s: %s", source, exc)
-        finally:
-            if not in_file:
-                path.unlink(missing_ok=True)
 
     def _busy(self, conv: str) -> bool:
         """Whether ``conv`` has a turn open (its stream, or a copy's turn that will replace it), or its

@@ -136,7 +136,7 @@ class ServerState:
                 engine=engine, context_policy=config.context_policy, adapters=self.models.adapters,
                 prompt_cache=self.prompt_cache, max_kv_bytes=config.max_kv_bytes,
             )
-            self.responses = ResponseStore(root / "responses" if config.store is not None else None)
+            self.responses = ResponseStore(root / "responses" if config.store is not None else None, run=self.sessions.run)
             self.limiter = Limiter(config.parallel, config.queue)
             try:
                 yield

@@ -3,9 +3,10 @@ power cut) loses at most the turns in flight, not every cache saved only at a gr
 
 A turn's end schedules the write of its conversation ``SAVE_DELAY`` seconds later, after the reply
 was sent: a conversation that goes on within that time (a client re-sending at once, a tool round)
-has its turns coalesced into one write. The write runs on a thread of its own, off the request
-path, and atomically (``save_cache``: a temporary file renamed over the last one). A turn on a
-conversation being written waits for its write (a moment), never gets a 409.
+has its turns coalesced into one write. The write runs off the event loop on the server's one worker
+(the thread of all its blocking MLX work, in the order it is asked for), and atomically
+(``save_cache``: a temporary file renamed over the last one). A turn on a conversation being written
+waits for its write (a moment), never gets a 409.
 """
 
 from __future__ import annotations
@@ -13,9 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-
-import mlx.core as mx
 
 log = logging.getLogger("chatkit.server")
 SAVE_DELAY = 0.5  # seconds a conversation stays idle before its cache is written: rapid turns coalesce
@@ -24,18 +22,18 @@ Job = Callable[[], None]
 
 
 class WriteBehind:
-    """Schedules the writes of conversations' caches and runs them on a writer thread.
+    """Schedules the writes of conversations' caches and hands them to ``submit``.
 
     ``prepare(conv)`` is called on the event loop when ``conv``'s write is due: it returns the blocking
-    job to run on the writer thread, or ``None`` to write nothing now (it may :meth:`touch` again).
-    Every method runs on the event loop.
+    job to run, or ``None`` to write nothing now (it may :meth:`touch` again). ``submit(job)`` queues the
+    job on the server's worker and returns its future (``SessionIndex``'s). Every method runs on the
+    event loop.
     """
 
-    def __init__(self, prepare: Callable[[str], Job | None]) -> None:
-        self._prepare = prepare
+    def __init__(self, prepare: Callable[[str], Job | None], submit: Callable[[Job], asyncio.Future[None]]) -> None:
+        self._prepare, self._submit = prepare, submit
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._running: dict[str, asyncio.Future[None]] = {}
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="chatkit-server-write")
 
     def touch(self, conv: str) -> None:
         """``conv`` changed: write it once it has been left alone for ``SAVE_DELAY`` seconds."""
@@ -65,8 +63,6 @@ class WriteBehind:
         self._timers.clear()
         if self._running:
             await asyncio.wait(list(self._running.values()))
-        await asyncio.get_running_loop().run_in_executor(self._thread, mx.clear_streams)
-        self._thread.shutdown(wait=True)
 
     def _due(self, conv: str) -> None:
         self._timers.pop(conv, None)
@@ -76,7 +72,7 @@ class WriteBehind:
         job = self._prepare(conv)
         if job is None:
             return
-        future = asyncio.get_running_loop().run_in_executor(self._thread, job)
+        future = self._submit(job)
         self._running[conv] = future
         future.add_done_callback(lambda done: self._done(conv, done))
 
