@@ -83,7 +83,7 @@ from dataclasses import dataclass, field
 
 import chatkit
 import chatkit._blas
-from chatkit import ChatSession, ContextPolicy, GenerateParams
+from chatkit import ChatSession, ContextPolicy, GenerateParams, PromptCache
 
 import httpx  # only to wait for the servers to answer
 from _common import OtherLoad, describe, load_model, median, wait_until_quiet
@@ -134,10 +134,13 @@ class Turn:
 
 
 class InProcess:
-    """The in-process session: ``stream_respond(message)`` per turn, timed from that call."""
+    """The in-process session: ``stream_respond(message)`` per turn, timed from that call. It has a prompt
+    cache of its own, as each server process does: the process-wide one would also hold the re-prefill's
+    blocks of the same conversation, played seconds before, and serve this turn from them."""
 
     def __init__(self, lm, system: str, params: GenerateParams) -> None:
         self.session = (ChatSession.builder(lm).instructions(system).generate_params(params.copy())
+                        .prompt_cache(PromptCache())
                         .context_policy(ContextPolicy.rolling()).build())  # the server's default (a small window)
 
     def turn(self, message: str) -> Turn:
@@ -145,13 +148,13 @@ class InProcess:
 
 
 class RePrefill:
-    """A stateless re-prefill: per turn a fresh session built with the whole history so far."""
+    """A stateless re-prefill: per turn a fresh session built with the whole history so far (no prompt cache)."""
 
     def __init__(self, lm, system: str, params: GenerateParams) -> None:
         self.lm, self.system, self.params, self.history = lm, system, params, []
 
     def turn(self, message: str) -> Turn:
-        session = (ChatSession.builder(self.lm).instructions(self.system).history(self.history)
+        session = (ChatSession.builder(self.lm).instructions(self.system).history(self.history).prompt_cache(None)
                    .generate_params(self.params.copy()).context_policy(ContextPolicy.rolling()).build())
         played = first_text(lambda: session.stream_respond(message))
         self.history += [{"role": "user", "content": message}, {"role": "assistant", "content": played.reply}]
