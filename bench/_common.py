@@ -188,4 +188,4 @@ def clone(layers):
 def cache_state(session):
     """The benchmarks' seam into a session's cache state (layers, ledger): the one place they reach
     past the public API, to hand raw mlx-lm the very cache chatkit holds."""
-    return session._conversation.cache
+    return session._state.conversation.cache

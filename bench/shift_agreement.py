@@ -51,12 +51,12 @@ def agreement(lm, window: int, shifts: int, max_tokens: int) -> dict:
                .context_policy(ContextPolicy.rolling(shift=True)).prompt_cache(None).build())
     rows, turns = [], 0
     for prompt in prompts(40 * shifts):
-        shifted_before = session._conversation.cache.ledger.shifted  # the bench's one look inside
+        shifted_before = session._state.conversation.cache.ledger.shifted  # the bench's one look inside
         with session.stream_respond(prompt) as stream:
             for _ in stream:
                 pass
         turns += 1
-        if session._conversation.cache.ledger.shifted == shifted_before:
+        if session._state.conversation.cache.ledger.shifted == shifted_before:
             continue  # no shift this turn (or a turn that fell back to a re-prefill)
         context = session.context[: -2]  # what the model saw before this turn's message
         truth = fresh_reply(small, context, prompt, params)

@@ -76,21 +76,21 @@ def tool_round_case(lm, history: int):
     probe = base.fork()
     probe.respond(RESULT, role=Role.TOOL, tool_call_id=call.id)
     stats = probe.last_stats
-    ledger = probe._conversation.cache.ledger.tokens
-    held = base._conversation.cache.ledger.tokens
+    ledger = probe._state.conversation.cache.ledger.tokens
+    held = base._state.conversation.cache.ledger.tokens
     assert stats.reused_tokens == len(held) and ledger[: len(held)] == held, "a tool round appends"
     suffix = list(ledger[len(held) : stats.prompt_tokens])
 
     def chatkit():
         fork = base.fork()
-        fork._conversation.cache.layers = clone(base._conversation.cache.layers)
+        fork._state.conversation.cache.layers = clone(base._state.conversation.cache.layers)
         t0 = time.perf_counter()
         with fork.stream_respond(RESULT, role=Role.TOOL, tool_call_id=call.id) as stream:
             next(stream)
             return time.perf_counter() - t0
 
     def raw():
-        cache = clone(base._conversation.cache.layers)
+        cache = clone(base._state.conversation.cache.layers)
         t0 = time.perf_counter()
         steps = generate_step(mx.array(suffix, dtype=mx.uint32), lm.model, max_tokens=1, sampler=make_sampler(0.0),
                               prompt_cache=cache)

@@ -109,7 +109,7 @@ def chatkit_seconds(session, pre, text, processor) -> float:
 def raw_append_seconds(session, pre, text, processor) -> float:
     """(b): generate_step over real copies of the cache chatkit reused, fed the suffix chatkit prefilled."""
     messages = [*session.history, ChatMessage.user(text)]
-    prompting, table = session._prompting(), session._images
+    prompting, table = session._turns.prompting(), session._state.images
     prompt = prompting.ids(messages, session.generate_params)
     spans = locate(prompt, prompting.images(messages), table.placeholder, table.ids, table.layout)
     keep = cache_state(session).preview(prompt, spans)

@@ -84,7 +84,7 @@ def fresh_reply(session, prompt, **options):
 def cache_state(session):
     """The test seam into a session's cache state (layers, ledger, checkpoints): the one place tests
     reach past the public API."""
-    return session._conversation.cache
+    return session._state.conversation.cache
 
 
 def assert_ledger_matches_cache(session):

@@ -465,7 +465,7 @@ def test_closing_the_engine_mid_turn_leaves_the_session_its_cache(lm):
     assert_ledger_matches_cache(session)
     # The same conversation, on a session without an engine, reuses that cache and answers as a fresh one.
     plain = session_for(lm, params=params_for(lm, 5, no_eos=True), history=session.history)
-    plain._conversation.cache = state
+    plain._state.conversation.cache = state
     expected = fresh_reply(plain, "Go on.")
     assert turn_tokens(plain, "Go on.") == expected
     assert plain.last_stats.reused_tokens >= held

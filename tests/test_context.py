@@ -123,7 +123,7 @@ def test_keep_first_keeps_the_first_exchanges(lm):
 def test_a_window_starts_at_a_prompt_never_between_a_call_and_its_result(lm):
     session = session_over(lm, ContextPolicy.rolling())
     talk(session, PROMPTS[:16])
-    window = session._conversation.window
+    window = session._state.conversation.window
     assert session.history[window.start].role is Role.USER
 
 
@@ -178,7 +178,7 @@ def test_summarize_folds_dropped_exchanges_into_a_summary_after_the_instructions
 def test_the_model_itself_can_summarize(lm):
     session = session_over(lm, ContextPolicy.summarize())
     talk(session, PROMPTS[:16])
-    summary = session._conversation.window.summary
+    summary = session._state.conversation.window.summary
     assert isinstance(summary, str) and summary and SUMMARY_HEADER in session.context[0].content
 
 
@@ -308,7 +308,7 @@ def test_async_turns_prepare_the_next_compaction_by_themselves(lm):
     stats = asyncio.run(chat())
     crossing = [s for s in stats if s.compacted]
     assert crossing and all(s.prefilled_tokens < 45 for s in crossing)  # every compaction was ready
-    assert len(calls) == len(crossing) + (1 if session._compactor.preparer.get(tuple(session.history), session._conversation.window) else 0)
+    assert len(calls) == len(crossing) + (1 if session._compactor.preparer.get(tuple(session.history), session._state.conversation.window) else 0)
 
 
 def test_a_pooled_session_prepares_its_next_compaction_in_the_background(lm, tmp_path):
@@ -333,11 +333,11 @@ def test_a_pooled_session_prepares_its_next_compaction_in_the_background(lm, tmp
     assert crossing and all(s.prefilled_tokens < 45 for s in crossing)  # every compaction was ready
     assert len(calls) >= len(crossing) and [m.content for m in session.history[::2]] == PROMPTS[:24]
     assert_answers_as_fresh(pool.session("a"), ["And now?", "And then?"])
-    assert pool.wait_idle(60) and session._compactor.preparer.get(tuple(session.history), session._conversation.window)
+    assert pool.wait_idle(60) and session._compactor.preparer.get(tuple(session.history), session._state.conversation.window)
     pool.enforce_budget()  # nothing to evict under the budget; with none, the prepared cache goes too
     pool._budget = 0
     assert pool.enforce_budget() == ["a"]
-    assert session._compactor.preparer.get(tuple(session.history), session._conversation.window) is None
+    assert session._compactor.preparer.get(tuple(session.history), session._state.conversation.window) is None
 
 
 def test_a_pooled_turn_that_comes_during_a_preparation_never_fails(lm, tmp_path):
@@ -466,8 +466,8 @@ class LongConversation(RuleBasedStateMachine):
 
     @invariant()
     def the_context_fits_and_starts_at_a_prompt(self):
-        s, window = self.session, self.session._conversation.window
-        ledger = s._conversation.cache.ledger
+        s, window = self.session, self.session._state.conversation.window
+        ledger = s._state.conversation.cache.ledger
         assert ledger.opaque + len(ledger.tokens) <= MACHINE_WINDOW  # what the model has seen at once
         if window.start > window.head:
             assert s.history[window.start].role is Role.USER

@@ -76,7 +76,7 @@ def shifted_and_plain(lm, prompts, **policy):
         stats.append((shifted.last_stats, plain.last_stats))
         assert_ledger_matches_cache(shifted)  # invariant 1 after every turn
         held = cache_state(shifted).ledger.tokens
-        rendered = shifted._rendered_ids(shifted._conversation.window, shifted._conversation.messages)
+        rendered = shifted._turns.rendered_ids(shifted._state.conversation.window, shifted._state.conversation.messages)
         assert rendered[: len(held) - PARAMS.max_tokens - 2] == list(held[: len(held) - PARAMS.max_tokens - 2])
     return shifted, plain, stats
 

@@ -246,7 +246,7 @@ def test_a_world_of_one_loads_and_answers_as_today():
     params = GenerateParams(max_tokens=16, temperature=0.0)
     a = ChatSession.builder(plain).generate_params(params).build()
     b = ChatSession.builder(solo).generate_params(params).build()
-    assert isinstance(b._source, LocalSource)
+    assert isinstance(b._state.source, LocalSource)
     for prompt in ("Hello there.", "And then?"):
         with a.stream_respond(prompt) as sa, b.stream_respond(prompt) as sb:
             assert list(c.token for c in sb) == list(c.token for c in sa)

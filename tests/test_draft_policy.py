@@ -357,7 +357,7 @@ def run_with_costs(monkeypatch, lm, draft_step, turns=4, tokens=32):
 
 def test_the_loop_stops_drafting_when_a_draft_step_costs_as_much_as_a_plain_one(tiny, monkeypatch):
     session, stats = run_with_costs(monkeypatch, tiny(arch="qwen3", tokenizer="bpe"), draft_step=1.0)
-    policy = session._source.policy
+    policy = session._state.source.policy
     assert policy.plain_time == pytest.approx(1.0)
     assert round_cost(policy, 1) == pytest.approx(2.3, abs=0.05)  # 1.2 + 0.1 + 1.0, in plain steps
     assert policy.draft == 0
@@ -367,7 +367,7 @@ def test_the_loop_stops_drafting_when_a_draft_step_costs_as_much_as_a_plain_one(
 
 def test_the_loop_drafts_long_when_the_draft_is_cheap(tiny, monkeypatch):
     session, stats = run_with_costs(monkeypatch, tiny(arch="qwen3", tokenizer="bpe"), draft_step=0.05)
-    policy = session._source.policy
+    policy = session._state.source.policy
     assert round_cost(policy, AUTO_MAX) < 2.5 and policy.draft == AUTO_MAX
     assert stats[-1].draft_length >= 4 and stats[-1].draft_tokens_accepted == stats[-1].draft_tokens_proposed
 
@@ -375,10 +375,10 @@ def test_the_loop_drafts_long_when_the_draft_is_cheap(tiny, monkeypatch):
 def test_a_fresh_session_starts_from_what_earlier_sessions_learned_about_the_pair(tiny, monkeypatch):
     lm = tiny(arch="qwen3", tokenizer="bpe")
     first, stats = run_with_costs(monkeypatch, lm, draft_step=0.05, turns=2)
-    assert first._source.policy.draft == AUTO_MAX
+    assert first._state.source.policy.draft == AUTO_MAX
     # A new session of the same pair (under the same clock): it drafts long from its first step.
     second = session_for(lm, params=GenerateParams(max_tokens=32), speculative=SpeculativeConfig(lm))
-    policy = second._source.policy
+    policy = second._state.source.policy
     assert policy.draft == AUTO_MAX and policy.plain_time == pytest.approx(1.0) and choose(policy) == (AUTO_MAX, False)
     second.respond("Hi")
     assert second.last_stats.draft_tokens_proposed > stats[0].draft_tokens_proposed  # the first one probed first
@@ -386,8 +386,8 @@ def test_a_fresh_session_starts_from_what_earlier_sessions_learned_about_the_pai
     # Another pair (another draft), and a fixed length, start from nothing.
     other = session_for(lm, speculative=SpeculativeConfig(tiny(arch="qwen3", tokenizer="bpe", seed=1)))
     fixed = session_for(lm, speculative=SpeculativeConfig(lm, 3))
-    assert other._source.policy.plain_times == [] and other._source.policy.draft == 0
-    assert fixed._source.policy.key is None
+    assert other._state.source.policy.plain_times == [] and other._state.source.policy.draft == 0
+    assert fixed._state.source.policy.key is None
 
 
 def test_the_registry_shares_a_draft_models_acceptance_but_not_prompt_lookups():

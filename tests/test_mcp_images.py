@@ -55,7 +55,7 @@ def reply_tokens(session, prompt):
 
 
 def image_tokens(session, span):
-    return session._conversation.cache.ledger.tokens[span.start : span.end]
+    return session._state.conversation.cache.ledger.tokens[span.start : span.end]
 
 
 # -- fast: no server ---------------------------------------------------------------------------------
@@ -143,8 +143,8 @@ def test_a_vision_template_without_a_tool_role_shows_the_tool_image_in_a_user_me
                ChatMessage.tool("a picture", "snap", "a1b2c3d4e", images=[PNG])]
     s = ChatSession.builder(lm).generate_params(GREEDY).history(history).build()
     tokens = reply_tokens(s, "And?")
-    (span,) = s._conversation.cache.ledger.images
-    assert span.digest == as_image(PNG).digest and s._images.encodings == 1
+    (span,) = s._state.conversation.cache.ledger.images
+    assert span.digest == as_image(PNG).digest and s._state.images.encodings == 1
     assert set(image_tokens(s, span)) == {lm.vision.image_token_id}
     assert len(tokens) > 0
 
@@ -163,7 +163,7 @@ def test_the_prompt_cache_keys_a_tool_images_blocks_by_its_pixels(vlm):
 
     first = session(PNG, pc)
     reply_tokens(first, "Describe it.")
-    (span,) = first._conversation.cache.ledger.images
+    (span,) = first._state.conversation.cache.ledger.images
     other = session(other_png, pc)  # the same tokens, other pixels
     assert reply_tokens(other, "Describe it.") == reply_tokens(session(other_png, None), "Describe it.")
     assert other.last_stats.reused_tokens <= span.start
@@ -180,8 +180,8 @@ def test_an_mcp_image_is_an_image_part_of_the_tool_message_and_the_model_sees_it
     result = s.history[2]
     assert result.role is Role.TOOL and result.name == "picture" and result.content == "a picture"
     assert [i.digest for i in result.images] == [as_image(PNG).digest]
-    (span,) = s._conversation.cache.ledger.images  # the processor made the image's tokens, the tower its features
-    assert span.digest == as_image(PNG).digest and s._images.encodings == 1
+    (span,) = s._state.conversation.cache.ledger.images  # the processor made the image's tokens, the tower its features
+    assert span.digest == as_image(PNG).digest and s._state.images.encodings == 1
     assert set(image_tokens(s, span)) == {vlm.vision.image_token_id} and span.end - span.start == 6
     assert "<|vision_start|><|image_pad|><|vision_end|>a picture\n</tool_response>" in s.render("x")
 
@@ -192,18 +192,18 @@ def test_a_bad_image_from_the_server_is_a_note_and_the_turn_goes_on(vlm, calc):
     assert s.respond("Take a picture.") == "Sorry."
     result = s.history[2]
     assert result.images == () and result.content.count("that could not be shown") == 2
-    assert s._conversation.cache.ledger.images == ()
+    assert s._state.conversation.cache.ledger.images == ()
 
 
 @pytest.mark.slow
 def test_the_next_turn_reuses_the_image_kv_and_answers_as_a_fresh_session(vlm, calc, tmp_path):
     s = scripted(vlm, [call("picture"), "Done."], [calc])
     s.respond("Take a picture.")
-    (span,) = s._conversation.cache.ledger.images
+    (span,) = s._state.conversation.cache.ledger.images
     s.save_cache(tmp_path / "chat.safetensors", images=True)
     forked = s.fork()
     live = reply_tokens(s, "Tell me more.")
-    assert s.last_stats.reused_tokens > span.end and s._images.encodings == 1  # not prefilled nor encoded again
+    assert s.last_stats.reused_tokens > span.end and s._state.images.encodings == 1  # not prefilled nor encoded again
     fresh = ChatSession.builder(vlm).tools([calc]).generate_params(GREEDY).history(s.history[:-2]).build()
     assert reply_tokens(fresh, "Tell me more.") == live
     assert reply_tokens(forked, "Tell me more.") == live and forked.history[2].images == s.history[2].images

@@ -95,7 +95,7 @@ def test_replies_over_cached_blocks_equal_replies_without_them_turn_after_turn(l
     other = ChatSession.builder(lm).generate_params(GREEDY.copy()).instructions(RULES).history(s.history) \
         .prompt_cache(pc).build()
     turn(other, "Bye.")
-    assert other.last_stats.reused_tokens >= len(s._conversation.cache.ledger.tokens) // 16 * 16 - 16
+    assert other.last_stats.reused_tokens >= len(s._state.conversation.cache.ledger.tokens) // 16 * 16 - 16
 
 
 def test_a_turn_whose_own_cache_misses_looks_in_the_prompt_cache(lm):
@@ -170,7 +170,7 @@ def test_images_key_their_blocks_by_content():
 
     first = session(pc)
     turn(first, text, images=[pictures[0]])
-    (span,) = first._conversation.cache.ledger.images
+    (span,) = first._state.conversation.cache.ledger.images
     other = session(pc)
     other_reply = turn(other, text, images=[pictures[1]])  # same tokens, other pixels
     assert other.last_stats.reused_tokens <= span.start
@@ -248,8 +248,8 @@ def test_damaged_truncated_and_foreign_blocks_are_skipped_never_served(lm, tmp_p
     pc = PromptCache(tmp_path, block_tokens=16)
     reference = build(lm, pc)
     turn(reference, "Hello!")
-    seed = reference._conversation.cache.shared.seed
-    keys = list(chain(seed, reference._conversation.cache.ledger.tokens, (), 16))
+    seed = reference._state.conversation.cache.shared.seed
+    keys = list(chain(seed, reference._state.conversation.cache.ledger.tokens, (), 16))
     paths = [tmp_path / f"{parent}.{key}{SUFFIX}" for parent, key in zip([seed, *keys], keys)]
     assert all(p.exists() for p in paths) and len(paths) >= 4
     data = bytearray(paths[3].read_bytes())

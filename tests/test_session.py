@@ -339,6 +339,20 @@ def test_instructions_and_params_changes_apply_next_turn(tiny):
     assert stream.tokens == expected and len(expected) <= 2
 
 
+def test_a_session_is_composed_of_one_state_and_a_turn_factory_over_it(tiny):
+    """Issue 45: no session base class; the setters write the one state the turn factory reads, and a fork
+    gets a state (and factory) of its own."""
+    assert ChatSession.__bases__ == (object,)
+    session = session_for(tiny())
+    assert session._turns.state is session._state and session._compactor is session._turns.compactor
+    session.respond("Hi")
+    other = session.fork()
+    other.instructions = "Be long."
+    assert other._turns.state is other._state is not session._state
+    assert "Be long." in other.render() and "Be long." not in session.render()
+    assert other.history == session.history
+
+
 def test_clear_forgets_history_and_cache(tiny):
     session = session_for(tiny())
     session.respond("Hi")

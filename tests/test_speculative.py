@@ -279,7 +279,7 @@ def test_adaptive_length_persists_across_turns_and_stays_on_for_an_agreeing_draf
         run(session, prompt)
         stats = session.last_stats
         assert stats.draft_tokens_accepted == stats.draft_tokens_proposed
-    assert session._source.policy.acceptance > 0.5  # the session's evidence, carried from turn to turn
+    assert session._state.source.policy.acceptance > 0.5  # the session's evidence, carried from turn to turn
 
 
 def test_prompt_lookup_works_with_a_restored_cache_file_and_a_raw_cache(tiny, tmp_path):
@@ -370,7 +370,7 @@ def test_drafting_never_crosses_the_step_where_the_cache_gets_quantized(tiny, nu
     if num_draft == "auto":  # what earlier sessions learned: drafting with this pair pays (whatever the load now)
         drafting_pays(lm.model, lm.model)
     spec = session_for(lm, params=params.copy(), speculative=SpeculativeConfig(lm, num_draft))
-    assert spec._source.policy.draft > 0 or num_draft != "auto"
+    assert spec._state.source.policy.draft > 0 or num_draft != "auto"
     for session in (standard, spec):
         session.cache_options = CacheOptions(kv_bits=3, kv_group_size=32, quantized_kv_start=start)
     accepted = 0

@@ -71,7 +71,7 @@ def image_turn(lm, n):
     """A session that answered one message with picture ``n``, and where that image's tokens are."""
     s = session(lm)
     reply_tokens(s, "Describe it.", images=[picture(n)])
-    (span,) = s._conversation.cache.ledger.images
+    (span,) = s._state.conversation.cache.ledger.images
     return s, span
 
 
@@ -79,12 +79,12 @@ def image_turn(lm, n):
 def test_turn_two_reuses_the_image_kv_and_encodes_once(vlm, arch):
     lm = vlm(arch)
     s, span = image_turn(lm, 2)
-    assert s._images.encodings == 1
+    assert s._state.images.encodings == 1
     second = reply_tokens(s, "Tell me more.")
     stats = s.last_stats
     assert stats.reused_tokens > span.end  # the image's tokens and everything up to the new message
     assert stats.prefilled_tokens < stats.prompt_tokens - span.end
-    assert s._images.encodings == 1  # not encoded again
+    assert s._state.images.encodings == 1  # not encoded again
     fresh = session(lm, s.history[:-2])
     assert second == reply_tokens(fresh, "Tell me more.")  # the cache is only a saving
 
@@ -128,7 +128,7 @@ def test_a_different_image_at_the_same_place_is_never_reused(vlm, arch):
     other = reply_tokens(s, "Describe it.", images=[picture(4)])  # same tokens, other pixels
     assert s.last_stats.reused_tokens <= span.start
     assert other == reply_tokens(session(lm), "Describe it.", images=[picture(4)])
-    assert s._images.encodings == 2
+    assert s._state.images.encodings == 2
 
 
 def test_the_planner_stops_at_the_first_image_that_differs():
@@ -161,7 +161,7 @@ def test_bad_images_are_refused_before_anything_changes(vlm, tiny, monkeypatch):
     text = session(tiny("qwen3", "bpe", 0))
     with pytest.raises(InvalidMessageError, match="reads no images"):
         text.respond("What is this?", images=[picture(6)])
-    assert text.history == [] and text._conversation.cache.empty
+    assert text.history == [] and text._state.conversation.cache.empty
     s = session(vlm("qwen2_vl"))
     with pytest.raises(InvalidMessageError, match="Could not read"):
         s.respond("What is this?", images=[b"not an image"])
@@ -174,10 +174,10 @@ def test_bad_images_are_refused_before_anything_changes(vlm, tiny, monkeypatch):
     monkeypatch.setattr("chatkit.images.MAX_IMAGE_PIXELS", 100)
     with pytest.raises(InvalidMessageError, match="scale it down"):
         s.respond("What is this?", images=[picture(8)])
-    monkeypatch.setattr(s._images.vision, "max_images", 1)
+    monkeypatch.setattr(s._state.images.vision, "max_images", 1)
     with pytest.raises(InvalidMessageError, match="more than this model takes"):
         s.respond("What is this?", images=[picture(9, (8, 8, 3)), picture(10, (8, 8, 3))])
-    assert s.history == [] and s._conversation.cache.empty and s._images.encodings == 0
+    assert s.history == [] and s._state.conversation.cache.empty and s._state.images.encodings == 0
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "gemma3"])  # gemma3: sliding-window (rotating) cache layers too
@@ -189,9 +189,9 @@ def test_save_and_restore_continue_without_re_encoding(vlm, tmp_path, arch):
     live = reply_tokens(s.fork(), "Tell me more.")
     restored = ChatSession.builder(lm).cache(tmp_path / "chat.safetensors").build()
     assert restored.history[0].images[0].pixels is None  # known by its hash: no pixels in the file
-    (span,) = restored._conversation.cache.ledger.images
+    (span,) = restored._state.conversation.cache.ledger.images
     assert reply_tokens(restored, "Tell me more.") == live
-    assert restored.last_stats.reused_tokens > span.end and restored._images.encodings == 0
+    assert restored.last_stats.reused_tokens > span.end and restored._state.images.encodings == 0
 
 
 def test_a_restored_turn_that_needs_missing_pixels_is_a_cache_error(vlm, tmp_path):
@@ -212,7 +212,7 @@ def test_a_restored_turn_that_needs_missing_pixels_is_a_cache_error(vlm, tmp_pat
     with_pixels.release_cache()
     expected = reply_tokens(session(lm, s.history), "Tell me more.")
     assert reply_tokens(with_pixels, "Tell me more.") == expected
-    assert with_pixels._images.encodings == 1
+    assert with_pixels._state.images.encodings == 1
 
 
 def test_chat_image_command_attaches_to_the_next_message(vlm, tmp_path, monkeypatch):
@@ -250,9 +250,9 @@ def test_several_images_over_turns_answer_as_a_fresh_session(vlm, arch):
     s = session(lm)
     reply_tokens(s, "Compare these.", images=[picture(14), picture(15, (30, 90, 3))])
     third = reply_tokens(s, "And this one?", images=[picture(16)])
-    assert [span.digest for span in s._conversation.cache.ledger.images] == [
+    assert [span.digest for span in s._state.conversation.cache.ledger.images] == [
         as_image(picture(n, shape)).digest for n, shape in ((14, (60, 70, 3)), (15, (30, 90, 3)), (16, (60, 70, 3)))]
-    assert s.last_stats.reused_tokens > s._conversation.cache.ledger.images[1].end
+    assert s.last_stats.reused_tokens > s._state.conversation.cache.ledger.images[1].end
     assert third == reply_tokens(session(lm, s.history[:-2]), "And this one?", images=[picture(16)])
 
 
@@ -281,7 +281,7 @@ def test_gemma3_keeps_its_sliding_window_layers_as_mlx_lm_caches(vlm):
 
     lm = vlm("gemma3")
     s, _ = image_turn(lm, 7)
-    assert [type(c) for c in s._conversation.cache.layers] == [RotatingKVCache, KVCache]
+    assert [type(c) for c in s._state.conversation.cache.layers] == [RotatingKVCache, KVCache]
     ArraysCache = type("ArraysCache", (), {})
     with pytest.raises(ModelLoadError, match="mlx-vlm directly"):
         _lm_caches([ArraysCache()])
@@ -307,7 +307,7 @@ def test_mrope_positions_from_any_start_equal_the_whole_prompts(vlm):
     from chatkit.text.images import locate
 
     lm = vlm("qwen2_vl")
-    prompting = session(lm)._prompting()
+    prompting = session(lm)._turns.prompting()
     messages = [ChatMessage.user("Compare.", images=[picture(20), picture(21, (30, 90, 3))]),
                 ChatMessage.assistant("Two of them."), ChatMessage.user("And this?", images=[picture(22, (90, 40, 3))])]
     table = prompting.vision

@@ -1,9 +1,11 @@
 """``ChatSession``: a conversation with a model that reuses its KV cache from turn to turn.
 
 A turn is a pipeline: render (template) -> plan and prefill (cache) -> stream (generation, stream)
--> commit (here). The session owns the history and the cache state and sequences the steps; every
-turn method is one entry (:meth:`ChatSession.stream_respond`: the options checked once, then the turn
-opened), of which the others are short wrappers.
+-> commit. The session is composed of its state (``SessionState``: settings, history, cache), the
+``TurnFactory`` over it that opens and settles turns (``turns.py``) and the ``Compactor`` the factory
+makes; its methods check their input and delegate. Every turn method is one entry
+(:meth:`ChatSession.stream_respond`: the options checked once, then the turn opened), of which the
+others are short wrappers.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from typing_extensions import Unpack
+from typing_extensions import Self, Unpack
 
 from ..cache.prompt import PromptCache
 from ..cache.state import CacheInfo, CacheOptions, CacheState
@@ -31,34 +33,51 @@ from . import saved
 from .aio import AsyncGuidedStream, AsyncResponseStream
 from .builder import ChatSessionBuilder
 from .config import SessionConfig
-from .context import ContextPolicy, system_text, window_size
-from .conversation import Conversation, pending_calls
-from .core import SessionCore
+from .context import ContextPolicy, Window, system_text, window_size
+from .conversation import pending_calls
 from .options import TurnKeywords, TurnOptions, checked_params, prompt_messages
 from .results import TurnStats
 from .streams import GuidedStream, ReplyStream, drain
 from .tool_loop import strict_grammar
 from .turn import fitted
+from .turns import TurnFactory, new_state
 
 
-class ChatSession(SessionCore):
+class ChatSession:
     """A stateful conversation with one model. Build it with :meth:`ChatSession.builder`.
 
     One turn at a time: while a stream is open (with tools, until the loop's answer), starting another
     turn, ``clear()`` or editing the conversation raises ``SessionBusyError`` and changes nothing.
     """
 
+    def __init__(self, lm: LoadedModel, config: SessionConfig | None = None, *, history: Sequence[ChatMessage] = (),
+                 **settings: Any) -> None:
+        """Prefer :meth:`builder`, which also restores saved caches. ``config`` (default: the defaults) with
+        ``settings`` (``SessionConfig`` field names, e.g. ``instructions=``) over it; all checked here."""
+        if not isinstance(lm, LoadedModel):
+            raise InvalidParamsError(f"A session needs a chatkit.load(...) result, got {type(lm).__name__}.")
+        self._state = new_state(lm, SessionConfig.of(config, settings).checked(lm), history)  # what the session holds
+        self._turns = TurnFactory(self._state, type(self))  # the turn pipeline over it
+        self._compactor = self._turns.compactor  # compactions prepared between turns
+
+    @classmethod
+    def _start(cls, lm: LoadedModel, config: SessionConfig, history: Sequence[ChatMessage] = (),
+               cache: CacheState | None = None, window: Window = Window(), earlier: tuple[tuple[int, Window], ...] = ()) -> Self:
+        """The session a builder describes: ``config`` over ``history`` (seen through ``window``, a restored
+        context policy's), going on from ``cache`` when one is restored."""
+        session = cls(lm, config, history=history)
+        session._turns.resume(cache, window, earlier)
+        return session
 
     @staticmethod
     def builder(model: LoadedModel | Any, tokenizer: Any = None) -> ChatSessionBuilder[ChatSession]:
         """Start building a session over a loaded model (``chatkit.load``) or a model and tokenizer."""
         return ChatSessionBuilder(model, tokenizer, factory=ChatSession._start)
 
-
     # -- conversation state -------------------------------------------------------------------
     @property
     def model(self) -> LoadedModel:
-        return self._lm
+        return self._state.lm
 
     @property
     def config(self) -> SessionConfig:
@@ -66,128 +85,130 @@ class ChatSession(SessionCore):
         changes nothing). The setters below (``instructions``, ``generate_params``, ...) replace it; a turn's
         own ``params=`` never change it. ``ChatSession(lm, dataclasses.replace(session.config, ...))`` builds
         a new session with changed settings."""
-        return replace(self._config, generate_params=self._config.generate_params.copy())
+        return replace(self._state.config, generate_params=self._state.config.generate_params.copy())
 
     @property
     def history(self) -> list[ChatMessage]:
         """The conversation so far (without the instructions), as a copy."""
-        return list(self._conversation.messages)
+        return list(self._state.conversation.messages)
 
     @property
     def instructions(self) -> str | None:
         """The system prompt, rendered at the start of every turn's prompt; ``None`` for none."""
-        return self._config.instructions
+        return self._state.config.instructions
 
     @instructions.setter
     def instructions(self, value: str | None) -> None:
-        with self._gate.idle("change the instructions"):
-            self._config = replace(self._config, instructions=check_instructions(value))
+        with self._state.gate.idle("change the instructions"):
+            self._state.config = replace(self._state.config, instructions=check_instructions(value))
 
     @property
     def generate_params(self) -> GenerateParams:
         """The sampling settings; mutate them or assign new ones, they apply from the next turn."""
-        return self._config.generate_params
+        return self._state.config.generate_params
 
     @generate_params.setter
     def generate_params(self, value: GenerateParams) -> None:
         if not isinstance(value, GenerateParams):
             raise InvalidParamsError(f"generate_params must be a GenerateParams, got {type(value).__name__}.")
-        self._config = replace(self._config, generate_params=value)
+        self._state.config = replace(self._state.config, generate_params=value)
 
     @property
     def tools(self) -> list[dict[str, Any]] | None:
         """Tool JSON schemas passed to the chat template every turn (set functions or schema dicts)."""
-        return None if self._config.tools is None else [dict(t.schema) for t in self._config.tools]
+        return None if self._state.config.tools is None else [dict(t.schema) for t in self._state.config.tools]
 
     @tools.setter
     def tools(self, value: Sequence[Any] | None) -> None:
-        tools = as_tools(value, self._config.tool_options.timeout)
-        if self._config.tool_options.strict and tools is not None:
-            strict_grammar(self._template.tokenizer, tools)  # raises before anything changes
-        with self._gate.idle("change the tools"):
-            self._config = replace(self._config, tools=None if tools is None else tuple(tools))
+        tools = as_tools(value, self._state.config.tool_options.timeout)
+        if self._state.config.tool_options.strict and tools is not None:
+            strict_grammar(self._state.template.tokenizer, tools)  # raises before anything changes
+        with self._state.gate.idle("change the tools"):
+            self._state.config = replace(self._state.config, tools=None if tools is None else tuple(tools))
 
     @property
     def pending_tool_calls(self) -> list[ToolCall]:
         """The calls of the last reply that no tool message answers yet (answer them with
         ``respond(result, role=Role.TOOL, tool_call_id=call.id)`` in manual mode)."""
-        return pending_calls(self._conversation.messages)
+        return pending_calls(self._state.conversation.messages)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
         """The draft model setup, when decoding is speculative."""
-        return self._config.speculative
+        return self._state.config.speculative
 
     @property
     def engine(self) -> BatchEngine | None:
         """The ``BatchEngine`` this session's turns are decoded by, if any."""
-        return self._config.engine
+        return self._state.config.engine
 
     @property
     def last_stats(self) -> TurnStats | None:
         """``TurnStats`` of the last committed turn."""
-        return self._last_stats
+        return self._state.last_stats
 
     @property
     def context_policy(self) -> ContextPolicy:
         """What a turn does when the conversation outgrows the window (``ContextPolicy``); applies from the
         next turn. The history always keeps every message."""
-        return self._config.context_policy
+        return self._state.config.context_policy
 
     @context_policy.setter
     def context_policy(self, policy: ContextPolicy) -> None:
         if not isinstance(policy, ContextPolicy):
             raise InvalidParamsError(f"context_policy takes a chatkit.ContextPolicy, got {type(policy).__name__}.")
-        ropes = self._shift_ropes(policy.checked(), self._conversation.cache.options)
-        self._config, self._ropes = replace(self._config, context_policy=policy.checked()), ropes
+        ropes = self._turns.shift_ropes(policy.checked(), self._state.conversation.cache.options)
+        self._state.config, self._state.ropes = replace(self._state.config, context_policy=policy.checked()), ropes
 
     @property
     def context(self) -> list[ChatMessage]:
         """What the model sees now: the system prompt (the instructions, then the summary of what a policy
         dropped) and the kept messages. A fresh session built from it answers as this one does."""
-        window = self._conversation.window
-        system = system_text(self._config.instructions, window.summary)
+        window = self._state.conversation.window
+        system = system_text(self._state.config.instructions, window.summary)
         return [*([ChatMessage.system(system)] if system is not None else []), *window.visible(self.history)]
 
     @property
     def dropped_messages(self) -> list[ChatMessage]:
         """The messages a context policy took out of what the model sees (``history`` still has them)."""
-        return self._conversation.window.dropped(self.history)
+        return self._state.conversation.window.dropped(self.history)
 
     @property
     def context_window(self) -> int | None:
         """The window prompts must fit, in tokens: the model's, or ``max_kv_size`` or the tokens
         ``max_kv_bytes`` holds when smaller."""
-        return window_size(self._context_length, self.cache_options.max_kv_size)
+        return window_size(self._turns.context_length, self.cache_options.max_kv_size)
 
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes one more token takes in this session's KV cache (counting ``kv_bits``)."""
         options = self.cache_options
-        return self._lm.kv_bytes_per_token(options.kv_bits, options.kv_group_size)
+        return self._state.lm.kv_bytes_per_token(options.kv_bits, options.kv_group_size)
 
     @property
     def prompt_cache(self) -> PromptCache | None:
         """The prompt cache this session shares KV blocks through (by default its model's process-wide
         one: ``session.prompt_cache.usage()``), ``None`` when off. Set with ``builder.prompt_cache``."""
-        cache = self._config.prompt_cache
+        cache = self._state.config.prompt_cache
         return cache if isinstance(cache, PromptCache) else None
 
     @property
     def token_count(self) -> int:
         """Tokens of the context as the model sees it now (what the cache holds after a turn)."""
-        return self._conversation.cache.ledger.opaque + len(self._rendered_ids(self._conversation.window, self.history))
+        c = self._state.conversation
+        return c.cache.ledger.opaque + len(self._turns.rendered_ids(c.window, c.messages))
 
     def count_tokens(self, prompt: str | MessageLike | Sequence[MessageLike], *, params: GenerateParams | None = None) -> int:
         """How many tokens ``prompt`` (a message, or a list of messages of any role: a history) would add
         to the next prompt: ``token_count + count_tokens(m)`` is the next turn's prompt if it does not
         compact. ``params``: a turn's own settings (their template switches, e.g. ``thinking``, shape the
         prompt); by default the session's. Nothing runs on the model."""
-        params = checked_params(params, self._config.generate_params, vocab_limit(self._lm, self._config.speculative))
-        history, window = self._conversation.messages, self._conversation.window
-        messages = prompt_messages(prompt, history, reads_images=self._lm.vision is not None, method="count_tokens")
-        before = self._rendered_ids(window, history, params)
-        return len(self._rendered_ids(window, [*history, *messages], params, add_generation_prompt=True)) - len(before)
+        s = self._state
+        params = checked_params(params, s.config.generate_params, vocab_limit(s.lm, s.config.speculative))
+        history, window = s.conversation.messages, s.conversation.window
+        messages = prompt_messages(prompt, history, reads_images=s.lm.vision is not None, method="count_tokens")
+        before = self._turns.rendered_ids(window, history, params)
+        return len(self._turns.rendered_ids(window, [*history, *messages], params, add_generation_prompt=True)) - len(before)
 
     def check_fits(self, prompt: str | MessageLike | Sequence[MessageLike], *, params: GenerateParams | None = None) -> None:
         """Raise the ``ContextWindowExceededError`` that a turn sending ``prompt`` now would raise, before any
@@ -196,13 +217,14 @@ class ChatSession(SessionCore):
         other tool results of a reply; the last one is answered). ``params``: that turn's own settings (by
         default the session's). Under a policy that compacts, what must fit is the instructions, the summary
         so far and the exchange being answered."""
-        params = checked_params(params, self._config.generate_params, vocab_limit(self._lm, self._config.speculative))
-        history = self._conversation.messages
-        messages = prompt_messages(prompt, history, reads_images=self._lm.vision is not None, method="check_fits")
+        s = self._state
+        params = checked_params(params, s.config.generate_params, vocab_limit(s.lm, s.config.speculative))
+        history = s.conversation.messages
+        messages = prompt_messages(prompt, history, reads_images=s.lm.vision is not None, method="check_fits")
         if not messages:
             raise InvalidMessageError("check_fits() takes a prompt or a non-empty list of messages.")
-        fitted(self._fitter(params, summaries=False), self._conversation, [*history, *messages[:-1]], messages[-1],
-               params, self._context_length)
+        fitted(self._turns.fitter(params, summaries=False), s.conversation, [*history, *messages[:-1]], messages[-1],
+               params, self._turns.context_length)
 
     def prepare_compaction(self) -> bool:
         """Prepare the next compaction now, between turns (e.g. while the user types): once the context is
@@ -217,29 +239,30 @@ class ChatSession(SessionCore):
     @property
     def busy(self) -> bool:
         """Whether a turn is in progress (a stream is open; with tools, until its last round ends)."""
-        return self._gate.busy
+        return self._state.gate.busy
 
     def clear(self) -> None:
         """Forget the history and the cache (the instructions stay)."""
-        with self._gate.idle("clear the session"):
-            self._conversation.clear()
+        with self._state.gate.idle("clear the session"):
+            self._state.conversation.clear()
 
     # -- the cache ----------------------------------------------------------------------------
     @property
     def cache_options(self) -> CacheOptions:
         """How the KV cache is built; assigning new options rebuilds the cache at the next turn."""
-        return self._conversation.cache.options
+        return self._state.conversation.cache.options
 
     @cache_options.setter
     def cache_options(self, options: CacheOptions) -> None:
         if not isinstance(options, CacheOptions):
             raise InvalidParamsError(f"cache_options must be a CacheOptions, got {type(options).__name__}.")
-        options.validate(self._lm.head_dim)
-        check_cache_options(self._config.speculative, options)
-        with self._gate.idle("change the cache options"):
+        s = self._state
+        options.validate(s.lm.head_dim)
+        check_cache_options(s.config.speculative, options)
+        with s.gate.idle("change the cache options"):
             if options != self.cache_options:
-                self._conversation = self._conversation.with_cache(self._new_cache(options))
-            self._config = replace(self._config, cache_options=options)
+                s.conversation = s.conversation.with_cache(self._turns.new_cache(options))
+            s.config = replace(s.config, cache_options=options)
 
     # -- the adapter ----------------------------------------------------------------------------
     @property
@@ -247,7 +270,7 @@ class ChatSession(SessionCore):
         """The LoRA/DoRA adapter applied to this session's turns (``None``: the base model). Assigning
         one sets it at scale 1 (:meth:`set_adapter` for another scale) and, when it changes, drops the KV
         cache now: the next turn prefills the conversation again."""
-        return None if self._config.adapter is None else self._config.adapter.adapter
+        return None if self._state.config.adapter is None else self._state.config.adapter.adapter
 
     @adapter.setter
     def adapter(self, adapter: Adapter | None) -> None:
@@ -256,32 +279,25 @@ class ChatSession(SessionCore):
     @property
     def adapter_scale(self) -> float | None:
         """The scale the adapter is applied at (times its own), ``None`` without an adapter."""
-        return None if self._config.adapter is None else self._config.adapter.scale
+        return None if self._state.config.adapter is None else self._state.config.adapter.scale
 
     def set_adapter(self, adapter: Adapter | None, scale: float = 1.0) -> None:
         """Apply ``adapter`` at ``scale`` from the next turn on (``None``: the base model); the KV cache
         was made by the model as it was, so a change starts a new one. ``ModelLoadError`` if it does
         not fit the model; nothing changes then."""
-        active = activate(self._lm, adapter, scale)
-        with self._gate.idle("change the adapter"):
-            if (None if active is None else active.key) != (None if self._config.adapter is None else self._config.adapter.key):
-                tool_format = self._tool_format_for(active)  # the adapter's tool-call format: raises before changes
-                self._compactor.preparer.wait()  # a compaction being prepared with the old adapter: let it end, then drop it
-                self._compactor.preparer.discard()
-                self._config = replace(self._config, adapter=active)
-                if tool_format is not None:
-                    self._template, self._strict = tool_format
-                self._conversation = self._conversation.with_cache(self._new_cache(self.cache_options))
+        active = activate(self._state.lm, adapter, scale)
+        with self._state.gate.idle("change the adapter"):
+            self._turns.use_adapter(active)
 
     def cache_info(self) -> CacheInfo:
         """What the KV cache holds now."""
-        return self._conversation.cache.info()
+        return self._state.conversation.cache.info()
 
     def release_cache(self) -> None:
         """Free the KV cache's memory (a prepared compaction's too); the next turn prefills the whole
         conversation again."""
-        with self._gate.idle("release the cache"):
-            self._conversation.cache.reset()
+        with self._state.gate.idle("release the cache"):
+            self._state.conversation.cache.reset()
             self._compactor.preparer.discard()
 
     def save_cache(self, path: str | os.PathLike[str], *, images: bool = False) -> int:
@@ -295,24 +311,26 @@ class ChatSession(SessionCore):
         pixels too (PNG), so a restored session can prefill them again (else it raises ``CacheError`` when a
         turn needs to).
         """
-        with self._gate.idle("save the cache"):
-            cache = self._conversation.cache
+        s = self._state
+        with s.gate.idle("save the cache"):
+            cache = s.conversation.cache
             if cache.empty or cache.layers is None:
                 raise NoCacheAvailableError("There is no KV cache to save yet: run a turn first.")
-            c = self._conversation
-            conversation = saved.SavedConversation.of_session(self._config, c.messages, c.window, c.earlier)
-            return saved.save(path, self._lm, cache.layers, cache.ledger, cache.checkpoints, conversation, cache.options,
-                              self._config.adapter, images=images)
+            c = s.conversation
+            conversation = saved.SavedConversation.of_session(s.config, c.messages, c.window, c.earlier)
+            return saved.save(path, s.lm, cache.layers, cache.ledger, cache.checkpoints, conversation, cache.options,
+                              s.config.adapter, images=images)
 
     def restore_cache(self, path: str | os.PathLike[str]) -> None:
         """Put back the KV cache of a file this session's conversation was saved to (e.g. by a pool
         that evicted it), checked against the model's fingerprint. The conversation itself stays as
         it is: turns reuse as much of the restored cache as matches it."""
-        with self._gate.idle("restore the cache"):
-            loaded = saved.load(self._lm, path, raw=False, adapter=self._config.adapter)
+        s = self._state
+        with s.gate.idle("restore the cache"):
+            loaded = saved.load(s.lm, path, raw=False, adapter=s.config.adapter)
             # A draft's cache is not saved: it is refilled from the ledger at the next turn.
-            self._use_cache(CacheState.restored(
-                self._lm.model, self.cache_options, loaded.layers, loaded.ledger, loaded.checkpoints, self._draft_model
+            self._turns.use_cache(CacheState.restored(
+                s.lm.model, self.cache_options, loaded.layers, loaded.ledger, loaded.checkpoints, self._turns.draft_model
             ))
 
     # -- editing --------------------------------------------------------------------------------
@@ -320,8 +338,8 @@ class ChatSession(SessionCore):
         """Drop the last exchange (the prompt and its reply; with automatic tools, the tool calls and
         results in between too, also of a tool loop that stopped before its answer), rewind the cache
         to match, and return it."""
-        with self._gate.idle("undo"):
-            return self._conversation.undo(self._runs_tools(), self._rendered_ids)
+        with self._state.gate.idle("undo"):
+            return self._state.conversation.undo(self._turns.runs_tools(), self._turns.rendered_ids)
 
     def regenerate(self) -> Any:
         """Answer the last prompt again, replacing the last reply; returns the new reply. A guided
@@ -340,21 +358,7 @@ class ChatSession(SessionCore):
 
     def stream_regenerate(self) -> ReplyStream:
         """As :meth:`regenerate`, streamed. The old reply is replaced when the new one commits."""
-        strict = self._config.tool_options.strict and self._config.tools is not None
-        if self._runs_tools() and self._conversation.ends_with_tool_round():
-            return self._open_turn(None, strict=strict)  # the history's last message, a tool result, is answered
-        history = self._conversation.messages
-        if self._guided is not None and len(history) >= 2 and self._guided[0] == history[-2]:
-            from ..guided.guide import guide  # the guided extra
-
-            prompt, spec = self._guided  # the message as sent (its description appended already)
-
-            def render(message: ChatMessage) -> str:
-                return self._text([*history[:-2], message])
-
-            _, constraint = guide(prompt, self._template.tokenizer, render, **spec, include_schema=False, params=self._config.generate_params)
-            return GuidedStream(self._open_turn(None, regenerate=True, constraint=constraint), constraint)
-        return self._open_turn(None, regenerate=True, strict=strict)
+        return self._turns.regenerate()
 
     def fork(self, *, history: Iterable[MessageLike] | None = None) -> ChatSession:
         """An independent session with the same conversation, settings and a copy of the cache.
@@ -367,14 +371,10 @@ class ChatSession(SessionCore):
         messages = None if history is None else as_messages(history)
         if messages and messages[0].role is Role.SYSTEM:
             raise InvalidMessageError("fork(history=...) takes the messages after the instructions: drop the system message.")
-        with self._gate.idle("fork"):
-            other = ChatSession(self._lm, replace(self._config, generate_params=self._config.generate_params.copy()))
-            copied = self._conversation.copy()
-            other._conversation = copied if messages is None else Conversation(messages, copied.cache)
-            other._images = self._images.copy() if self._images is not None else None  # encoded images too
-            other._template.continue_from(self._template)  # the prompt tokenized so far, too
-            other._last_stats = self._last_stats
-            other._guided = self._guided if messages is None else None
+        s = self._state
+        with s.gate.idle("fork"):
+            other = ChatSession(s.lm, replace(s.config, generate_params=s.config.generate_params.copy()))
+            self._turns.fork_into(other._state, messages)
             return other
 
     # -- turns --------------------------------------------------------------------------------
@@ -404,17 +404,19 @@ class ChatSession(SessionCore):
         (``config``) stay as they were for the next turn. Every option is checked before anything changes
         (:class:`TurnOptions`).
         """
+        s, turns = self._state, self._turns
         checked = TurnOptions.of(options)
-        message = checked.message(prompt, self._conversation.messages, reads_images=self._lm.vision is not None)
-        if checked.strict_tools and self._config.tools is None:
+        message = checked.message(prompt, s.conversation.messages, reads_images=s.lm.vision is not None)
+        if checked.strict_tools and s.config.tools is None:
             raise InvalidParamsError("strict_tools=True but the session has no tools: set them with builder.tools([...]).")
         if checked.guided:
-            return self._guided_turn(message, checked)
-        params = checked.turn_params(self._config.generate_params, vocab_limit(self._lm, self._config.speculative))
-        strict = self._config.tool_options.strict if checked.strict_tools is None else checked.strict_tools
-        plain = self._open_turn(message, params=params) if self._config.tools is None and message.role is not Role.TOOL else None
-        opened = plain if plain is not None else self._tool_loop(message, strict=strict, params=params)
-        self._guided = None  # the last reply is not guided: regenerate() answers it freely, even to the same text
+            return turns.guided_turn(message, checked)
+        c = s.config
+        params = checked.turn_params(c.generate_params, vocab_limit(s.lm, c.speculative))
+        strict = c.tool_options.strict if checked.strict_tools is None else checked.strict_tools
+        plain = turns.open_turn(message, params=params) if c.tools is None and message.role is not Role.TOOL else None
+        opened = plain if plain is not None else turns.tool_loop(message, strict=strict, params=params)
+        s.guided = None  # the last reply is not guided: regenerate() answers it freely, even to the same text
         return opened
 
     def astream_respond(self, prompt: str | MessageLike, **options: Unpack[TurnKeywords]) -> AsyncResponseStream:
@@ -423,9 +425,9 @@ class ChatSession(SessionCore):
         stop = threading.Event()  # stream_respond may still wait on the previous async turn's
         inner = self.stream_respond(prompt, **options)
         kind = AsyncGuidedStream if isinstance(inner, GuidedStream) else AsyncResponseStream
-        after = self._compactor.claim if self._config.context_policy.mode != "error" else None
+        after = self._compactor.claim if self._state.config.context_policy.mode != "error" else None
         stream = kind(inner, stop=stop, after=after)  # type: ignore[arg-type]
-        self._gate.async_stop = stop
+        self._state.gate.async_stop = stop
         return stream
 
     async def arespond(self, prompt: str | MessageLike, **options: Unpack[TurnKeywords]) -> Any:
@@ -438,10 +440,10 @@ class ChatSession(SessionCore):
     def render(self, prompt: str | MessageLike | None = None, *, role: Role | str = Role.USER) -> str:
         """The prompt text the model would see if ``prompt`` were sent now (the template's output, through the
         context window as it is now: a turn that must compact shows the model less)."""
-        history = self._conversation.messages
+        history = self._state.conversation.messages
         if prompt is None:
-            return self._text(history, add_generation_prompt=False)
-        return self._text([*history, TurnOptions(role=role).message(prompt, history)])
+            return self._turns.text(history, add_generation_prompt=False)
+        return self._turns.text([*history, TurnOptions(role=role).message(prompt, history)])
 
 
 __all__ = ["ChatSession"]

@@ -115,7 +115,7 @@ def test_a_summarizer_that_never_returns_is_abandoned_for_the_fallback(tiny):
             box = returns_quickly(talk, [], seconds=60)
             if fallback == "rolling":
                 assert box["value"].last_stats.compacted and session.dropped_messages
-                assert session._conversation.window.summary is None  # dropped without a summary
+                assert session._state.conversation.window.summary is None  # dropped without a summary
             else:
                 assert isinstance(box.get("error"), SummaryError) and "summary_timeout" in str(box["error"])
                 assert not session.busy
