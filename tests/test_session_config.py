@@ -96,3 +96,29 @@ def test_save_and_restore_keep_the_configs_data(tiny, tmp_path):
     assert restored.history == session.history
     mine = ChatSession.builder(lm).cache(tmp_path / "c.safetensors").generate_params(PARAMS).instructions("Mine.").build()
     assert (mine.config.instructions, mine.config.generate_params) == ("Mine.", PARAMS)  # the builder's win
+
+
+def test_save_and_restore_keep_the_template_tool_options_kv_budget_and_special_tokens(tiny, tmp_path):
+    from chatkit.tools import ToolOptions
+
+    lm = tiny()
+    template = "{# the app's own #}" + lm.tokenizer.chat_template
+    schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    builder = (ChatSession.builder(lm).generate_params(PARAMS).prompt_cache(None).chat_template(template)
+               .tools([schema], tool_execution="manual", max_tool_rounds=3, tool_timeout=5.0)
+               .max_kv_bytes(10**9).allow_special_in_content())
+    session = builder.build()
+    session.respond("Hi.")
+    session.save_cache(tmp_path / "c.safetensors")
+    restored = ChatSession.builder(lm).cache(tmp_path / "c.safetensors").prompt_cache(None).build()
+    assert restored.config.chat_template == template and restored.config.max_kv_bytes == 10**9
+    assert restored.config.tool_options == ToolOptions(execution="manual", max_rounds=3, timeout=5.0)
+    assert restored.config.allow_special_in_content is True
+    again = ChatSession.builder(lm).cache(tmp_path / "c.safetensors").prompt_cache(None).tools([schema]).build()
+    assert again.config.chat_template == template and again.config.tool_options == ToolOptions()  # the builder's tools
+    assert again.render("Next") == session.render("Next")  # the same template (and tools): the cache is reused
+    again.respond("Next")
+    assert again.last_stats.reused_tokens > 0
+    mine = ChatSession.builder(lm).cache(tmp_path / "c.safetensors").max_kv_bytes(None).allow_special_in_content(False).build()
+    assert (mine.config.max_kv_bytes, mine.config.allow_special_in_content) == (None, False)  # the builder's win
+    assert mine.config.chat_template == template

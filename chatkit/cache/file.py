@@ -37,7 +37,7 @@ from .state import CacheOptions, Checkpoint, layers_fit
 FORMAT_VERSION = 2
 _KEY = "chatkit"  # the metadata entry holding chatkit's JSON
 _SUM_KEY = "chatkit_crc32"  # the CRC-32 of that JSON (an entry of its own: a checksum cannot cover itself)
-CONVERSATION_KEYS = ("instructions", "messages", "generate_params", "context", "mcp_servers")  # the session's part of the metadata
+CONVERSATION_KEYS = ("instructions", "messages", "generate_params", "context", "mcp_servers", "settings")  # the session's part
 MAX_TOKENS = 2**31  # MLX indexes a cache's positions with 32-bit ints
 
 
@@ -66,6 +66,7 @@ class CacheFileInfo:
     saved_at: str | None = None
     context: Mapping[str, Any] | None = None  # what a context policy shows the model (session.saved reads it)
     mcp_servers: tuple[Mapping[str, Any], ...] = ()  # the MCP servers that supplied the tools: {"command": [...]} / {"url": ...}
+    settings: Mapping[str, Any] | None = None  # the session's other settings that are data (session.saved reads them)
 
     @property
     def turns(self) -> int:
@@ -253,7 +254,7 @@ def _inspect(target: Path) -> tuple[CacheFileInfo, dict[str, Any] | None]:
         layer_classes=classes[: len(meta["layer_classes"])], fingerprint=meta["fingerprint"],
         instructions=meta["instructions"], messages=tuple(meta["messages"]), generate_params=meta["generate_params"],
         cache_options=meta["cache_options"], saved_at=meta["saved_at"], context=meta.get("context"),
-        mcp_servers=tuple(meta.get("mcp_servers") or ()), **sizes,
+        mcp_servers=tuple(meta.get("mcp_servers") or ()), settings=meta.get("settings"), **sizes,
     )
     return info, meta
 
@@ -324,7 +325,7 @@ def _check_conversation(meta: Mapping[str, Any], where: str) -> None:
             raise damaged(where, name)
     if not isinstance(meta.get("messages"), list):
         raise damaged(where, "messages")
-    for name in ("generate_params", "context"):
+    for name in ("generate_params", "context", "settings"):
         if meta.get(name) is not None and not isinstance(meta.get(name), dict):
             raise damaged(where, name)
     servers = meta.get("mcp_servers")

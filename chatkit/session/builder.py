@@ -282,7 +282,7 @@ class ChatSessionBuilder(Generic[S]):
         window, earlier = Window(), cast(tuple[tuple[int, Window], ...], ())
         if loaded.info.kind == "chatkit":
             conversation = saved.SavedConversation.of(loaded.info)
-            keep: set[str] = {name for name in ("generate_params", "context_policy") if name in self._given}
+            keep: set[str] = {name for name in ("generate_params", "context_policy", *saved.SETTINGS) if name in self._given}
             if self._history:  # (a leading system message in it gave the instructions)
                 keep |= {"instructions", "history", "context_policy"}
             elif self._config.instructions is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from .. import distributed
@@ -25,10 +25,12 @@ from ..model.loaded import LoadedModel
 from ..model.switchable import ActiveAdapter
 from ..params import GenerateParams
 from ..tools.mcp import mcp_servers
+from ..tools.options import ToolOptions
 from .config import SessionConfig
 from .context import ContextPolicy, Window
 
 _ROLES = {"system", "user", "assistant", "tool"}
+SETTINGS = ("chat_template", "tool_options", "max_kv_bytes", "allow_special_in_content")  # the rest of SessionConfig's data
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,7 @@ class SavedConversation:
     cache_options: Mapping[str, Any] | None
     context: SavedContext = SavedContext()
     mcp_servers: tuple[Mapping[str, Any], ...] = ()  # ``MCPServer.to_dict`` of the servers that supplied the tools
+    settings: Mapping[str, Any] = field(default_factory=dict)  # SETTINGS by name, as ``SessionConfig`` holds them
 
     @classmethod
     def of(cls, info: CacheFileInfo) -> SavedConversation:
@@ -74,21 +77,22 @@ class SavedConversation:
         params = None if info.generate_params is None else GenerateParams.from_dict(info.generate_params)
         messages = tuple(ChatMessage.from_dict(m) for m in info.messages)
         context = SavedContext.from_dict(info.context, len(messages))
-        return cls(info.instructions, messages, params, info.cache_options, context, tuple(info.mcp_servers))
-
+        return cls(info.instructions, messages, params, info.cache_options, context, tuple(info.mcp_servers),
+                   settings_of(info.settings))
 
     @classmethod
     def of_session(cls, config: SessionConfig, messages: Sequence[ChatMessage], window: Window,
                    earlier: tuple[tuple[int, Window], ...]) -> SavedConversation:
         """What a file keeps of a session: its conversation and the settings of ``config`` that are data
-        (instructions, sampling settings, cache options, context policy, the MCP servers of its tools)."""
+        (instructions, sampling settings, cache options, context policy, the MCP servers of its tools, ``SETTINGS``)."""
         return cls(config.instructions, tuple(messages), config.generate_params, asdict(config.cache_options),
-                   SavedContext(config.context_policy, window, earlier), tuple(mcp_servers(config.tools)))
+                   SavedContext(config.context_policy, window, earlier), tuple(mcp_servers(config.tools)),
+                   {name: getattr(config, name) for name in SETTINGS})
 
     def onto(self, config: SessionConfig, keep: Collection[str] = ()) -> SessionConfig:
-        """``config`` with this file's settings (instructions, sampling settings, context policy), but for
-        those named in ``keep`` (a builder's own); the cache options are merged by the builder."""
-        changes: dict[str, Any] = {}
+        """``config`` with this file's settings (instructions, sampling settings, context policy, ``SETTINGS``),
+        but for those named in ``keep`` (a builder's own); the cache options are merged by the builder."""
+        changes: dict[str, Any] = {name: value for name, value in self.settings.items() if name not in keep}
         if "instructions" not in keep:
             changes["instructions"] = self.instructions
         if "generate_params" not in keep and self.generate_params is not None:
@@ -96,6 +100,31 @@ class SavedConversation:
         if "context_policy" not in keep and self.context.policy is not None:
             changes["context_policy"] = self.context.policy
         return replace(config, **changes)
+
+
+def settings_of(data: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``SETTINGS`` a file's header holds, as ``SessionConfig`` values (those it does not name are left
+    out: files of older versions have none); ``InvalidParamsError`` (a ``ChatKitError``) for a bad one."""
+    data = data or {}
+    out = {name: data[name] for name in SETTINGS if name in data}
+    template = out.get("chat_template")
+    if template is not None and not is_text(template):
+        raise InvalidParamsError("chat_template")
+    if "tool_options" in out:
+        if not isinstance(out["tool_options"], dict):
+            raise InvalidParamsError("tool_options")
+        try:
+            options = ToolOptions(**out["tool_options"])
+        except TypeError:
+            raise InvalidParamsError("tool_options") from None
+        options.validate()
+        out["tool_options"] = options
+    kv = out.get("max_kv_bytes")
+    if kv is not None and not (isinstance(kv, int) and not isinstance(kv, bool) and kv >= 1):
+        raise InvalidParamsError("max_kv_bytes")
+    if not isinstance(out.get("allow_special_in_content", False), bool):
+        raise InvalidParamsError("allow_special_in_content")
+    return out
 
 
 def check(info: CacheFileInfo) -> CacheFileInfo:
@@ -120,6 +149,10 @@ def check(info: CacheFileInfo) -> CacheFileInfo:
         SavedContext.from_dict(info.context, len(info.messages))
     except (ChatKitError, TypeError, ValueError) as exc:
         raise file.damaged(where, f"context: {exc}") from None
+    try:
+        settings_of(info.settings)
+    except ChatKitError as exc:
+        raise file.damaged(where, f"settings: {exc}") from None
     return info
 
 
@@ -156,6 +189,7 @@ def save(
         "generate_params": params.to_dict(),
         "context": conversation.context.to_dict(),
         "mcp_servers": [dict(s) for s in conversation.mcp_servers],
+        "settings": {name: asdict(v) if isinstance(v, ToolOptions) else v for name, v in conversation.settings.items()},
     }
     return distributed.agree(lm.distributed, "save the cache", lambda: file.save(
         distributed.shard_path(lm.distributed, path), layers, ledger, fingerprint=identity(lm, adapter),
@@ -208,4 +242,4 @@ def _from_layers(lm: LoadedModel, source: Sequence[Any], verify: bool) -> Loaded
     return saved
 
 
-__all__ = ["SavedContext", "SavedConversation", "check", "inspect", "load", "read", "save"]
+__all__ = ["SETTINGS", "SavedContext", "SavedConversation", "check", "inspect", "load", "read", "save", "settings_of"]
