@@ -224,3 +224,21 @@ def test_a_shifted_cache_gives_no_blocks_to_the_prompt_cache(lm):
         if cache_state(session).ledger.shifted:
             grew_after_shift.append(pc.usage().blocks - before)
     assert grew_after_shift and not any(grew_after_shift) and pc.usage().blocks > 0
+
+
+def test_a_fork_with_another_history_does_not_reuse_a_shifted_cache(lm):
+    # The shifted keys were rotated past the exchanges the window dropped: they hold for that window only. A
+    # branch with its own history is seen whole, so it prefills and answers as a fresh session does.
+    from conftest import fresh_reply
+
+    session = session_over(lm, ContextPolicy.rolling(shift=True))
+    for prompt in PROMPTS[:20]:
+        session.respond(prompt)
+    assert cache_state(session).ledger.shifted > 0
+    branch = session.fork(history=session.history[:4])
+    assert cache_state(branch).empty and cache_state(session).ledger.shifted > 0  # the source keeps its cache
+    expected = fresh_reply(branch, PROMPTS[20])
+    with branch.stream_respond(PROMPTS[20]) as stream:
+        list(stream)
+    assert stream.tokens == expected and stream.stats.reused_tokens == 0
+    assert_ledger_matches_cache(branch)

@@ -170,6 +170,8 @@ def test_a_fork_with_another_history_reuses_the_shared_prefix_and_answers_as_a_f
         session.fork(history=[ChatMessage.system("again"), ChatMessage.user("x")])
     with pytest.raises(InvalidMessageError):
         session.fork(history="not a list")
+    with pytest.raises(InvalidMessageError, match="reads no images"):  # a text model: refused before decoding it
+        session.fork(history=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}])
 
 
 def test_changing_cache_options_rebuilds_at_the_next_turn(tiny):

@@ -106,7 +106,7 @@ def _function(item: Any, where: str) -> dict[str, Any]:
     if not isinstance(schema, Mapping):
         raise BadRequestError(f"{where}.input_schema is required: a JSON Schema object.",
                               param=f"{where}.input_schema")
-    return {"type": "function", "name": name, **({"description": description} if description else {}),
+    return {"type": "function", "name": name, **({"description": description} if description is not None else {}),
             "parameters": schema, **({"strict": item["strict"]} if "strict" in item else {})}
 
 

@@ -202,8 +202,7 @@ class SessionIndex:
 
     async def count_tokens(self, instructions: str | None, history: Sequence[ChatMessage],
                            added: Sequence[ChatMessage], params: GenerateParams, *, tools: Tools = None) -> int:
-        """The prompt a turn answering ``added`` would have (tools included), rendered by a session over the
-        request's instructions and tools that holds no conversation (kept for the next count with them)."""
+        """The prompt a turn answering ``added`` would have, rendered by a session kept per instructions and tools."""
         tools = tuple(tools) if tools else None
         key = prefix_keys(instructions, (), tools)[0]
 
@@ -212,7 +211,8 @@ class SessionIndex:
             self._counters[key] = session  # the most recently used last
             while len(self._counters) > COUNTERS:
                 del self._counters[next(iter(self._counters))]
-            return session.token_count + session.count_tokens([*history, *added], params=params)
+            session.generate_params = params  # (its template switches shape the instructions' render too)
+            return session.token_count + session.count_tokens([*history, *added])
         return await self.run(count)
 
     async def finish(self, lease: Lease) -> None:
@@ -246,9 +246,10 @@ class SessionIndex:
             self._trim()
 
     def _after_settling(self, conv: str, done: asyncio.Future[Any]) -> None:  # on the loop
-        if not done.cancelled() and done.exception() is not None:
-            log.warning("conversation %s: the end of its turn failed: %s", conv, done.exception())
-        if self._behind is not None and conv in self.pool and conv in self._convs:
+        if not done.cancelled() and done.exception() is not None:  # its keys name a history the pool may not hold
+            log.warning("conversation %s: the end of its turn failed (%s); it is forgotten", conv, done.exception())
+            self._forget(conv)
+        elif self._behind is not None and conv in self.pool and conv in self._convs:
             self._behind.touch(conv)  # written behind the turn, after the reply went out
 
     def footprint(self) -> dict[str, int]:

@@ -6,15 +6,18 @@ which also turns the prompt argument into the message the turn answers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, TypedDict
 
 from ..errors import InvalidMessageError, InvalidOutputSpecError, InvalidParamsError
 from ..images import images_refused
-from ..messages import ChatMessage, MessageLike, Role, ToolCall, as_message
+from ..messages import ChatMessage, MessageLike, Role, ToolCall, as_message, as_messages
 from ..params import GenerateParams, LogitsProcessor
 from .conversation import pending_calls
+
+NO_IMAGES = "This model reads no images: load a vision-language model to send images."
 
 
 class TurnKeywords(TypedDict, total=False):
@@ -109,7 +112,7 @@ class TurnOptions:
         from the assistant, or a tool result that answers no pending call; with ``reads_images=False`` (a
         text model) for any image, before it is decoded."""
         if not reads_images:
-            with images_refused("This model reads no images: load a vision-language model to send images."):
+            with images_refused(NO_IMAGES):
                 return self.message(prompt, history)
         if isinstance(prompt, str):
             message = ChatMessage(Role.parse(self.role), prompt, tool_call_id=self.tool_call_id,
@@ -136,8 +139,19 @@ def prompt_messages(prompt: str | MessageLike | Sequence[MessageLike], history: 
     if isinstance(prompt, (str, ChatMessage, Mapping)):
         return [TurnOptions().message(prompt, history, reads_images=reads_images)]
     if isinstance(prompt, (list, tuple)):
-        return [ChatMessage.user(m) if isinstance(m, str) else as_message(m) for m in prompt]
+        with images_refused(NO_IMAGES) if not reads_images else contextlib.nullcontext():
+            return [ChatMessage.user(m) if isinstance(m, str) else as_message(m) for m in prompt]
     raise InvalidMessageError(f"{method}() takes a prompt, a message or a list of messages, got {type(prompt).__name__}.")
+
+
+def branch_history(messages: Iterable[MessageLike], *, reads_images: bool) -> list[ChatMessage]:
+    """``messages`` as a branch's history after the instructions (``fork(history=...)``): ``InvalidMessageError``
+    for a leading system message, or (``reads_images=False``) for any image, before it is decoded."""
+    with images_refused(NO_IMAGES) if not reads_images else contextlib.nullcontext():
+        history = as_messages(messages)
+    if history and history[0].role is Role.SYSTEM:
+        raise InvalidMessageError("fork(history=...) takes the messages after the instructions: drop the system message.")
+    return history
 
 
 def checked_params(params: GenerateParams | None, default: GenerateParams, vocab_size: int | None) -> GenerateParams:

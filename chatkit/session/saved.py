@@ -25,12 +25,13 @@ from ..model.loaded import LoadedModel
 from ..model.switchable import ActiveAdapter
 from ..params import GenerateParams
 from ..tools.mcp import mcp_servers
-from ..tools.options import ToolOptions
 from .config import SessionConfig
 from .context import ContextPolicy, Window
 
 _ROLES = {"system", "user", "assistant", "tool"}
-SETTINGS = ("chat_template", "tool_options", "max_kv_bytes", "allow_special_in_content")  # the rest of SessionConfig's data
+# The rest of SessionConfig's data. Not the tool options: tools that are functions or schemas are not saved, and the
+# builder gives its own options with its tools, so a file's would only reach a session that has none.
+SETTINGS = ("chat_template", "max_kv_bytes", "allow_special_in_content")
 
 
 @dataclass(frozen=True)
@@ -103,27 +104,15 @@ class SavedConversation:
 
 
 def settings_of(data: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The ``SETTINGS`` a file's header holds, as ``SessionConfig`` values (those it does not name are left
-    out: files of older versions have none); ``InvalidParamsError`` (a ``ChatKitError``) for a bad one."""
-    data = data or {}
-    out = {name: data[name] for name in SETTINGS if name in data}
-    template = out.get("chat_template")
-    if template is not None and not is_text(template):
-        raise InvalidParamsError("chat_template")
-    if "tool_options" in out:
-        if not isinstance(out["tool_options"], dict):
-            raise InvalidParamsError("tool_options")
-        try:
-            options = ToolOptions(**out["tool_options"])
-        except TypeError:
-            raise InvalidParamsError("tool_options") from None
-        options.validate()
-        out["tool_options"] = options
-    kv = out.get("max_kv_bytes")
-    if kv is not None and not (isinstance(kv, int) and not isinstance(kv, bool) and kv >= 1):
-        raise InvalidParamsError("max_kv_bytes")
-    if not isinstance(out.get("allow_special_in_content", False), bool):
-        raise InvalidParamsError("allow_special_in_content")
+    """The ``SETTINGS`` a file's header holds (those it does not name are left out: files of older versions
+    have none); ``InvalidParamsError`` (a ``ChatKitError``) naming a bad one."""
+    out = {name: (data or {})[name] for name in SETTINGS if name in (data or {})}
+    template, kv, special = out.get("chat_template"), out.get("max_kv_bytes"), out.get("allow_special_in_content", False)
+    for name, good in (("chat_template", template is None or is_text(template)),
+                       ("max_kv_bytes", kv is None or (isinstance(kv, int) and not isinstance(kv, bool) and kv >= 1)),
+                       ("allow_special_in_content", isinstance(special, bool))):
+        if not good:
+            raise InvalidParamsError(f"settings.{name}={out[name]!r:.40}")
     return out
 
 
@@ -152,7 +141,7 @@ def check(info: CacheFileInfo) -> CacheFileInfo:
     try:
         settings_of(info.settings)
     except ChatKitError as exc:
-        raise file.damaged(where, f"settings: {exc}") from None
+        raise file.damaged(where, str(exc)) from None
     return info
 
 
@@ -189,7 +178,7 @@ def save(
         "generate_params": params.to_dict(),
         "context": conversation.context.to_dict(),
         "mcp_servers": [dict(s) for s in conversation.mcp_servers],
-        "settings": {name: asdict(v) if isinstance(v, ToolOptions) else v for name, v in conversation.settings.items()},
+        "settings": dict(conversation.settings),
     }
     return distributed.agree(lm.distributed, "save the cache", lambda: file.save(
         distributed.shard_path(lm.distributed, path), layers, ledger, fingerprint=identity(lm, adapter),

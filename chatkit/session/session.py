@@ -23,7 +23,7 @@ from ..cache.state import CacheInfo, CacheOptions, CacheState
 from ..decode.batch import BatchEngine
 from ..decode.speculative import SpeculativeConfig, check_cache_options, vocab_limit
 from ..errors import InvalidMessageError, InvalidParamsError, NoCacheAvailableError
-from ..messages import ChatMessage, MessageLike, Role, ToolCall, as_messages, check_instructions
+from ..messages import ChatMessage, MessageLike, Role, ToolCall, check_instructions
 from ..model.adapters import Adapter
 from ..model.loaded import LoadedModel
 from ..model.switchable import activate
@@ -35,7 +35,7 @@ from .builder import ChatSessionBuilder
 from .config import SessionConfig
 from .context import ContextPolicy, Window, system_text, window_size
 from .conversation import pending_calls
-from .options import TurnKeywords, TurnOptions, checked_params, prompt_messages
+from .options import TurnKeywords, TurnOptions, branch_history, checked_params, prompt_messages
 from .results import TurnStats
 from .streams import GuidedStream, ReplyStream, drain
 from .tool_loop import strict_grammar
@@ -364,16 +364,15 @@ class ChatSession:
         """An independent session with the same conversation, settings and a copy of the cache.
 
         The copy shares the cached prefix's memory until one of the two writes, so both branches go on
-        without prefilling the past again. ``history``: the branch's messages instead (without the
-        instructions; e.g. this conversation up to a point, then otherwise): it keeps the cache copy, and
-        its first turn reuses the prefix the two renderings share (the rest is trimmed then).
+        without prefilling the past again. ``history``: the branch's messages instead (after this session's
+        instructions; seen whole: no context policy's window or summary carried over). It keeps the cache
+        copy, whose common prefix with the new rendering its first turn reuses (a cache a context shift
+        rotated is dropped). ``InvalidMessageError`` for a leading system message or an unreadable image.
         """
-        messages = None if history is None else as_messages(history)
-        if messages and messages[0].role is Role.SYSTEM:
-            raise InvalidMessageError("fork(history=...) takes the messages after the instructions: drop the system message.")
+        messages = None if history is None else branch_history(history, reads_images=self._state.lm.vision is not None)
         s = self._state
         with s.gate.idle("fork"):
-            other = ChatSession(s.lm, replace(s.config, generate_params=s.config.generate_params.copy()))
+            other = type(self)(s.lm, replace(s.config, generate_params=s.config.generate_params.copy()))
             self._turns.fork_into(other._state, messages)
             return other
 

@@ -212,6 +212,8 @@ class TurnFactory:
         (``messages``: the branch's history instead, over the cache copy), the encoded images, the prompt
         tokenized so far, the last stats and (for the same history) the last guided prompt."""
         s, copied = self.state, self.state.conversation.copy()
+        if messages is not None and copied.cache.ledger.shifted:
+            copied.cache.reset()  # its keys were rotated past dropped tokens: they hold only for this window
         other.conversation = copied if messages is None else Conversation(messages, copied.cache)
         other.images = s.images.copy() if s.images is not None else None
         other.template.continue_from(s.template)
